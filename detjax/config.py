@@ -1,0 +1,353 @@
+"""Typed, frozen config tree: YAML + dotted key=value overrides; unknown keys are errors.
+
+This module imports no JAX so that `detjax.train` can set XLA flags before JAX initialises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+BLOCK_LETTERS = {"M": "mamba2", "*": "attention", "E": "moe", "-": "mlp"}
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown, of the wrong type or inconsistent."""
+
+
+def _fail(key: str, value: Any, problem: str, fix: str) -> typing.NoReturn:
+    raise ConfigError(f"config key '{key}' = {value!r}: {problem}. Fix: {fix}")
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    n_heads: int = 4
+    chunk_size: int = 16
+
+    def validate(self, d_model: int) -> None:
+        for name in ("d_state", "d_conv", "expand", "n_heads", "chunk_size"):
+            if getattr(self, name) <= 0:
+                _fail(f"model.mamba.{name}", getattr(self, name), "must be positive", "use a value >= 1")
+        d_inner = self.expand * d_model
+        if d_inner % self.n_heads:
+            _fail(
+                "model.mamba.n_heads",
+                self.n_heads,
+                f"must divide d_inner = expand*d_model = {d_inner}",
+                "choose n_heads dividing d_inner",
+            )
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    n_experts: int = 4
+    top_k: int = 2
+    ffn_dim: int = 64
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    shared_expert: bool = True
+    aux_loss_coef: float = 0.01
+    # "gather" = permutation + gather + fixed-order sum (deterministic); "scatter_add" = the usual fast
+    # combine through scatter-add, whose GPU result depends on atomic arrival order (refused in strict mode).
+    combine: Literal["gather", "scatter_add"] = "gather"
+
+    def validate(self) -> None:
+        if self.n_experts < 1:
+            _fail("model.moe.n_experts", self.n_experts, "must be >= 1", "use at least one expert")
+        if not 1 <= self.top_k <= self.n_experts:
+            _fail(
+                "model.moe.top_k",
+                self.top_k,
+                f"must be between 1 and n_experts = {self.n_experts}",
+                f"set model.moe.top_k <= {self.n_experts}",
+            )
+        if self.ffn_dim < 1:
+            _fail("model.moe.ffn_dim", self.ffn_dim, "must be >= 1", "use a positive width")
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    depth: int = 1
+    pattern: str = "-"
+    loss_coef: float = 0.3
+
+    def validate(self) -> None:
+        if self.depth not in (0, 1):
+            _fail("model.mtp.depth", self.depth, "only depth 0 (off) or 1 is supported", "use 0 or 1")
+        _check_pattern("model.mtp.pattern", self.pattern)
+
+
+def _check_pattern(key: str, pattern: str) -> None:
+    if not pattern:
+        _fail(key, pattern, "is empty", "give at least one block letter")
+    bad = sorted({c for c in pattern if c not in BLOCK_LETTERS})
+    if bad:
+        _fail(
+            key,
+            pattern,
+            f"unknown block letter(s) {bad}",
+            "use only M (Mamba2), * (attention), E (MoE), - (MLP)",
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 264
+    d_model: int = 64
+    pattern: str = "M*E-"
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    ffn_dim: int = 128
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+    init_std: float = 0.02
+    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    attention_impl: Literal["reference", "xla"] = "reference"
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+
+    def validate(self) -> None:
+        _check_pattern("model.pattern", self.pattern)
+        if self.vocab_size < 259:
+            _fail(
+                "model.vocab_size",
+                self.vocab_size,
+                "the byte tokenizer needs 256 bytes + BOS/EOS/PAD = 259 ids",
+                "use vocab_size >= 259 (264 is a multiple of 8)",
+            )
+        for name in ("d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
+            if getattr(self, name) <= 0:
+                _fail(f"model.{name}", getattr(self, name), "must be positive", "use a value >= 1")
+        if self.n_heads % self.n_kv_heads:
+            _fail(
+                "model.n_kv_heads",
+                self.n_kv_heads,
+                f"must divide n_heads = {self.n_heads} (grouped-query attention)",
+                "choose n_kv_heads dividing n_heads",
+            )
+        if self.head_dim % 2:
+            _fail("model.head_dim", self.head_dim, "RoPE needs an even head_dim", "use an even head_dim")
+        if not 0.0 <= self.dropout < 1.0:
+            _fail("model.dropout", self.dropout, "must be in [0, 1)", "use e.g. 0.0 or 0.1")
+        self.mamba.validate(self.d_model)
+        self.moe.validate()
+        self.mtp.validate()
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    steps: int = 100
+    global_batch: int = 8
+    micro_batch: int = 4
+    seq_len: int = 64
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    decay_steps: int = 0  # 0: cosine decay over `steps`
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+
+    @property
+    def n_micro(self) -> int:
+        return self.global_batch // self.micro_batch
+
+    def validate(self) -> None:
+        for name in ("steps", "global_batch", "micro_batch", "seq_len"):
+            if getattr(self, name) <= 0:
+                _fail(f"train.{name}", getattr(self, name), "must be positive", "use a value >= 1")
+        if self.global_batch % self.micro_batch:
+            _fail(
+                "train.global_batch",
+                self.global_batch,
+                f"is not divisible by train.micro_batch = {self.micro_batch}",
+                "make global_batch a multiple of micro_batch",
+            )
+        if self.lr <= 0:
+            _fail("train.lr", self.lr, "must be positive", "use e.g. 3e-4")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]", "use e.g. 0.1")
+        if self.warmup_steps < 0 or self.decay_steps < 0:
+            _fail("train.warmup_steps", self.warmup_steps, "must be >= 0", "use a non-negative count")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: Literal["builtin", "arrayrecord"] = "builtin"
+    path: str = ""  # glob of ArrayRecord shards written by `python -m detjax.data.prepare`
+    builtin_sentences: int = 20000
+
+    def validate(self) -> None:
+        if self.source == "arrayrecord" and not self.path:
+            _fail(
+                "data.path",
+                self.path,
+                "data.source is 'arrayrecord' but no path was given",
+                "set data.path to the shard glob written by `python -m detjax.data.prepare`",
+            )
+
+
+@dataclass(frozen=True)
+class DeterminismConfig:
+    mode: Literal["off", "strict"] = "strict"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "tiny"
+    out_dir: str = "runs"
+    log_every: int = 10
+    fingerprints: bool = True
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        self.model.validate()
+        self.train.validate()
+        self.data.validate()
+        m, t = self.model, self.train
+        if t.seq_len % m.mamba.chunk_size and "M" in m.pattern:
+            _fail(
+                "model.mamba.chunk_size",
+                m.mamba.chunk_size,
+                f"must divide train.seq_len = {t.seq_len}",
+                "choose a chunk_size dividing seq_len",
+            )
+        if m.mtp.depth and t.seq_len < 3:
+            _fail("train.seq_len", t.seq_len, "the MTP head needs seq_len >= 3", "raise seq_len or mtp.depth=0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """Hash of the fields that define the trajectory (run.* is bookkeeping and excluded)."""
+        d = self.to_dict()
+        d.pop("run")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    if typing.get_origin(tp) is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            _fail(key, value, f"is not one of {list(allowed)}", f"use one of {list(allowed)}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(key, value, "must be a bool", "write true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(key, value, f"must be an int, got {type(value).__name__}", "write a whole number")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(key, value, f"must be a float, got {type(value).__name__}", "write a number such as 3e-4")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(key, value, f"must be a string, got {type(value).__name__}", "quote the value")
+        return value
+    raise TypeError(f"unsupported config field type {tp!r} at {key}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        _fail(prefix or "<root>", data, "must be a mapping", "write `key: value` lines under it")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean '{prefix + '.' if prefix else ''}{near[0]}'?" if near else f"valid: {names}"
+            raise ConfigError(f"unknown config key '{full}'. Fix: remove it or rename it; {hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, full)
+        else:
+            kwargs[key] = _coerce(full, tp, value)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override '{dotted}': '{p}' is not a section. Fix: check the key path")
+        node = nxt
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{dotted}={raw}': value is not valid YAML ({e}). Fix: quote it") from e
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load YAML (or defaults when path is None), then apply `a.b=value` overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist. Fix: pass an existing YAML file")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{p}' is not valid YAML: {e}. Fix: correct the syntax") from e
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{p}' must hold a mapping at top level, got {type(loaded).__name__}")
+        tree = loaded
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override '{ov}' is not key=value. Fix: write e.g. train.steps=50")
+        k, v = ov.split("=", 1)
+        _set_dotted(tree, k.strip(), v.strip())
+    return _build(Config, tree, "")
+
+
+def config_from_dict(d: dict[str, Any]) -> Config:
+    return _build(Config, d, "")
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+

@@ -1,0 +1,1 @@
+"""Data: byte tokenizer, built-in corpus, Grain pipelines, text -> ArrayRecord preparation."""

@@ -1,0 +1,96 @@
+"""Grain pipeline: the batch for step s is a pure function of (seed, s).
+
+Windows of seq_len+1 tokens are cut from one token stream; Grain shuffles window indices with the
+seed (a new permutation each epoch) and batches them. `batch_at(s)` and the iterator (whose state is
+checkpointed) give the same batches.
+"""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass
+from typing import Any
+
+import grain
+import numpy as np
+
+from detjax.config import Config
+from detjax.data.corpus import builtin_tokens
+
+
+class DataError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class WindowSource:
+    """Random-access source of (seq_len + 1)-token windows over a token stream."""
+
+    tokens: np.ndarray
+    seq_len: int
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = int(i) * self.seq_len
+        return self.tokens[start : start + self.seq_len + 1].astype(np.int32)
+
+
+def read_arrayrecord_tokens(pattern: str) -> np.ndarray:
+    """Concatenate the uint16 token records of every shard matching `pattern`, shards in sorted order."""
+    paths = sorted(glob.glob(pattern))
+    if not paths:
+        raise DataError(
+            f"data.path={pattern!r} matches no files. Fix: run `python -m detjax.data.prepare` and point "
+            "data.path at its *.arrayrecord shards"
+        )
+    src = grain.sources.ArrayRecordDataSource(paths)
+    return np.concatenate([np.frombuffer(src[i], dtype=np.uint16) for i in range(len(src))])
+
+
+def load_tokens(cfg: Config) -> np.ndarray:
+    if cfg.data.source == "builtin":
+        return builtin_tokens(cfg.data.builtin_sentences)
+    return read_arrayrecord_tokens(cfg.data.path)
+
+
+def make_dataset(cfg: Config, tokens: np.ndarray | None = None) -> grain.MapDataset:
+    """MapDataset whose element s is the (global_batch, seq_len + 1) int32 batch of step s."""
+    t = cfg.train
+    tokens = load_tokens(cfg) if tokens is None else tokens
+    src = WindowSource(tokens, t.seq_len)
+    if len(src) < t.global_batch:
+        raise DataError(
+            f"the corpus has {len(src)} windows of {t.seq_len + 1} tokens, fewer than train.global_batch="
+            f"{t.global_batch}. Fix: use more data or a smaller batch / seq_len"
+        )
+    return (
+        grain.MapDataset.source(src)
+        .shuffle(seed=t.seed)
+        .repeat(None)
+        .batch(t.global_batch, drop_remainder=True)
+    )
+
+
+class BatchIterator:
+    """Iterator over step batches with a checkpointable state {'next_step': s}."""
+
+    def __init__(self, ds: grain.MapDataset, start_step: int = 0) -> None:
+        self._ds = ds
+        self._it = iter(ds.to_iter_dataset())
+        self.set_state({"next_step": start_step})
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        self._next += 1
+        return next(self._it)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"next_step": self._next, "grain": self._it.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._next = int(state["next_step"])
+        self._it.set_state(state.get("grain", {"next_index": self._next}))

@@ -1,0 +1,153 @@
+"""Deterministic mode: canonical XLA/NCCL environment, feature refusal, and the JSON policy record.
+
+`apply_environment` must run before JAX initialises its backends (it only edits os.environ); nothing
+here imports JAX at module import time.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from detjax.config import Config
+
+# `xla_gpu_deterministic_ops` makes XLA pick deterministic implementations (e.g. sorted scatter instead of
+# atomics) and also disables run-time autotuning, so kernel choice is pinned; the cost is measured in
+# docs/BENCHMARKS.md. The exclusion flag is implied by it but stated for the record.
+STRICT_XLA_FLAGS: tuple[str, ...] = (
+    "--xla_gpu_deterministic_ops=true",
+    "--xla_gpu_exclude_nondeterministic_ops=true",
+)
+# NCCL chooses algorithm and protocol per message size and topology; each changes the reduction order.
+# Pin both so multi-GPU runs cannot switch. (Canonical mesh-invariant numerics avoid library reductions
+# altogether; these settings guard any collective that still reaches NCCL.)
+STRICT_ENV: dict[str, str] = {
+    "NCCL_ALGO": "Ring",
+    "NCCL_PROTO": "Simple",
+    "TF_CUDNN_DETERMINISTIC": "1",
+}
+
+
+class DeterminismError(RuntimeError):
+    """Deterministic mode cannot be guaranteed for this run (environment or feature)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    key: str
+    applies: Callable[[Config], bool]
+    why: str
+    fix: str
+
+
+# Features without a deterministic path. Strict mode refuses each with its reason and the fix.
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        "model.moe.combine",
+        lambda c: c.model.moe.combine == "scatter_add",
+        "scatter-add combine sums expert outputs with GPU atomics, so the sum order depends on arrival order",
+        "use model.moe.combine=gather (permutation + gather + fixed-order sum), or determinism.mode=off",
+    ),
+    Refusal(
+        "model.attention_impl",
+        lambda c: c.model.attention_impl == "xla",
+        "jax.nn.dot_product_attention may dispatch to a fused cuDNN kernel whose backward has no verified "
+        "deterministic path in detjax",
+        "use model.attention_impl=reference, or determinism.mode=off",
+    ),
+)
+
+
+def refused_features(cfg: Config) -> list[Refusal]:
+    return [r for r in REFUSALS if r.applies(cfg)]
+
+
+def check_features(cfg: Config) -> None:
+    """Raise if strict mode is asked for together with a feature that has no deterministic path."""
+    if cfg.determinism.mode != "strict":
+        return
+    bad = refused_features(cfg)
+    if bad:
+        lines = [f"- {r.key}: {r.why}. Fix: {r.fix}" for r in bad]
+        raise DeterminismError(
+            "determinism.mode=strict refuses feature(s) with no deterministic path:\n" + "\n".join(lines)
+        )
+
+
+def _flags_in(env_value: str) -> set[str]:
+    return set(env_value.split())
+
+
+def missing_flags(env: dict[str, str] | None = None) -> list[str]:
+    env = dict(os.environ) if env is None else env
+    have = _flags_in(env.get("XLA_FLAGS", ""))
+    return [f for f in STRICT_XLA_FLAGS if f not in have]
+
+
+def _jax_initialised() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def apply_environment(mode: str) -> None:
+    """Set the canonical environment for `mode`; must run before JAX initialises its backends."""
+    if mode != "strict":
+        return
+    missing = missing_flags()
+    if missing and _jax_initialised():
+        raise DeterminismError(
+            "determinism.mode=strict needs XLA flags "
+            f"{missing} but JAX was already initialised with XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
+            "XLA reads its flags once. Fix: start through `python -m detjax.train` (it sets them first), or "
+            f"export XLA_FLAGS='{' '.join(STRICT_XLA_FLAGS)}' before anything imports jax"
+        )
+    if missing:
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *missing]).strip()
+    for k, v in STRICT_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def policy_record(cfg: Config) -> dict[str, Any]:
+    """Everything that is a 'fixed input' beyond the config: mode, flags, versions, device."""
+    import jax
+
+    devices = jax.devices()
+    return {
+        "mode": cfg.determinism.mode,
+        "config_hash": cfg.hash(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "required_xla_flags": list(STRICT_XLA_FLAGS) if cfg.determinism.mode == "strict" else [],
+        "env": {k: os.environ.get(k) for k in STRICT_ENV},
+        "refusals_checked": [r.key for r in REFUSALS],
+        "versions": {
+            "python": platform.python_version(),
+            **{p: _version(p) for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "grain", "numpy")},
+        },
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
+        "process_count": jax.process_count(),
+    }
+
+
+def write_policy(cfg: Config, path: str | os.PathLike[str]) -> dict[str, Any]:
+    rec = policy_record(cfg)
+    with open(path, "w") as f:
+        json.dump(rec, f, indent=2, sort_keys=True)
+    return rec

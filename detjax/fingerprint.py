@@ -1,0 +1,107 @@
+"""On-device tensor digests and per-step fingerprint records.
+
+A digest is a pair of uint32 sums of per-element hashes. Integer addition is associative, so the digest is
+the same whatever order the reduction runs in (the digest itself is deterministic); each element hash mixes
+the element's bits with its position, so permutations change the digest (a plain XOR would not). Shape and
+dtype are folded in. `row_digest` keeps the leading axis, for routing maps and dispatch orders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_C1, _C2 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B)
+
+
+def _fmix(h: jax.Array) -> jax.Array:
+    """murmur3 32-bit finaliser: a bijection with good avalanche."""
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def as_u32(x: jax.Array) -> jax.Array:
+    """The exact bits of `x` as uint32 values (one per element; 8-byte dtypes give two)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = jnp.dtype(x.dtype).itemsize
+    if size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _meta_salt(x: jax.Array) -> np.uint32:
+    meta = f"{tuple(x.shape)}|{x.dtype}".encode()
+    return np.uint32(int.from_bytes(hashlib.blake2s(meta, digest_size=4).digest(), "little"))
+
+
+def _element_hashes(bits: jax.Array, salt: np.uint32) -> tuple[jax.Array, jax.Array]:
+    pos = jnp.arange(bits.size, dtype=jnp.uint32).reshape(bits.shape)
+    p1 = _fmix(pos * _C1 + salt)
+    p2 = _fmix(pos * _C2 + (salt ^ np.uint32(0x5BD1E995)))
+    return _fmix(bits ^ p1), _fmix((bits + p2) * _C1)
+
+
+def tensor_digest(x: jax.Array) -> jax.Array:
+    """uint32[2] digest of the whole tensor (bits, positions, shape, dtype)."""
+    bits = as_u32(x).reshape(-1)
+    h1, h2 = _element_hashes(bits, _meta_salt(x))
+    return jnp.stack([jnp.sum(h1, dtype=jnp.uint32), jnp.sum(h2, dtype=jnp.uint32)])
+
+
+def row_digest(x: jax.Array) -> jax.Array:
+    """uint32[rows, 2]: one digest per slice along axis 0, positions counted within the row."""
+    bits = as_u32(x).reshape(x.shape[0], -1)
+    h1, h2 = jax.vmap(lambda r: _element_hashes(r, _meta_salt(x)))(bits)
+    return jnp.stack([jnp.sum(h1, axis=1, dtype=jnp.uint32), jnp.sum(h2, axis=1, dtype=jnp.uint32)], axis=1)
+
+
+def tree_digest(tree: Any) -> jax.Array:
+    """uint32[2] over a pytree: leaf digests mixed with each leaf's path, so moved leaves are caught."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    acc = jnp.zeros((2,), jnp.uint32)
+    for path, leaf in leaves:
+        key = jax.tree_util.keystr(path).encode()
+        salt = np.uint32(int.from_bytes(hashlib.blake2s(key, digest_size=4).digest(), "little"))
+        d = tensor_digest(leaf)
+        acc = acc + _fmix(d ^ salt) * np.array([1, 3], np.uint32)
+    return acc
+
+
+def digest_hex(d: Any) -> str:
+    d = np.asarray(d, dtype=np.uint32).reshape(-1)
+    return "".join(f"{int(v):08x}" for v in d)
+
+
+def exact(value: Any) -> dict[str, Any]:
+    """A float stored exactly (hex of its binary value) beside a readable one."""
+    v = float(np.asarray(value))
+    return {"hex": v.hex(), "value": v}
+
+
+FLOAT_FIELDS = ("lm_loss", "aux_loss", "mtp_loss", "grad_norm", "lr")
+DIGEST_FIELDS = ("params", "grads", "opt_state", "batch", "rng")
+
+
+def record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """One fingerprint line from the metrics the train step returned (already on host)."""
+    rec: dict[str, Any] = {"step": step}
+    for k in FLOAT_FIELDS:
+        rec[k] = exact(metrics[k])
+    rec["digest"] = {k: digest_hex(metrics["digest"][k]) for k in DIGEST_FIELDS}
+    return rec
+
+
+def dumps(rec: dict[str, Any]) -> str:
+    return json.dumps(rec, sort_keys=True)

@@ -1,0 +1,62 @@
+"""Causal grouped-query attention with RoPE."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from detjax.model.layers import normal_init, proj
+
+
+def rope(x_BLHQ: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding on the last dim (pairs: first half with second half)."""
+    length, q = x_BLHQ.shape[1], x_BLHQ.shape[-1]
+    freq = 1.0 / (theta ** (jnp.arange(0, q, 2, dtype=jnp.float32) / q))
+    ang_LQ2 = jnp.arange(length, dtype=jnp.float32)[:, None] * freq[None, :]
+    cos, sin = jnp.cos(ang_LQ2)[None, :, None, :], jnp.sin(ang_LQ2)[None, :, None, :]
+    x32 = x_BLHQ.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHQ.dtype)
+
+
+def attention_reference(q_BLHQ, k_BSKQ, v_BSKQ) -> jax.Array:
+    """Causal GQA in plain jnp; softmax in float32. Returns (B, L, H, Q) in the input dtype."""
+    bsz, length, heads, qd = q_BLHQ.shape
+    kv = k_BSKQ.shape[2]
+    q_BLKGQ = q_BLHQ.reshape(bsz, length, kv, heads // kv, qd)
+    scores = jnp.einsum("blkgq,bskq->bkgls", q_BLKGQ, k_BSKQ, preferred_element_type=jnp.float32)
+    scores = scores * (qd**-0.5)
+    causal_LS = jnp.tril(jnp.ones((length, k_BSKQ.shape[1]), dtype=bool))
+    scores = jnp.where(causal_LS, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKQ.dtype)
+    out = jnp.einsum("bkgls,bskq->blkgq", probs, v_BSKQ, preferred_element_type=jnp.float32)
+    return out.reshape(bsz, length, heads, qd).astype(q_BLHQ.dtype)
+
+
+class Attention(nn.Module):
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    init_std: float
+    dtype: jnp.dtype
+    impl: str = "reference"
+
+    @nn.compact
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        init = normal_init(self.init_std)
+        d, h, k, q = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
+        w_q_DHQ = self.param("w_q", init, (d, h, q), jnp.float32)
+        w_k_DKQ = self.param("w_k", init, (d, k, q), jnp.float32)
+        w_v_DKQ = self.param("w_v", init, (d, k, q), jnp.float32)
+        w_o_HQD = self.param("w_o", init, (h, q, d), jnp.float32)
+        q_BLHQ = rope(proj("bld,dhq->blhq", x_BLD, w_q_DHQ, self.dtype), self.rope_theta)
+        k_BLKQ = rope(proj("bld,dkq->blkq", x_BLD, w_k_DKQ, self.dtype), self.rope_theta)
+        v_BLKQ = proj("bld,dkq->blkq", x_BLD, w_v_DKQ, self.dtype)
+        if self.impl == "xla":
+            o_BLHQ = jax.nn.dot_product_attention(q_BLHQ, k_BLKQ, v_BLKQ, is_causal=True)
+        else:
+            o_BLHQ = attention_reference(q_BLHQ, k_BLKQ, v_BLKQ)
+        return proj("blhq,hqd->bld", o_BLHQ, w_o_HQD, self.dtype)

@@ -1,0 +1,107 @@
+"""Small shared pieces: parameter helpers, RMSNorm, projections and the scatter-free gathers."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def normal_init(std: float) -> nn.initializers.Initializer:
+    return nn.initializers.normal(stddev=std)
+
+
+def proj(spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Einsum in the compute dtype with fp32 accumulation; fp32 masters are cast at use."""
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+
+class RMSNorm(nn.Module):
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w_D = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return y * w_D
+
+
+# --------------------------------------------------------------------------- gathers without scatter-add
+# The transpose of a gather is a scatter-add, whose GPU result depends on atomic arrival order. Both
+# gathers below therefore carry their own backward: a one-hot contraction for the embedding and the
+# inverse permutation for row permutations.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _embed_lookup(table_VD: jax.Array, ids_BL: jax.Array, vocab: int) -> jax.Array:
+    return jnp.take(table_VD, ids_BL, axis=0)
+
+
+def _embed_fwd(table_VD, ids_BL, vocab):
+    return _embed_lookup(table_VD, ids_BL, vocab), ids_BL
+
+
+def _embed_bwd(vocab, ids_BL, g_BLD):
+    onehot_BLV = jax.nn.one_hot(ids_BL, vocab, dtype=g_BLD.dtype)
+    return jnp.einsum("blv,bld->vd", onehot_BLV, g_BLD, preferred_element_type=jnp.float32), None
+
+
+_embed_lookup.defvjp(_embed_fwd, _embed_bwd)
+
+
+def embed_lookup(table_VD: jax.Array, ids_BL: jax.Array) -> jax.Array:
+    """table[ids]; the table gradient is a one-hot contraction instead of a scatter-add."""
+    return _embed_lookup(table_VD, ids_BL, table_VD.shape[0])
+
+
+@jax.custom_vjp
+def permute_rows(x_TD: jax.Array, perm_T: jax.Array, inv_T: jax.Array) -> jax.Array:
+    """x[perm] where perm is a permutation and inv its inverse; the backward is g[inv]."""
+    return jnp.take(x_TD, perm_T, axis=0)
+
+
+def _perm_fwd(x_TD, perm_T, inv_T):
+    return permute_rows(x_TD, perm_T, inv_T), (perm_T, inv_T)
+
+
+def _perm_bwd(res, g_TD):
+    perm_T, inv_T = res
+    return permute_rows(g_TD, inv_T, perm_T), None, None
+
+
+permute_rows.defvjp(_perm_fwd, _perm_bwd)
+
+
+class Embed(nn.Module):
+    vocab_size: int
+    d_model: int
+    init_std: float
+
+    @nn.compact
+    def __call__(self, ids_BL: jax.Array) -> jax.Array:
+        table_VD = self.param("table", normal_init(self.init_std), (self.vocab_size, self.d_model), jnp.float32)
+        return embed_lookup(table_VD, ids_BL)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward block."""
+
+    d_model: int
+    ffn_dim: int
+    init_std: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        init = normal_init(self.init_std)
+        w_gate_DF = self.param("w_gate", init, (self.d_model, self.ffn_dim), jnp.float32)
+        w_up_DF = self.param("w_up", init, (self.d_model, self.ffn_dim), jnp.float32)
+        w_down_FD = self.param("w_down", init, (self.ffn_dim, self.d_model), jnp.float32)
+        gate_BLF = proj("bld,df->blf", x_BLD, w_gate_DF, self.dtype)
+        up_BLF = proj("bld,df->blf", x_BLD, w_up_DF, self.dtype)
+        return proj("blf,fd->bld", nn.silu(gate_BLF) * up_BLF, w_down_FD, self.dtype)

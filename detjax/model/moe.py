@@ -1,0 +1,117 @@
+"""Dropless mixture of experts: router, stable top-k, permutation dispatch, grouped matmul, ordered combine.
+
+Dispatch and combine are a row permutation (with the inverse permutation as its backward) and a
+fixed-order sum over the k slots, so neither the forward nor the backward needs a scatter-add.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from detjax.config import MoEConfig
+from detjax.model.layers import MLP, normal_init, permute_rows, proj
+
+
+def route(logits_TE: jax.Array, top_k: int, router: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (expert index T×X, gate T×X, router probabilities T×E); ties go to the lower expert id."""
+    logits_TE = logits_TE.astype(jnp.float32)
+    probs_TE = jax.nn.softmax(logits_TE, axis=-1) if router == "softmax" else jax.nn.sigmoid(logits_TE)
+    # stable sort on -p: equal scores keep ascending expert order (an explicit, platform-free tie-break)
+    idx_TX = jnp.argsort(-jax.lax.stop_gradient(probs_TE), axis=-1, stable=True)[:, :top_k]
+    onehot_TXE = jax.nn.one_hot(idx_TX, probs_TE.shape[-1], dtype=probs_TE.dtype)
+    gate_TX = jnp.einsum("te,txe->tx", probs_TE, onehot_TXE)  # a gather written as a contraction
+    gate_TX = gate_TX / jnp.sum(gate_TX, axis=-1, keepdims=True)
+    return idx_TX, gate_TX, probs_TE
+
+
+def load_balance_loss(idx_TX: jax.Array, probs_TE: jax.Array) -> jax.Array:
+    """Switch-style aux loss E * sum_e f_e * P_e (f: routed fraction, P: mean normalised probability)."""
+    n_exp = probs_TE.shape[-1]
+    counts_E = jnp.sum(jax.nn.one_hot(idx_TX, n_exp, dtype=jnp.float32), axis=(0, 1))
+    f_E = jax.lax.stop_gradient(counts_E / idx_TX.size)
+    p_E = jnp.mean(probs_TE / jnp.sum(probs_TE, axis=-1, keepdims=True), axis=0)
+    return n_exp * jnp.sum(f_E * p_E)
+
+
+def grouped_ffn(x_RD, gs_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype) -> jax.Array:
+    """SwiGLU per expert over rows sorted by expert (R = T*X rows, group sizes gs_E)."""
+
+    def gmm(a, w):
+        return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)
+
+    h_RF = nn.silu(gmm(x_RD, w_gate_EDF)) * gmm(x_RD, w_up_EDF)
+    return gmm(h_RF.astype(dtype), w_down_EFD).astype(dtype)
+
+
+class MoE(nn.Module):
+    d_model: int
+    cfg: MoEConfig
+    init_std: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        c = self.cfg
+        e, f, d, k = c.n_experts, c.ffn_dim, self.d_model, c.top_k
+        init = normal_init(self.init_std)
+        w_router_DE = self.param("w_router", init, (d, e), jnp.float32)
+        w_gate_EDF = self.param("w_gate", init, (e, d, f), jnp.float32)
+        w_up_EDF = self.param("w_up", init, (e, d, f), jnp.float32)
+        w_down_EFD = self.param("w_down", init, (e, f, d), jnp.float32)
+
+        bsz, length, _ = x_BLD.shape
+        x_TD = x_BLD.reshape(bsz * length, d).astype(self.dtype)
+        logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), w_router_DE)
+        idx_TX, gate_TX, probs_TE = route(logits_TE, k, c.router)
+        aux = load_balance_loss(idx_TX, probs_TE)
+
+        # Sort the T*X (token, slot) rows by expert; the stable sort keeps global token order inside
+        # each expert group, so an expert's rows (and its weight-gradient sum) are in token order.
+        expert_R = idx_TX.reshape(-1)
+        order_R = jnp.argsort(expert_R, stable=True)
+        inv_R = jnp.argsort(order_R)
+        gs_E = jnp.sum(jax.nn.one_hot(expert_R, e, dtype=jnp.int32), axis=0)
+        x_RD = jnp.broadcast_to(x_TD[:, None, :], (x_TD.shape[0], k, d)).reshape(-1, d)
+        xs_RD = permute_rows(x_RD, order_R, inv_R)
+        ys_RD = grouped_ffn(xs_RD, gs_E, w_gate_EDF, w_up_EDF, w_down_EFD, self.dtype)
+
+        if c.combine == "scatter_add":
+            # fast, nondeterministic baseline (refused in strict mode): atomics accumulate per token
+            tok_R = jnp.broadcast_to(jnp.arange(x_TD.shape[0])[:, None], (x_TD.shape[0], k)).reshape(-1)
+            w_R = gate_TX.reshape(-1)[order_R].astype(self.dtype)
+            y_TD = jnp.zeros_like(x_TD).at[tok_R[order_R]].add(ys_RD * w_R[:, None])
+        else:
+            y_TXD = permute_rows(ys_RD, inv_R, order_R).reshape(-1, k, d)
+            gate_TX = gate_TX.astype(self.dtype)
+            y_TD = y_TXD[:, 0] * gate_TX[:, 0:1]
+            for slot in range(1, k):  # fixed order over the k slots
+                y_TD = y_TD + y_TXD[:, slot] * gate_TX[:, slot : slot + 1]
+
+        y_BLD = y_TD.reshape(bsz, length, d)
+        if c.shared_expert:
+            y_BLD = y_BLD + MLP(d, f, self.init_std, self.dtype, name="shared")(x_BLD)
+        return y_BLD, aux
+
+
+def moe_dense_reference(params, x_BLD, cfg: MoEConfig, dtype) -> tuple[jax.Array, jax.Array]:
+    """Oracle: per token, loop over its selected experts and apply each expert densely."""
+    bsz, length, d = x_BLD.shape
+    x_TD = x_BLD.reshape(-1, d).astype(dtype)
+    logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), params["w_router"])
+    idx_TX, gate_TX, probs_TE = route(logits_TE, cfg.top_k, cfg.router)
+
+    def expert(ei, x_D):
+        g = proj("d,df->f", x_D, params["w_gate"][ei], dtype)
+        u = proj("d,df->f", x_D, params["w_up"][ei], dtype)
+        return proj("f,fd->d", nn.silu(g) * u, params["w_down"][ei], dtype)
+
+    def per_token(x_D, idx_X, gate_X):
+        out = jnp.zeros((d,), dtype)
+        for slot in range(cfg.top_k):
+            out = out + expert(idx_X[slot], x_D) * gate_X[slot].astype(dtype)
+        return out
+
+    y_TD = jax.vmap(per_token)(x_TD, idx_TX, gate_TX)
+    return y_TD.reshape(bsz, length, d), load_balance_loss(idx_TX, probs_TE)

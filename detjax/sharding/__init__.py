@@ -1,0 +1,1 @@
+"""Meshes and the logical-axis rules table."""

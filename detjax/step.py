@@ -1,0 +1,125 @@
+"""State construction and the pure train step, jitted in exactly one place (`compile_train_step`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from detjax import fingerprint as fp
+from detjax.config import Config
+from detjax.model import HybridLM
+from detjax.optim import lr_schedule, make_optimizer
+
+# Purposes for key derivation: every key is fold_in(seed key, step, purpose, logical index).
+PURPOSE_INIT, PURPOSE_DROPOUT = 0, 1
+
+
+class TrainState(struct.PyTreeNode):
+    step: jax.Array  # int32 scalar: the number of updates applied so far
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # typed key of the run seed; per-step keys are derived, never stored
+
+
+def token_ce_sum(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
+    """Sum of token cross-entropies; the label logit is a one-hot contraction (no gather, no scatter)."""
+    logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+    onehot_BLV = jax.nn.one_hot(targets_BL, logits_BLV.shape[-1], dtype=logits_BLV.dtype)
+    return jnp.sum(logz_BL - jnp.sum(logits_BLV * onehot_BLV, axis=-1))
+
+
+class Trainer:
+    """Model, optimizer and the step function for one config."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.model = HybridLM(cfg.model)
+        self.tx = make_optimizer(cfg.train)
+        self.schedule = lr_schedule(cfg.train)
+
+    def init_state(self, seed_key: jax.Array) -> TrainState:
+        t = self.cfg.train
+        ids = jnp.zeros((t.micro_batch, t.seq_len), jnp.int32)
+        init_key = jax.random.fold_in(seed_key, PURPOSE_INIT)
+        params = self.model.init({"params": init_key}, ids)["params"]
+        return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), seed_key)
+
+    def abstract_state(self) -> TrainState:
+        return jax.eval_shape(self.init_state, jax.random.key(0))
+
+    def loss_terms(self, params, tokens_BL1: jax.Array, key: jax.Array):
+        """Per-microbatch sums: (lm CE sum, MTP CE sum, aux loss)."""
+        ids_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
+        logits, mtp_logits, aux = self.model.apply(
+            {"params": params}, ids_BL, train=True, rngs={"dropout": key}
+        )
+        lm_sum = token_ce_sum(logits, targets_BL)
+        mtp_sum = token_ce_sum(mtp_logits, targets_BL[:, 1:]) if mtp_logits is not None else jnp.zeros(())
+        return lm_sum, mtp_sum, aux
+
+    def train_step(self, state: TrainState, batch_GL1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
+        cfg = self.cfg
+        t, m = cfg.train, cfg.model
+        n_micro = t.n_micro
+        n_tok = t.global_batch * t.seq_len
+        n_mtp = t.global_batch * (t.seq_len - 1)
+        step_key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), PURPOSE_DROPOUT)
+
+        def objective(params, tokens, key):
+            lm_sum, mtp_sum, aux = self.loss_terms(params, tokens, key)
+            # Gradients are of token-loss *sums*; the division by the token count happens once, at the end.
+            j = lm_sum + m.mtp.loss_coef * mtp_sum * (n_tok / n_mtp) + m.moe.aux_loss_coef * aux * (n_tok / n_micro)
+            return j, (lm_sum, mtp_sum, aux)
+
+        def micro(carry, xs):
+            g_acc, sums = carry
+            tokens, i = xs
+            g, terms = jax.grad(objective, has_aux=True)(state.params, tokens, jax.random.fold_in(step_key, i))
+            g_acc = jax.tree.map(jnp.add, g_acc, g)
+            return (g_acc, jax.tree.map(jnp.add, sums, terms)), None
+
+        micro_tokens = batch_GL1.reshape(n_micro, t.micro_batch, -1)
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        zero_terms = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
+        # Microbatches accumulate in index order (a fixed sequential order).
+        (g_sum, (lm_sum, mtp_sum, aux_sum)), _ = jax.lax.scan(
+            micro, (zeros, zero_terms), (micro_tokens, jnp.arange(n_micro))
+        )
+        grads = jax.tree.map(lambda g: g / n_tok, g_sum)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        metrics: dict[str, Any] = {
+            "lm_loss": lm_sum / n_tok,
+            "mtp_loss": mtp_sum / n_mtp,
+            "aux_loss": aux_sum / n_micro,
+            "grad_norm": optax.global_norm(grads),
+            "lr": self.schedule(state.step),
+        }
+        if cfg.run.fingerprints:
+            metrics["digest"] = {
+                "params": fp.tree_digest(params),
+                "grads": fp.tree_digest(grads),
+                "opt_state": fp.tree_digest(opt_state),
+                "batch": fp.tensor_digest(batch_GL1),
+                "rng": fp.tensor_digest(step_key),
+            }
+        return new_state, metrics
+
+
+def compile_train_step(trainer: Trainer, state_sharding: Any, batch_sharding: Any):
+    """The one jit of the train step: explicit shardings, state donated."""
+    return jax.jit(
+        trainer.train_step,
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, None),
+        donate_argnums=(0,),
+    )
+
+
+def compile_init(trainer: Trainer, state_sharding: Any):
+    return jax.jit(trainer.init_state, out_shardings=state_sharding)
