@@ -238,7 +238,9 @@ class Config:
                 "choose a chunk_size dividing seq_len",
             )
         if m.mtp.depth and t.seq_len < 3:
-            _fail("train.seq_len", t.seq_len, "the MTP head needs seq_len >= 3", "raise seq_len or mtp.depth=0")
+            _fail(
+                "train.seq_len", t.seq_len, "the MTP head needs seq_len >= 3", "raise seq_len or mtp.depth=0"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -262,7 +264,9 @@ def _type_name(tp: Any) -> str:
 def _coerce(key: str, tp: Any, value: Any) -> Any:
     if typing.get_origin(tp) is Literal:
         allowed = typing.get_args(tp)
-        if value not in allowed:
+        if isinstance(value, bool) and "off" in allowed and not value:
+            value = "off"  # YAML 1.1 reads a bare `off` as false
+        if value not in allowed or isinstance(value, bool):
             _fail(key, value, f"is not one of {list(allowed)}", f"use one of {list(allowed)}")
         return value
     if tp is bool:
@@ -334,7 +338,9 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError(f"config file '{p}' must hold a mapping at top level, got {type(loaded).__name__}")
+            raise ConfigError(
+                f"config file '{p}' must hold a mapping at top level, got {type(loaded).__name__}"
+            )
         tree = loaded
     for ov in overrides:
         if "=" not in ov:
@@ -350,4 +356,3 @@ def config_from_dict(d: dict[str, Any]) -> Config:
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-

@@ -137,7 +137,10 @@ def policy_record(cfg: Config) -> dict[str, Any]:
         "refusals_checked": [r.key for r in REFUSALS],
         "versions": {
             "python": platform.python_version(),
-            **{p: _version(p) for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "grain", "numpy")},
+            **{
+                p: _version(p)
+                for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "grain", "numpy")
+            },
         },
         "platform": devices[0].platform,
         "device_kind": devices[0].device_kind,

@@ -32,6 +32,14 @@ def token_ce_sum(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
     return jnp.sum(logz_BL - jnp.sum(logits_BLV * onehot_BLV, axis=-1))
 
 
+def global_norm(tree: Any) -> jax.Array:
+    """sqrt of the sum of squares, leaves summed in pytree order."""
+    total = jnp.zeros((), jnp.float32)
+    for leaf in jax.tree.leaves(tree):
+        total = total + jnp.sum(jnp.square(leaf.astype(jnp.float32)))
+    return jnp.sqrt(total)
+
+
 class Trainer:
     """Model, optimizer and the step function for one config."""
 
@@ -72,13 +80,19 @@ class Trainer:
         def objective(params, tokens, key):
             lm_sum, mtp_sum, aux = self.loss_terms(params, tokens, key)
             # Gradients are of token-loss *sums*; the division by the token count happens once, at the end.
-            j = lm_sum + m.mtp.loss_coef * mtp_sum * (n_tok / n_mtp) + m.moe.aux_loss_coef * aux * (n_tok / n_micro)
+            j = (
+                lm_sum
+                + m.mtp.loss_coef * mtp_sum * (n_tok / n_mtp)
+                + m.moe.aux_loss_coef * aux * (n_tok / n_micro)
+            )
             return j, (lm_sum, mtp_sum, aux)
 
         def micro(carry, xs):
             g_acc, sums = carry
             tokens, i = xs
-            g, terms = jax.grad(objective, has_aux=True)(state.params, tokens, jax.random.fold_in(step_key, i))
+            g, terms = jax.grad(objective, has_aux=True)(
+                state.params, tokens, jax.random.fold_in(step_key, i)
+            )
             g_acc = jax.tree.map(jnp.add, g_acc, g)
             return (g_acc, jax.tree.map(jnp.add, sums, terms)), None
 
@@ -97,7 +111,7 @@ class Trainer:
             "lm_loss": lm_sum / n_tok,
             "mtp_loss": mtp_sum / n_mtp,
             "aux_loss": aux_sum / n_micro,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": global_norm(grads),
             "lr": self.schedule(state.step),
         }
         if cfg.run.fingerprints:

@@ -40,7 +40,9 @@ def flat_params(params: Any) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return {
+        jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
 
 
 def train(cfg: Config, run_dir: Path | None = None) -> RunResult:
@@ -92,8 +94,10 @@ def train(cfg: Config, run_dir: Path | None = None) -> RunResult:
         bar.set_postfix(loss=f"{line['lm_loss']:.4f}", tok_s=f"{tok_s:,.0f}")
         bar.update(1)
         if cfg.run.log_every and (step % cfg.run.log_every == 0 or step == t.steps - 1):
-            bar.write(f"step {step:5d}  lm_loss {line['lm_loss']:.4f}  mtp {line['mtp_loss']:.4f}  "
-                      f"aux {line['aux_loss']:.4f}  gnorm {line['grad_norm']:.3f}  {tok_s:,.0f} tok/s")
+            bar.write(
+                f"step {step:5d}  lm_loss {line['lm_loss']:.4f}  mtp {line['mtp_loss']:.4f}  "
+                f"aux {line['aux_loss']:.4f}  gnorm {line['grad_norm']:.3f}  {tok_s:,.0f} tok/s"
+            )
 
     pending = None
     for step in range(int(state.step), t.steps):

@@ -42,7 +42,8 @@ def sentences(n: int, seed: int = 1234) -> Iterator[str]:
     for _ in range(n):
         kind = r.below(4)
         if kind == 0:
-            yield f"the {r.pick(_ADJ)} {r.pick(_NOUN)} {r.pick(_VERB)} the {r.pick(_ADJ)} {r.pick(_NOUN)} {r.pick(_PLACE)}."
+            subj, verb = f"{r.pick(_ADJ)} {r.pick(_NOUN)}", r.pick(_VERB)
+            yield f"the {subj} {verb} the {r.pick(_ADJ)} {r.pick(_NOUN)} {r.pick(_PLACE)}."
         elif kind == 1:
             a, b = r.below(50), r.below(50)
             yield f"{a} plus {b} is {a + b}."

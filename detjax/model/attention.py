@@ -28,7 +28,7 @@ def attention_reference(q_BLHQ, k_BSKQ, v_BSKQ) -> jax.Array:
     scores = jnp.einsum("blkgq,bskq->bkgls", q_BLKGQ, k_BSKQ, preferred_element_type=jnp.float32)
     scores = scores * (qd**-0.5)
     causal_LS = jnp.tril(jnp.ones((length, k_BSKQ.shape[1]), dtype=bool))
-    scores = jnp.where(causal_LS, scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(causal_LS[None, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKQ.dtype)
     out = jnp.einsum("bkgls,bskq->blkgq", probs, v_BSKQ, preferred_element_type=jnp.float32)
     return out.reshape(bsz, length, heads, qd).astype(q_BLHQ.dtype)

@@ -17,7 +17,9 @@ def normal_init(std: float) -> nn.initializers.Initializer:
 
 def proj(spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Einsum in the compute dtype with fp32 accumulation; fp32 masters are cast at use."""
-    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(
+        dtype
+    )
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +30,7 @@ class RMSNorm(nn.Module):
         w_D = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return y * w_D
+        return y * w_D.reshape((1,) * (y.ndim - 1) + (-1,))
 
 
 # --------------------------------------------------------------------------- gathers without scatter-add
@@ -84,7 +86,9 @@ class Embed(nn.Module):
 
     @nn.compact
     def __call__(self, ids_BL: jax.Array) -> jax.Array:
-        table_VD = self.param("table", normal_init(self.init_std), (self.vocab_size, self.d_model), jnp.float32)
+        table_VD = self.param(
+            "table", normal_init(self.init_std), (self.vocab_size, self.d_model), jnp.float32
+        )
         return embed_lookup(table_VD, ids_BL)
 
 

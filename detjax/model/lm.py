@@ -29,8 +29,15 @@ class Block(nn.Module):
             y = Mamba2(c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, name="mixer")(x_BLD)
         elif self.letter == "*":
             y = Attention(
-                c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.init_std, dtype,
-                c.attention_impl, name="mixer",
+                c.d_model,
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim,
+                c.rope_theta,
+                c.init_std,
+                dtype,
+                c.attention_impl,
+                name="mixer",
             )(x_BLD)
         elif self.letter == "E":
             y, aux = MoE(c.d_model, c.moe, c.init_std, dtype, name="mixer")(x_BLD)
@@ -56,8 +63,12 @@ class HybridLM(nn.Module):
         if c.mtp.depth:
             self.mtp_norm_h = RMSNorm(c.norm_eps)
             self.mtp_norm_e = RMSNorm(c.norm_eps)
-            self.w_mtp_2DD = self.param("w_mtp_proj", normal_init(c.init_std), (2, c.d_model, c.d_model), jnp.float32)
-            self.mtp_layers = [Block(c, letter, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)]
+            self.w_mtp_2DD = self.param(
+                "w_mtp_proj", normal_init(c.init_std), (2, c.d_model, c.d_model), jnp.float32
+            )
+            self.mtp_layers = [
+                Block(c, letter, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)
+            ]
             self.mtp_final_norm = RMSNorm(c.norm_eps)
 
     def head(self, h_BLD: jax.Array) -> jax.Array:
@@ -77,8 +88,10 @@ class HybridLM(nn.Module):
             e_BLD = self.embed(ids_BL[:, 1:])
             hn, en = self.mtp_norm_h(h_BLD[:, :-1]), self.mtp_norm_e(e_BLD)
             dtype = DTYPES[c.compute_dtype]
-            m_BLD = (proj("bld,de->ble", hn, self.w_mtp_2DD[0], dtype)
-                     + proj("bld,de->ble", en, self.w_mtp_2DD[1], dtype)).astype(jnp.float32)
+            m_BLD = (
+                proj("bld,de->ble", hn, self.w_mtp_2DD[0], dtype)
+                + proj("bld,de->ble", en, self.w_mtp_2DD[1], dtype)
+            ).astype(jnp.float32)
             for layer in self.mtp_layers:
                 m_BLD, a = layer(m_BLD, train)
                 aux = aux + a

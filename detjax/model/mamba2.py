@@ -18,9 +18,9 @@ def causal_conv(x_BLM: jax.Array, w_WM: jax.Array, b_M: jax.Array) -> jax.Array:
     width = w_WM.shape[0]
     length = x_BLM.shape[1]
     xpad = jnp.pad(x_BLM, ((0, 0), (width - 1, 0), (0, 0)))
-    out = b_M.astype(x_BLM.dtype)
+    out = jnp.broadcast_to(b_M.astype(x_BLM.dtype)[None, None, :], x_BLM.shape)
     for k in range(width):
-        out = out + xpad[:, k : k + length] * w_WM[k].astype(x_BLM.dtype)
+        out = out + xpad[:, k : k + length] * w_WM[k].astype(x_BLM.dtype)[None, None, :]
     return out
 
 
@@ -50,7 +50,9 @@ class Mamba2(nn.Module):
         conv_dim = d_inner + 2 * n
         init = normal_init(self.init_std)
         w_in_DM = self.param("w_in", init, (self.d_model, 2 * d_inner + 2 * n + heads), jnp.float32)
-        w_conv_WM = self.param("w_conv", normal_init(1.0 / math.sqrt(c.d_conv)), (c.d_conv, conv_dim), jnp.float32)
+        w_conv_WM = self.param(
+            "w_conv", normal_init(1.0 / math.sqrt(c.d_conv)), (c.d_conv, conv_dim), jnp.float32
+        )
         b_conv_M = self.param("b_conv", nn.initializers.zeros, (conv_dim,), jnp.float32)
         dt_bias_H = self.param("dt_bias", _dt_bias_init, (heads,), jnp.float32)
         a_log_H = self.param("a_log", _a_log_init, (heads,), jnp.float32)
@@ -65,10 +67,14 @@ class Mamba2(nn.Module):
 
         bsz, length = x_BLD.shape[:2]
         x_BLHP = x_BLI.reshape(bsz, length, heads, p)
-        dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + dt_bias_H)
-        a_H = -jnp.exp(a_log_H)
-        y_BLHP = ssd_chunked(x_BLHP * dt_BLH[..., None], a_H * dt_BLH, b_BLN, c_BLN, c.chunk_size)
-        y_BLHP = y_BLHP + d_skip_H[:, None] * x_BLHP
+        dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + dt_bias_H[None, None, :])
+        a_11H = -jnp.exp(a_log_H)[None, None, :]
+        y_BLHP = ssd_chunked(x_BLHP * dt_BLH[..., None], a_11H * dt_BLH, b_BLN, c_BLN, c.chunk_size)
+        y_BLHP = y_BLHP + d_skip_H[None, None, :, None] * x_BLHP
         y_BLI = y_BLHP.reshape(bsz, length, d_inner) * nn.silu(z_BLI.astype(jnp.float32))
-        y_BLI = y_BLI * jax.lax.rsqrt(jnp.mean(y_BLI * y_BLI, axis=-1, keepdims=True) + self.norm_eps) * norm_I
+        y_BLI = (
+            y_BLI
+            * jax.lax.rsqrt(jnp.mean(y_BLI * y_BLI, axis=-1, keepdims=True) + self.norm_eps)
+            * norm_I[None, None, :]
+        )
         return proj("bli,id->bld", y_BLI, w_out_ID, self.dtype)

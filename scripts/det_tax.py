@@ -1,0 +1,117 @@
+"""Determinism-tax benchmark: paired step-time runs of one config in several modes, one process per mode.
+
+    python scripts/det_tax.py --config configs/gpu_small.yaml --steps 30 --warmup 8 --rounds 2
+
+Modes (each a separate process, since XLA reads its flags once):
+  fast        determinism.mode=off, scatter-add MoE combine, XLA/cuDNN attention: the fastest recipe
+  off         determinism.mode=off with the deterministic model path (no XLA determinism flags)
+  strict      determinism.mode=strict: XLA deterministic ops + pinned autotuning + deterministic path
+Rounds alternate the modes (fast, off, strict, fast, off, strict, ...) so drift hits all alike. Reported:
+median steady-state step time per mode (warm-up steps dropped; each step synchronised) and the tax
+(mode / fast - 1) x 100 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MODES = {
+    "fast": ["determinism.mode=off", "model.moe.combine=scatter_add", "model.attention_impl=xla"],
+    "off": ["determinism.mode=off"],
+    "strict": ["determinism.mode=strict"],
+}
+
+
+def worker(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
+    from detjax import determinism
+    from detjax.config import load_config
+
+    cfg = load_config(config, overrides + ["run.fingerprints=true"])
+    determinism.apply_environment(cfg.determinism.mode)
+    determinism.check_features(cfg)
+    import jax
+    import numpy as np
+
+    from detjax.data.pipeline import make_dataset
+    from detjax.sharding.mesh import replicated, single_device_mesh
+    from detjax.step import Trainer, compile_init, compile_train_step
+
+    rep = replicated(single_device_mesh())
+    trainer = Trainer(cfg)
+    state = compile_init(trainer, rep)(jax.random.key(cfg.train.seed))
+    step = compile_train_step(trainer, rep, rep)
+    ds = make_dataset(cfg)
+    batches = [jax.device_put(np.asarray(ds[i]), rep) for i in range(8)]  # rotate: not one cached input
+    t0 = time.perf_counter()
+    state, m = step(state, batches[0])
+    jax.block_until_ready((state, m))
+    compile_s = time.perf_counter() - t0
+    times = []
+    for i in range(1, warmup + steps):
+        t0 = time.perf_counter()
+        state, m = step(state, batches[i % len(batches)])
+        jax.block_until_ready((state, m))
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return {
+        "median_ms": 1e3 * statistics.median(times),
+        "min_ms": 1e3 * min(times),
+        "max_ms": 1e3 * max(times),
+        "first_step_s": compile_s,
+        "final_loss": float(m["lm_loss"]),
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--modes", default="fast,off,strict")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    if a.worker:
+        print("RESULT " + json.dumps(worker(a.config, MODES[a.worker] + a.overrides, a.steps, a.warmup)))
+        return 0
+    modes = a.modes.split(",")
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    for r in range(a.rounds):
+        for mode in modes:
+            env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+            cmd = [sys.executable, __file__, "--config", a.config, "--steps", str(a.steps), "--warmup",
+                   str(a.warmup), "--worker", mode, *a.overrides]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+            if out.returncode or not line:
+                print(out.stdout[-3000:], out.stderr[-3000:], file=sys.stderr)
+                return 1
+            res = json.loads(line[0][7:])
+            results[mode].append(res)
+            print(f"round {r} {mode:7s} median {res['median_ms']:.2f} ms  (min {res['min_ms']:.2f}, "
+                  f"max {res['max_ms']:.2f}; first step {res['first_step_s']:.1f} s)", flush=True)
+    base = statistics.median(x["median_ms"] for x in results[modes[0]])
+    any_res = results[modes[0]][0]
+    print(f"\n{any_res['device']}, jax {any_res['jax']}, {any_res['tokens_per_step']} tokens/step, "
+          f"{a.rounds} rounds x {a.steps} timed steps")
+    print(f"| mode | median step (ms) | tokens/s | tax vs {modes[0]} |")
+    print("|---|---|---|---|")
+    for mode in modes:
+        med = statistics.median(x["median_ms"] for x in results[mode])
+        tok_s = any_res["tokens_per_step"] / (med / 1e3)
+        print(f"| {mode} | {med:.2f} | {tok_s:,.0f} | {100 * (med / base - 1):+.1f} % |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Test session setup. XLA reads XLA_FLAGS once, so they are set here, before anything imports jax."""
+
+import os
+import sys
+from pathlib import Path
+
+_FLAGS = [
+    "--xla_force_host_platform_device_count=8",
+    "--xla_gpu_deterministic_ops=true",
+    "--xla_gpu_exclude_nondeterministic_ops=true",
+]
+_have = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(_have + [f for f in _FLAGS if f not in _have])
+os.environ.setdefault("JAX_PLATFORMS", "cpu") if os.environ.get("DETJAX_TEST_GPU") != "1" else None
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def pytest_collection_modifyitems(config, items):
+    on_gpu = any(d.platform == "gpu" for d in jax.devices())
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with DETJAX_TEST_GPU=1 on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords and not on_gpu:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    return TINY
+
+
+@pytest.fixture(scope="session")
+def python() -> str:
+    return sys.executable

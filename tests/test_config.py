@@ -1,0 +1,62 @@
+"""Every config error names the key, the value and the fix."""
+
+import pytest
+
+from detjax.config import Config, ConfigError, load_config
+
+
+def test_tiny_loads_and_is_frozen(tiny_path):
+    cfg = load_config(tiny_path)
+    assert cfg.model.pattern == "M*E-" and cfg.train.n_micro == 2 and cfg.determinism.mode == "strict"
+    with pytest.raises(AttributeError):
+        cfg.train.steps = 3  # type: ignore[misc]
+    assert load_config(tiny_path, ["train.steps=7"]).train.steps == 7
+    assert cfg.hash() == load_config(tiny_path, ["run.name=x"]).hash()
+    assert cfg.hash() != load_config(tiny_path, ["train.seed=3"]).hash()
+
+
+@pytest.mark.parametrize(
+    "override,pattern",
+    [
+        ("model.d_modle=64", r"unknown config key 'model.d_modle'.*did you mean 'model.d_model'"),
+        ("trian.steps=3", r"unknown config key 'trian'.*did you mean 'train'"),
+        ("train.steps=abc", r"'train.steps' = 'abc': must be an int"),
+        ("train.lr=fast", r"'train.lr' = 'fast': must be a float"),
+        (
+            "model.pattern=M*X",
+            r"'model.pattern' = 'M\*X': unknown block letter\(s\) \['X'\].*Fix: use only M",
+        ),
+        ("model.n_kv_heads=3", r"'model.n_kv_heads' = 3: must divide n_heads = 4"),
+        ("model.moe.top_k=5", r"'model.moe.top_k' = 5: must be between 1 and n_experts = 4.*top_k <= 4"),
+        ("train.micro_batch=5", r"'train.global_batch' = 16: is not divisible by train.micro_batch = 5"),
+        ("model.mamba.chunk_size=24", r"'model.mamba.chunk_size' = 24: must divide train.seq_len = 64"),
+        ("model.mamba.n_heads=5", r"'model.mamba.n_heads' = 5: must divide d_inner"),
+        ("model.vocab_size=100", r"'model.vocab_size' = 100: the byte tokenizer needs"),
+        ("determinism.mode=loose", r"'determinism.mode' = 'loose': is not one of \['off', 'strict'\]"),
+        ("model.moe.router=argmax", r"is not one of \['softmax', 'sigmoid'\]"),
+        ("model.head_dim=15", r"RoPE needs an even head_dim"),
+        ("data.source=arrayrecord", r"'data.path' = '': data.source is 'arrayrecord' but no path"),
+        ("model.dropout=1.5", r"'model.dropout' = 1.5: must be in \[0, 1\)"),
+        ("train.steps", r"override 'train.steps' is not key=value"),
+    ],
+)
+def test_config_errors(tiny_path, override, pattern):
+    with pytest.raises(ConfigError, match=pattern) as e:
+        load_config(tiny_path, [override])
+    assert "Fix:" in str(e.value) or "not key=value" in str(e.value)
+
+
+def test_off_parses_and_bad_files(tmp_path):
+    assert load_config(None, ["determinism.mode=off"]).determinism.mode == "off"
+    (tmp_path / "bad.yaml").write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(tmp_path / "list.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "sec.yaml").write_text("model: 3\n")
+    with pytest.raises(ConfigError, match="'model' = 3: must be a mapping"):
+        load_config(tmp_path / "sec.yaml")
+    assert isinstance(Config(), Config)

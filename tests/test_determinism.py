@@ -1,0 +1,72 @@
+"""Strict mode: XLA flags before JAX starts, a clear error after, refusal of features, the policy record."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from detjax import determinism
+from detjax.config import load_config
+
+
+def test_strict_refuses_scatter_add_combine(tiny_path):
+    cfg = load_config(tiny_path, ["model.moe.combine=scatter_add"])
+    with pytest.raises(
+        determinism.DeterminismError, match=r"model\.moe\.combine.*Fix: use model\.moe\.combine=gather"
+    ):
+        determinism.check_features(cfg)
+
+
+def test_strict_refuses_xla_attention(tiny_path):
+    cfg = load_config(tiny_path, ["model.attention_impl=xla"])
+    with pytest.raises(determinism.DeterminismError, match="model.attention_impl"):
+        determinism.check_features(cfg)
+
+
+def test_off_mode_allows_them(tiny_path):
+    cfg = load_config(tiny_path, ["model.attention_impl=xla", "determinism.mode=off"])
+    determinism.check_features(cfg)
+
+
+def test_cli_refusal_exit_code(python, tiny_path):
+    r = subprocess.run(
+        [python, "-m", "detjax.train", "--config", str(tiny_path), "model.moe.combine=scatter_add"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and "no deterministic path" in r.stderr
+
+
+def test_error_when_jax_started_without_flags(python):
+    code = (
+        "import jax; jax.devices()\n"
+        "from detjax import determinism\n"
+        "try:\n    determinism.apply_environment('strict')\n"
+        "except determinism.DeterminismError as e:\n    print('REFUSED', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env)
+    assert "REFUSED" in r.stdout and "already initialised" in r.stdout and "XLA_FLAGS" in r.stdout
+
+
+def test_flags_are_set_before_jax_starts(python):
+    code = (
+        "from detjax import determinism; determinism.apply_environment('strict')\n"
+        "import jax, os; jax.devices(); print(os.environ['XLA_FLAGS'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    for f in determinism.STRICT_XLA_FLAGS:
+        assert f in r.stdout
+
+
+def test_policy_record(tiny_path, tmp_path):
+    cfg = load_config(tiny_path)
+    rec = determinism.write_policy(cfg, tmp_path / "determinism.json")
+    on_disk = json.loads((tmp_path / "determinism.json").read_text())
+    assert on_disk == rec
+    assert rec["mode"] == "strict" and rec["config_hash"] == cfg.hash()
+    assert rec["versions"]["jax"] and rec["device_kind"]
+    assert all(f in rec["xla_flags"] for f in determinism.STRICT_XLA_FLAGS)
