@@ -215,6 +215,33 @@ class RunConfig:
     log_every: int = 10
     fingerprints: bool = True
     progress: bool = True
+    save_final_params: bool = True
+    stop_after: int = (
+        0  # >0: stop (with a checkpoint) once the state has this many steps; 0: run to train.steps
+    )
+
+    def validate(self) -> None:
+        if self.stop_after < 0:
+            _fail("run.stop_after", self.stop_after, "must be >= 0", "use 0 to run to train.steps")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # "" = <run dir>/checkpoints
+    every: int = 0  # save every N steps; 0 = only at the end, at run.stop_after and on SIGTERM/SIGINT
+    keep: int = 3
+    async_save: bool = True
+    resume: bool = False  # resume from the latest complete checkpoint (same as --resume)
+
+    def validate(self) -> None:
+        if self.every < 0:
+            _fail("ckpt.every", self.every, "must be >= 0", "use 0 to save only at the end")
+        if self.keep < 1:
+            _fail("ckpt.keep", self.keep, "must keep at least one checkpoint", "use keep >= 1")
+
+
+# Sections that may change between a save and a resume: they never touch the trajectory.
+RESUME_MUTABLE_SECTIONS = ("run", "ckpt")
 
 
 @dataclass(frozen=True)
@@ -224,11 +251,14 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         self.model.validate()
         self.train.validate()
         self.data.validate()
+        self.run.validate()
+        self.ckpt.validate()
         m, t = self.model, self.train
         if t.seq_len % m.mamba.chunk_size and "M" in m.pattern:
             _fail(
@@ -245,11 +275,15 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def hash(self) -> str:
-        """Hash of the fields that define the trajectory (run.* is bookkeeping and excluded)."""
+    def trajectory_dict(self) -> dict[str, Any]:
+        """The fields that define the trajectory (bookkeeping sections removed)."""
         d = self.to_dict()
-        d.pop("run")
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        for s in RESUME_MUTABLE_SECTIONS:
+            d.pop(s)
+        return d
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.trajectory_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------- loading

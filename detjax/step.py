@@ -23,6 +23,8 @@ class TrainState(struct.PyTreeNode):
     params: Any
     opt_state: Any
     rng: jax.Array  # typed key of the run seed; per-step keys are derived, never stored
+    # Extra state collections (low-precision copies, fp8 scales, amax histories): checkpointed as they are.
+    collections: Any = struct.field(default_factory=dict)
 
 
 def token_ce_sum(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
@@ -125,15 +127,30 @@ class Trainer:
         return new_state, metrics
 
 
+# One compiled function per (trajectory config, shardings): in-process reruns and resumes reuse it.
+_COMPILED: dict[Any, Any] = {}
+
+
+def _cache_key(trainer: Trainer, kind: str, *shardings: Any) -> Any:
+    c = trainer.cfg
+    return (kind, c.model, c.train, c.determinism, c.run.fingerprints, *shardings)
+
+
 def compile_train_step(trainer: Trainer, state_sharding: Any, batch_sharding: Any):
     """The one jit of the train step: explicit shardings, state donated."""
-    return jax.jit(
-        trainer.train_step,
-        in_shardings=(state_sharding, batch_sharding),
-        out_shardings=(state_sharding, None),
-        donate_argnums=(0,),
-    )
+    key = _cache_key(trainer, "step", state_sharding, batch_sharding)
+    if key not in _COMPILED:
+        _COMPILED[key] = jax.jit(
+            trainer.train_step,
+            in_shardings=(state_sharding, batch_sharding),
+            out_shardings=(state_sharding, None),
+            donate_argnums=(0,),
+        )
+    return _COMPILED[key]
 
 
 def compile_init(trainer: Trainer, state_sharding: Any):
-    return jax.jit(trainer.init_state, out_shardings=state_sharding)
+    key = _cache_key(trainer, "init", state_sharding)
+    if key not in _COMPILED:
+        _COMPILED[key] = jax.jit(trainer.init_state, out_shardings=state_sharding)
+    return _COMPILED[key]

@@ -1,15 +1,18 @@
-"""`python -m detjax.train --config FILE [key=value ...]`: the thin training loop.
+"""`python -m detjax.train --config FILE [--resume] [key=value ...]`: the thin training loop.
 
 The run directory holds config.yaml (resolved), determinism.json (policy record), fingerprints.jsonl,
-metrics.jsonl and final_params.npz. XLA flags are set before JAX is imported.
+metrics.jsonl, checkpoints/ and final_params.npz. XLA flags are set before JAX is imported.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,12 +20,16 @@ from typing import Any
 from detjax import determinism
 from detjax.config import Config, ConfigError, dump_config, load_config
 
+# Test hook: SIGKILL this process right after the async save of this step has started (see tests).
+KILL_DURING_SAVE_ENV = "DETJAX_DEBUG_KILL_DURING_SAVE"
+
 
 @dataclass
 class RunResult:
     run_dir: Path
     state: Any
     records: list[dict[str, Any]]
+    stopped_by: str  # "steps", "stop_after" or "signal"
 
 
 def make_run_dir(cfg: Config) -> Path:
@@ -45,7 +52,48 @@ def flat_params(params: Any) -> dict[str, Any]:
     }
 
 
-def train(cfg: Config, run_dir: Path | None = None) -> RunResult:
+class _Signals:
+    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and exits cleanly after the current step."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if _in_main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _policy_drift(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    keys = ("xla_flags", "versions", "device_kind", "platform", "env")
+    return [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
+
+
+def train(
+    cfg: Config,
+    run_dir: Path | None = None,
+    resume: bool | None = None,
+    after_restore: Callable[[Any, Any], tuple[Any, Any]] | None = None,
+) -> RunResult:
+    """Train per `cfg`. With resume, continue from the latest complete checkpoint in the run directory.
+
+    `after_restore(state, batches) -> (state, batches)` exists for negative-control tests only.
+    """
     determinism.apply_environment(cfg.determinism.mode)
     determinism.check_features(cfg)
     import jax
@@ -53,30 +101,67 @@ def train(cfg: Config, run_dir: Path | None = None) -> RunResult:
     from tqdm import tqdm
 
     from detjax import fingerprint as fp
+    from detjax.ckpt import Checkpointer
     from detjax.data.pipeline import BatchIterator, make_dataset
     from detjax.sharding.mesh import replicated, single_device_mesh
     from detjax.step import Trainer, compile_init, compile_train_step
 
-    run_dir = make_run_dir(cfg) if run_dir is None else Path(run_dir)
+    resume = cfg.ckpt.resume if resume is None else resume
+    if run_dir is None:
+        run_dir = Path(cfg.run.out_dir) / cfg.run.name if resume else make_run_dir(cfg)
+    run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    (run_dir / "config_hash").write_text(cfg.hash() + "\n")
-    determinism.write_policy(cfg, run_dir / "determinism.json")
+    policy = determinism.policy_record(cfg)
+    ckptr = Checkpointer(Path(cfg.ckpt.dir) if cfg.ckpt.dir else run_dir / "checkpoints", cfg)
 
     mesh = single_device_mesh()
     rep = replicated(mesh)
     trainer = Trainer(cfg)
-    state = compile_init(trainer, rep)(jax.random.key(cfg.train.seed))
-    step_fn = compile_train_step(trainer, rep, rep)
-    batches = BatchIterator(make_dataset(cfg), start_step=int(state.step))
+    abstract = trainer.abstract_state()
+    state_shardings = jax.tree.map(lambda _: rep, abstract)
+    batches = BatchIterator(make_dataset(cfg))
+    history: list[dict[str, Any]] = []
 
+    if resume and ckptr.latest_step() is not None:
+        state, data_state, meta = ckptr.restore(abstract, state_shardings)
+        batches.set_state(data_state)
+        history = list(meta["fingerprints"])
+        drift = _policy_drift(meta["policy"], policy)
+        if drift:
+            print(
+                "warning: resuming under a different environment (outside the determinism promise):\n  "
+                + "\n  ".join(drift),
+                file=sys.stderr,
+            )
+        print(f"resumed from {ckptr.directory}/{meta['step']} (step {meta['step']})", file=sys.stderr)
+    else:
+        if resume:
+            print(f"no checkpoint in {ckptr.directory}; starting from step 0", file=sys.stderr)
+        state = compile_init(trainer, rep)(jax.random.key(cfg.train.seed))
+    if after_restore is not None:
+        state, batches = after_restore(state, batches)
+
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    (run_dir / "config_hash").write_text(cfg.hash() + "\n")
+    with open(run_dir / "determinism.json", "w") as f:
+        json.dump(policy, f, indent=2, sort_keys=True)
+
+    step_fn = compile_train_step(trainer, rep, rep)
     t = cfg.train
+    start = int(jax.device_get(state.step))
+    end = min(t.steps, cfg.run.stop_after) if cfg.run.stop_after else t.steps
     tokens_per_step = t.global_batch * t.seq_len
-    records: list[dict[str, Any]] = []
-    fp_file = (run_dir / "fingerprints.jsonl").open("w") if cfg.run.fingerprints else None
-    metrics_file = (run_dir / "metrics.jsonl").open("w")
-    bar = tqdm(total=t.steps, disable=not cfg.run.progress, desc=cfg.run.name, dynamic_ncols=True)
+    records = history
+    fp_file = None
+    if cfg.run.fingerprints:
+        # Rewritten from the checkpoint's history: steps after the checkpoint are redone, bit for bit.
+        fp_file = (run_dir / "fingerprints.jsonl").open("w")
+        for r in records:
+            fp_file.write(fp.dumps(r) + "\n")
+    metrics_file = (run_dir / "metrics.jsonl").open("a")
+    bar = tqdm(total=end, initial=start, disable=not cfg.run.progress, desc=cfg.run.name, dynamic_ncols=True)
     t_last = time.perf_counter()
+    kill_at = int(os.environ.get(KILL_DURING_SAVE_ENV, "-1"))
 
     def emit(step: int, metrics: Any) -> None:
         nonlocal t_last
@@ -91,6 +176,7 @@ def train(cfg: Config, run_dir: Path | None = None) -> RunResult:
             rec = fp.record(step, host)
             records.append(rec)
             fp_file.write(fp.dumps(rec) + "\n")
+            fp_file.flush()
         bar.set_postfix(loss=f"{line['lm_loss']:.4f}", tok_s=f"{tok_s:,.0f}")
         bar.update(1)
         if cfg.run.log_every and (step % cfg.run.log_every == 0 or step == t.steps - 1):
@@ -99,29 +185,53 @@ def train(cfg: Config, run_dir: Path | None = None) -> RunResult:
                 f"aux {line['aux_loss']:.4f}  gnorm {line['grad_norm']:.3f}  {tok_s:,.0f} tok/s"
             )
 
+    def save(done: int) -> None:
+        ckptr.save(state, batches.get_state(), records, policy)
+        if done == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
     pending = None
-    for step in range(int(state.step), t.steps):
-        batch = jax.device_put(np.asarray(next(batches)), rep)
-        state, metrics = step_fn(state, batch)
+    stopped_by = "steps" if end == t.steps else "stop_after"
+    saved_at = start
+    with _Signals() as sig:
+        for step in range(start, end):
+            state, metrics = step_fn(state, jax.device_put(np.asarray(next(batches)), rep))
+            if pending is not None:
+                emit(*pending)
+            pending = (step, metrics)
+            done = step + 1
+            if ckptr.should_save(done) or sig.received is not None:
+                emit(*pending)  # the saved fingerprint history must reach this step
+                pending = None
+                save(done)
+                saved_at = done
+            if sig.received is not None:
+                stopped_by = "signal"
+                print(f"received signal {sig.received}: saved step {done}, exiting", file=sys.stderr)
+                break
         if pending is not None:
             emit(*pending)
-        pending = (step, metrics)
-    if pending is not None:
-        emit(*pending)
+        final = int(jax.device_get(state.step))
+        if final != saved_at:
+            save(final)
+        ckptr.wait()
+        ckptr.close()
     bar.close()
     metrics_file.close()
     if fp_file is not None:
         fp_file.close()
-    np.savez(run_dir / "final_params.npz", **flat_params(state.params))
-    return RunResult(run_dir, state, records)
+    if cfg.run.save_final_params and stopped_by == "steps":
+        np.savez(run_dir / "final_params.npz", **flat_params(state.params))
+    return RunResult(run_dir, state, records, stopped_by)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m detjax.train", description="Train the detjax hybrid LM.")
     ap.add_argument("--config", required=True, help="YAML config file, e.g. configs/tiny.yaml")
     ap.add_argument("--run-dir", default=None, help="exact run directory (default: run.out_dir/run.name[-N])")
+    ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 model.d_model=128")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         # Before anything imports jax: XLA reads XLA_FLAGS once, when its backends start.
@@ -130,8 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, determinism.DeterminismError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = train(cfg, Path(args.run_dir) if args.run_dir else None)
-    print(f"run directory: {result.run_dir}")
+    from detjax.ckpt import CheckpointError
+
+    try:
+        result = train(cfg, Path(args.run_dir) if args.run_dir else None, resume=args.resume or None)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"run directory: {result.run_dir} (stopped by {result.stopped_by})")
     return 0
 
 

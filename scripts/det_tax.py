@@ -89,8 +89,19 @@ def main() -> int:
     for r in range(a.rounds):
         for mode in modes:
             env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-            cmd = [sys.executable, __file__, "--config", a.config, "--steps", str(a.steps), "--warmup",
-                   str(a.warmup), "--worker", mode, *a.overrides]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--config",
+                a.config,
+                "--steps",
+                str(a.steps),
+                "--warmup",
+                str(a.warmup),
+                "--worker",
+                mode,
+                *a.overrides,
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
             if out.returncode or not line:
@@ -98,12 +109,17 @@ def main() -> int:
                 return 1
             res = json.loads(line[0][7:])
             results[mode].append(res)
-            print(f"round {r} {mode:7s} median {res['median_ms']:.2f} ms  (min {res['min_ms']:.2f}, "
-                  f"max {res['max_ms']:.2f}; first step {res['first_step_s']:.1f} s)", flush=True)
+            print(
+                f"round {r} {mode:7s} median {res['median_ms']:.2f} ms  (min {res['min_ms']:.2f}, "
+                f"max {res['max_ms']:.2f}; first step {res['first_step_s']:.1f} s)",
+                flush=True,
+            )
     base = statistics.median(x["median_ms"] for x in results[modes[0]])
     any_res = results[modes[0]][0]
-    print(f"\n{any_res['device']}, jax {any_res['jax']}, {any_res['tokens_per_step']} tokens/step, "
-          f"{a.rounds} rounds x {a.steps} timed steps")
+    print(
+        f"\n{any_res['device']}, jax {any_res['jax']}, {any_res['tokens_per_step']} tokens/step, "
+        f"{a.rounds} rounds x {a.steps} timed steps"
+    )
     print(f"| mode | median step (ms) | tokens/s | tax vs {modes[0]} |")
     print("|---|---|---|---|")
     for mode in modes:

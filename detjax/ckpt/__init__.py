@@ -1,0 +1,5 @@
+"""Orbax checkpoints that restore every tracked bit: state, data iterator, RNG, fingerprints, config."""
+
+from detjax.ckpt.manager import Checkpointer, CheckpointError
+
+__all__ = ["CheckpointError", "Checkpointer"]

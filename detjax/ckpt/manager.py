@@ -1,0 +1,254 @@
+"""One Orbax CheckpointManager step = the whole run state.
+
+Items per step:
+  state  TrainState as a pytree (step, fp32 masters, optimizer state, RNG key *data* — typed keys are
+         stored as their uint32 data plus the impl name so that restore into an abstract target works —
+         and every extra collection: low-precision copies, scales, amax histories)
+  data   Grain iterator state
+  meta   step, resolved config, its hash, determinism policy record, per-leaf dtype/shape/digest, and the
+         fingerprint history up to this step
+
+Orbax writes each step into a temporary directory and renames it when complete, so a process killed
+mid-save leaves nothing that `latest_step` treats as complete. On restore the saved leaf dtypes/shapes and
+the config are checked against the target *before* reading arrays, and every restored leaf's digest is
+checked against the one written at save time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from detjax import fingerprint as fp
+from detjax.config import RESUME_MUTABLE_SECTIONS, Config, config_from_dict
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not match the run it is restored into."""
+
+
+def _to_saveable(state: Any) -> dict[str, Any]:
+    return {
+        "step": state.step,
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "rng": jax.random.key_data(state.rng),
+        "collections": state.collections,
+    }
+
+
+def _leaf_table(tree: Any) -> dict[str, dict[str, Any]]:
+    return {
+        jax.tree_util.keystr(p): {"dtype": str(x.dtype), "shape": list(x.shape)}
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+@jax.jit
+def _leaf_digests(tree: Any) -> list[jax.Array]:
+    return [fp.tensor_digest(x) for x in jax.tree.leaves(tree)]
+
+
+def leaf_digests(tree: Any) -> dict[str, str]:
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return dict(zip(paths, (fp.digest_hex(d) for d in jax.device_get(_leaf_digests(tree))), strict=True))
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(saved) | set(current)):
+        a, b = saved.get(k), current.get(k)
+        key = f"{prefix}{k}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, key + ".")
+        elif a != b:
+            out.append(f"{key}: saved {a!r}, now {b!r}")
+    return out
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, cfg: Config) -> None:
+        self.directory = Path(directory).absolute()
+        self.cfg = cfg
+        c = cfg.ckpt
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=c.keep,
+                save_interval_steps=1,  # detjax decides when to save; see should_save
+                enable_async_checkpointing=c.async_save,
+                create=True,
+            ),
+            item_names=("state", "data", "meta"),
+        )
+
+    # ------------------------------------------------------------------------------------------- save
+
+    def should_save(self, step: int) -> bool:
+        return self.cfg.ckpt.every > 0 and step % self.cfg.ckpt.every == 0
+
+    def save(
+        self, state: Any, data_state: dict[str, Any], history: list[dict[str, Any]], policy: dict[str, Any]
+    ) -> int:
+        """Start an (async) save of `state` at step = state.step; returns that step."""
+        step = int(jax.device_get(state.step))
+        if int(data_state["next_step"]) != step:
+            raise CheckpointError(
+                f"refusing to save: data iterator is at step {data_state['next_step']} but the state is at step "
+                f"{step}; they must agree or the resumed run would read other batches"
+            )
+        tree = _to_saveable(state)
+        meta = {
+            "step": step,
+            "config": self.cfg.to_dict(),
+            "config_hash": self.cfg.hash(),
+            "policy": policy,
+            "rng_impl": str(jax.random.key_impl(state.rng)),
+            "leaves": _leaf_table(tree),
+            "digests": leaf_digests(tree),
+            "fingerprints": [r for r in history if r["step"] < step],
+        }
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(tree),
+                data=ocp.args.JsonSave(data_state),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        )
+        return step
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    # ---------------------------------------------------------------------------------------- restore
+
+    def latest_step(self) -> int | None:
+        self.manager.reload()
+        return self.manager.latest_step()
+
+    def _read_meta(self, step: int) -> dict[str, Any]:
+        path = self.directory / str(step) / "meta"
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # orbax raises several types for unreadable JSON
+            raise CheckpointError(f"checkpoint step {step}: item 'meta' at {path} is unreadable ({e})") from e
+
+    def check_compatible(self, meta: dict[str, Any], abstract_saveable: dict[str, Any]) -> None:
+        """Config hash, then every leaf's dtype and shape, before any array is read."""
+        if meta.get("config_hash") != self.cfg.hash():
+            saved = config_from_dict(meta["config"]).trajectory_dict()
+            diffs = config_differences(saved, self.cfg.trajectory_dict())
+            raise CheckpointError(
+                "checkpoint was written by a run with another trajectory config:\n  "
+                + "\n  ".join(diffs or ["(config hash differs)"])
+                + f"\nOnly these sections may change on resume: {list(RESUME_MUTABLE_SECTIONS)}. Fix: resume with "
+                "the saved values (see config.yaml in the run directory) or start a new run"
+            )
+        want = _leaf_table(abstract_saveable)
+        saved = meta["leaves"]
+        for k in sorted(set(want) | set(saved)):
+            if k not in saved or k not in want:
+                where = "checkpoint" if k not in saved else "target state"
+                raise CheckpointError(
+                    f"leaf state{k} is missing from the {where}. Fix: resume with the same model"
+                )
+            if saved[k] != want[k]:
+                raise CheckpointError(
+                    f"leaf state{k}: checkpoint has dtype {saved[k]['dtype']} shape {saved[k]['shape']}, target has "
+                    f"dtype {want[k]['dtype']} shape {want[k]['shape']}; refusing to cast or reshape. Fix: resume "
+                    "with the config that wrote the checkpoint"
+                )
+
+    def restore(self, abstract_state: Any, shardings: Any, step: int | None = None):
+        """Restore (state, data_state, meta) into the given target shardings, fully checked."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(
+                f"no complete checkpoint in {self.directory}. Fix: check ckpt.dir / --run-dir"
+            )
+        meta = self._read_meta(step)
+        abstract = jax.eval_shape(_to_saveable, abstract_state)
+        self.check_compatible(meta, abstract)
+        target = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract,
+            _to_saveable_shardings(shardings),
+        )
+        try:
+            got = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target),
+                    data=ocp.args.JsonRestore(),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory}: reading the items failed ({type(e).__name__}: {e}). "
+                "The checkpoint is corrupt or incomplete. Fix: resume from an earlier step (ckpt keeps "
+                f"{self.cfg.ckpt.keep}) or restart"
+            ) from e
+        tree, data_state = got["state"], got["data"]
+        digests = leaf_digests(tree)
+        bad = [k for k in meta["digests"] if digests.get(k) != meta["digests"][k]]
+        if bad:
+            k = bad[0]
+            raise CheckpointError(
+                f"checkpoint step {step}: item 'state' leaf {k} has digest {digests.get(k)} after restore but "
+                f"{meta['digests'][k]} was written at save ({len(bad)} leaf/leaves differ). The checkpoint is "
+                "corrupt. Fix: resume from an earlier step or restart"
+            )
+        if int(data_state.get("next_step", -1)) != step or int(jax.device_get(tree["step"])) != step:
+            raise CheckpointError(
+                f"checkpoint step {step}: data iterator state says next step {data_state.get('next_step')}, train "
+                f"state says step {int(jax.device_get(tree['step']))}; they must agree. The checkpoint is inconsistent"
+            )
+        impl = meta.get("rng_impl")
+        rng = jax.random.wrap_key_data(tree["rng"], impl=_impl_name(impl))
+        state = abstract_state.replace(
+            step=tree["step"],
+            params=tree["params"],
+            opt_state=tree["opt_state"],
+            rng=rng,
+            collections=tree["collections"],
+        )
+        return state, data_state, meta
+
+
+def _impl_name(impl: str | None) -> str:
+    # str(key_impl) looks like "PRNGImpl(threefry2x32)" or "threefry2x32" depending on the jax version
+    if impl is None:
+        return "threefry2x32"
+    return impl[impl.find("(") + 1 : impl.rfind(")")] if "(" in impl else impl
+
+
+def _to_saveable_shardings(state_sharding: Any) -> dict[str, Any]:
+    return {
+        "step": state_sharding.step,
+        "params": state_sharding.params,
+        "opt_state": state_sharding.opt_state,
+        "rng": state_sharding.rng,
+        "collections": state_sharding.collections,
+    }
+
+
+def host_bytes(tree: Any) -> dict[str, bytes]:
+    """Exact bytes of every leaf (typed keys as key data): for byte-level equality in tests and tools."""
+    out = {}
+    for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        a = np.asarray(jax.device_get(x))
+        out[jax.tree_util.keystr(p)] = a.dtype.str.encode() + str(a.shape).encode() + a.tobytes()
+    return out
