@@ -72,11 +72,7 @@ def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[s
         if ra is None or rb is None:
             return {"step": step, "fields": [], "note": f"step {step} is only in run {'A' if ra else 'B'}"}
         fa, fb = _flatten(ra), _flatten(rb)
-        diffs = [
-            (k, fa.get(k), fb.get(k))
-            for k in sorted(set(fa) | set(fb))
-            if _exact(fa.get(k)) != _exact(fb.get(k))
-        ]
+        diffs = [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if _exact(fa.get(k)) != _exact(fb.get(k))]
         if diffs:
             return {"step": step, "fields": diffs, "note": ""}
     return None

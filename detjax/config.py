@@ -216,9 +216,7 @@ class RunConfig:
     fingerprints: bool = True
     progress: bool = True
     save_final_params: bool = True
-    stop_after: int = (
-        0  # >0: stop (with a checkpoint) once the state has this many steps; 0: run to train.steps
-    )
+    stop_after: int = 0  # >0: stop (with a checkpoint) once the state has this many steps; 0: run to train.steps
 
     def validate(self) -> None:
         if self.stop_after < 0:
@@ -268,9 +266,7 @@ class Config:
                 "choose a chunk_size dividing seq_len",
             )
         if m.mtp.depth and t.seq_len < 3:
-            _fail(
-                "train.seq_len", t.seq_len, "the MTP head needs seq_len >= 3", "raise seq_len or mtp.depth=0"
-            )
+            _fail("train.seq_len", t.seq_len, "the MTP head needs seq_len >= 3", "raise seq_len or mtp.depth=0")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -372,9 +368,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError(
-                f"config file '{p}' must hold a mapping at top level, got {type(loaded).__name__}"
-            )
+            raise ConfigError(f"config file '{p}' must hold a mapping at top level, got {type(loaded).__name__}")
         tree = loaded
     for ov in overrides:
         if "=" not in ov:

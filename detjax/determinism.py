@@ -138,8 +138,7 @@ def policy_record(cfg: Config) -> dict[str, Any]:
         "versions": {
             "python": platform.python_version(),
             **{
-                p: _version(p)
-                for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "grain", "numpy")
+                p: _version(p) for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "grain", "numpy")
             },
         },
         "platform": devices[0].platform,

@@ -27,7 +27,5 @@ def _decay_mask(params):
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(t.clip_norm),
-        optax.adamw(
-            lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=_decay_mask
-        ),
+        optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=_decay_mask),
     )

@@ -64,9 +64,7 @@ class Trainer:
     def loss_terms(self, params, tokens_BL1: jax.Array, key: jax.Array):
         """Per-microbatch sums: (lm CE sum, MTP CE sum, aux loss)."""
         ids_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
-        logits, mtp_logits, aux = self.model.apply(
-            {"params": params}, ids_BL, train=True, rngs={"dropout": key}
-        )
+        logits, mtp_logits, aux = self.model.apply({"params": params}, ids_BL, train=True, rngs={"dropout": key})
         lm_sum = token_ce_sum(logits, targets_BL)
         mtp_sum = token_ce_sum(mtp_logits, targets_BL[:, 1:]) if mtp_logits is not None else jnp.zeros(())
         return lm_sum, mtp_sum, aux
@@ -82,19 +80,13 @@ class Trainer:
         def objective(params, tokens, key):
             lm_sum, mtp_sum, aux = self.loss_terms(params, tokens, key)
             # Gradients are of token-loss *sums*; the division by the token count happens once, at the end.
-            j = (
-                lm_sum
-                + m.mtp.loss_coef * mtp_sum * (n_tok / n_mtp)
-                + m.moe.aux_loss_coef * aux * (n_tok / n_micro)
-            )
+            j = lm_sum + m.mtp.loss_coef * mtp_sum * (n_tok / n_mtp) + m.moe.aux_loss_coef * aux * (n_tok / n_micro)
             return j, (lm_sum, mtp_sum, aux)
 
         def micro(carry, xs):
             g_acc, sums = carry
             tokens, i = xs
-            g, terms = jax.grad(objective, has_aux=True)(
-                state.params, tokens, jax.random.fold_in(step_key, i)
-            )
+            g, terms = jax.grad(objective, has_aux=True)(state.params, tokens, jax.random.fold_in(step_key, i))
             g_acc = jax.tree.map(jnp.add, g_acc, g)
             return (g_acc, jax.tree.map(jnp.add, sums, terms)), None
 

@@ -30,6 +30,7 @@ class RunResult:
     state: Any
     records: list[dict[str, Any]]
     stopped_by: str  # "steps", "stop_after" or "signal"
+    data_state: dict[str, Any]
 
 
 def make_run_dir(cfg: Config) -> Path:
@@ -47,9 +48,7 @@ def flat_params(params: Any) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    return {
-        jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
 class _Signals:
@@ -222,7 +221,7 @@ def train(
         fp_file.close()
     if cfg.run.save_final_params and stopped_by == "steps":
         np.savez(run_dir / "final_params.npz", **flat_params(state.params))
-    return RunResult(run_dir, state, records, stopped_by)
+    return RunResult(run_dir, state, records, stopped_by, batches.get_state())
 
 
 def main(argv: list[str] | None = None) -> int:

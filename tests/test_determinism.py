@@ -12,9 +12,7 @@ from detjax.config import load_config
 
 def test_strict_refuses_scatter_add_combine(tiny_path):
     cfg = load_config(tiny_path, ["model.moe.combine=scatter_add"])
-    with pytest.raises(
-        determinism.DeterminismError, match=r"model\.moe\.combine.*Fix: use model\.moe\.combine=gather"
-    ):
+    with pytest.raises(determinism.DeterminismError, match=r"model\.moe\.combine.*Fix: use model\.moe\.combine=gather"):
         determinism.check_features(cfg)
 
 

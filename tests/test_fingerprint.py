@@ -41,6 +41,4 @@ def test_row_permutation_caught_by_row_digest_not_by_xor():
 def test_tree_digest_sees_moved_leaves():
     a, b = jnp.ones(3), jnp.zeros(3)
     assert digest_hex(tree_digest({"x": a, "y": b})) != digest_hex(tree_digest({"x": b, "y": a}))
-    assert digest_hex(tree_digest({"k": jax.random.key(1)})) != digest_hex(
-        tree_digest({"k": jax.random.key(2)})
-    )
+    assert digest_hex(tree_digest({"k": jax.random.key(1)})) != digest_hex(tree_digest({"k": jax.random.key(2)}))

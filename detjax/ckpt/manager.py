@@ -159,9 +159,7 @@ class Checkpointer:
         for k in sorted(set(want) | set(saved)):
             if k not in saved or k not in want:
                 where = "checkpoint" if k not in saved else "target state"
-                raise CheckpointError(
-                    f"leaf state{k} is missing from the {where}. Fix: resume with the same model"
-                )
+                raise CheckpointError(f"leaf state{k} is missing from the {where}. Fix: resume with the same model")
             if saved[k] != want[k]:
                 raise CheckpointError(
                     f"leaf state{k}: checkpoint has dtype {saved[k]['dtype']} shape {saved[k]['shape']}, target has "
@@ -173,9 +171,7 @@ class Checkpointer:
         """Restore (state, data_state, meta) into the given target shardings, fully checked."""
         step = self.latest_step() if step is None else step
         if step is None:
-            raise CheckpointError(
-                f"no complete checkpoint in {self.directory}. Fix: check ckpt.dir / --run-dir"
-            )
+            raise CheckpointError(f"no complete checkpoint in {self.directory}. Fix: check ckpt.dir / --run-dir")
         meta = self._read_meta(step)
         abstract = jax.eval_shape(_to_saveable, abstract_state)
         self.check_compatible(meta, abstract)

@@ -65,12 +65,7 @@ def make_dataset(cfg: Config, tokens: np.ndarray | None = None) -> grain.MapData
             f"the corpus has {len(src)} windows of {t.seq_len + 1} tokens, fewer than train.global_batch="
             f"{t.global_batch}. Fix: use more data or a smaller batch / seq_len"
         )
-    return (
-        grain.MapDataset.source(src)
-        .shuffle(seed=t.seed)
-        .repeat(None)
-        .batch(t.global_batch, drop_remainder=True)
-    )
+    return grain.MapDataset.source(src).shuffle(seed=t.seed).repeat(None).batch(t.global_batch, drop_remainder=True)
 
 
 class BatchIterator:

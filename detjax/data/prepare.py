@@ -20,15 +20,11 @@ def prepare(pattern: str, out_dir: str, docs_per_shard: int = 1000, split_lines:
 
     paths = sorted(glob.glob(pattern, recursive=True))
     if not paths:
-        raise SystemExit(
-            f"error: --input {pattern!r} matches no files. Fix: quote the glob and check the path"
-        )
+        raise SystemExit(f"error: --input {pattern!r} matches no files. Fix: quote the glob and check the path")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if any(out.glob("*.arrayrecord")):
-        raise SystemExit(
-            f"error: {out} already holds *.arrayrecord shards; refusing to mix. Fix: pick an empty dir"
-        )
+        raise SystemExit(f"error: {out} already holds *.arrayrecord shards; refusing to mix. Fix: pick an empty dir")
     docs: list[str] = []
     for p in paths:
         text = Path(p).read_text(encoding="utf-8", errors="replace")

@@ -17,9 +17,7 @@ def normal_init(std: float) -> nn.initializers.Initializer:
 
 def proj(spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Einsum in the compute dtype with fp32 accumulation; fp32 masters are cast at use."""
-    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(
-        dtype
-    )
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -86,9 +84,7 @@ class Embed(nn.Module):
 
     @nn.compact
     def __call__(self, ids_BL: jax.Array) -> jax.Array:
-        table_VD = self.param(
-            "table", normal_init(self.init_std), (self.vocab_size, self.d_model), jnp.float32
-        )
+        table_VD = self.param("table", normal_init(self.init_std), (self.vocab_size, self.d_model), jnp.float32)
         return embed_lookup(table_VD, ids_BL)
 
 

@@ -63,12 +63,8 @@ class HybridLM(nn.Module):
         if c.mtp.depth:
             self.mtp_norm_h = RMSNorm(c.norm_eps)
             self.mtp_norm_e = RMSNorm(c.norm_eps)
-            self.w_mtp_2DD = self.param(
-                "w_mtp_proj", normal_init(c.init_std), (2, c.d_model, c.d_model), jnp.float32
-            )
-            self.mtp_layers = [
-                Block(c, letter, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)
-            ]
+            self.w_mtp_2DD = self.param("w_mtp_proj", normal_init(c.init_std), (2, c.d_model, c.d_model), jnp.float32)
+            self.mtp_layers = [Block(c, letter, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)]
             self.mtp_final_norm = RMSNorm(c.norm_eps)
 
     def head(self, h_BLD: jax.Array) -> jax.Array:
@@ -89,8 +85,7 @@ class HybridLM(nn.Module):
             hn, en = self.mtp_norm_h(h_BLD[:, :-1]), self.mtp_norm_e(e_BLD)
             dtype = DTYPES[c.compute_dtype]
             m_BLD = (
-                proj("bld,de->ble", hn, self.w_mtp_2DD[0], dtype)
-                + proj("bld,de->ble", en, self.w_mtp_2DD[1], dtype)
+                proj("bld,de->ble", hn, self.w_mtp_2DD[0], dtype) + proj("bld,de->ble", en, self.w_mtp_2DD[1], dtype)
             ).astype(jnp.float32)
             for layer in self.mtp_layers:
                 m_BLD, a = layer(m_BLD, train)

@@ -50,9 +50,7 @@ class Mamba2(nn.Module):
         conv_dim = d_inner + 2 * n
         init = normal_init(self.init_std)
         w_in_DM = self.param("w_in", init, (self.d_model, 2 * d_inner + 2 * n + heads), jnp.float32)
-        w_conv_WM = self.param(
-            "w_conv", normal_init(1.0 / math.sqrt(c.d_conv)), (c.d_conv, conv_dim), jnp.float32
-        )
+        w_conv_WM = self.param("w_conv", normal_init(1.0 / math.sqrt(c.d_conv)), (c.d_conv, conv_dim), jnp.float32)
         b_conv_M = self.param("b_conv", nn.initializers.zeros, (conv_dim,), jnp.float32)
         dt_bias_H = self.param("dt_bias", _dt_bias_init, (heads,), jnp.float32)
         a_log_H = self.param("a_log", _a_log_init, (heads,), jnp.float32)

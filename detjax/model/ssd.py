@@ -27,9 +27,7 @@ def ssd_chunked(x_BLHP, a_BLH, b_BLN, c_BLN, chunk: int) -> jax.Array:
     bsz, length, heads, p = x_BLHP.shape
     n = b_BLN.shape[-1]
     if length % chunk:
-        raise ValueError(
-            f"SSD length {length} is not divisible by chunk {chunk}; choose chunk dividing seq_len"
-        )
+        raise ValueError(f"SSD length {length} is not divisible by chunk {chunk}; choose chunk dividing seq_len")
     nc = length // chunk
     x_BCLHP = x_BLHP.reshape(bsz, nc, chunk, heads, p)
     a_BHCL = a_BLH.reshape(bsz, nc, chunk, heads).transpose(0, 3, 1, 2)
