@@ -238,8 +238,58 @@ class CheckpointConfig:
             _fail("ckpt.keep", self.keep, "must keep at least one checkpoint", "use keep >= 1")
 
 
+@dataclass(frozen=True)
+class TraceConfig:
+    """First-divergence capture (docs/TRACING.md). Capture never changes the trajectory."""
+
+    level: Literal["none", "phase", "module", "op"] = "none"
+    steps: str = ""  # comma-separated steps to capture, e.g. "3" or "3,4"
+    scope: str = ""  # regex searched in module paths / op scopes; "" = everything
+
+    def step_list(self) -> list[int]:
+        try:
+            return sorted({int(s) for s in self.steps.split(",") if s.strip()})
+        except ValueError:
+            _fail("trace.steps", self.steps, "must be comma-separated step numbers", "write e.g. trace.steps=3,4")
+
+    def validate(self) -> None:
+        steps = self.step_list()
+        if self.level != "none" and not steps:
+            _fail("trace.steps", self.steps, f"trace.level={self.level} needs steps to capture", "set trace.steps=N")
+        _check_regex("trace.scope", self.scope)
+
+
+@dataclass(frozen=True)
+class InjectConfig:
+    scope: str = ""  # module-path regex (e.g. "layer_1/mixer$") or "optimizer"; "" = off
+    step: int = -1
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    # Fault injection for testing the tracer: perturbs the output of the matching module(s) at `step` by one
+    # ulp at a position drawn from os.urandom, so two runs differ there and only there.
+    inject_nondeterminism: InjectConfig = field(default_factory=InjectConfig)
+    allow_injection_in_strict: bool = False
+
+    def validate(self) -> None:
+        inj = self.inject_nondeterminism
+        _check_regex("debug.inject_nondeterminism.scope", inj.scope)
+        if inj.scope and inj.step < 0:
+            _fail("debug.inject_nondeterminism.step", inj.step, "injection needs a step", "set step: N (N >= 0)")
+
+
+def _check_regex(key: str, pattern: str) -> None:
+    import re
+
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        _fail(key, pattern, f"is not a valid regular expression ({e})", "escape special characters")
+
+
 # Sections that may change between a save and a resume: they never touch the trajectory.
-RESUME_MUTABLE_SECTIONS = ("run", "ckpt")
+RESUME_MUTABLE_SECTIONS = ("run", "ckpt", "trace")
 
 
 @dataclass(frozen=True)
@@ -250,8 +300,12 @@ class Config:
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
     run: RunConfig = field(default_factory=RunConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __post_init__(self) -> None:
+        self.trace.validate()
+        self.debug.validate()
         self.model.validate()
         self.train.validate()
         self.data.validate()
@@ -312,6 +366,8 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             _fail(key, value, f"must be a float, got {type(value).__name__}", "write a number such as 3e-4")
         return float(value)
     if tp is str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)  # YAML reads `steps: 3` or `name: 7` as an int
         if not isinstance(value, str):
             _fail(key, value, f"must be a string, got {type(value).__name__}", "quote the value")
         return value

@@ -55,6 +55,12 @@ REFUSALS: tuple[Refusal, ...] = (
         "use model.moe.combine=gather (permutation + gather + fixed-order sum), or determinism.mode=off",
     ),
     Refusal(
+        "debug.inject_nondeterminism",
+        lambda c: bool(c.debug.inject_nondeterminism.scope) and not c.debug.allow_injection_in_strict,
+        "fault injection makes the run nondeterministic on purpose",
+        "set debug.allow_injection_in_strict=true to test the tracer, or determinism.mode=off",
+    ),
+    Refusal(
         "model.attention_impl",
         lambda c: c.model.attention_impl == "xla",
         "jax.nn.dot_product_attention may dispatch to a fused cuDNN kernel whose backward has no verified "

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import linen as nn
 from flax import struct
 
 from detjax import fingerprint as fp
 from detjax.config import Config
 from detjax.model import HybridLM
 from detjax.optim import lr_schedule, make_optimizer
+from detjax.trace import capture as cap
+from detjax.trace.inject import perturb
 
 # Purposes for key derivation: every key is fold_in(seed key, step, purpose, logical index).
 PURPOSE_INIT, PURPOSE_DROPOUT = 0, 1
@@ -43,13 +47,20 @@ def global_norm(tree: Any) -> jax.Array:
 
 
 class Trainer:
-    """Model, optimizer and the step function for one config."""
+    """Model, optimizer and the step function for one config.
 
-    def __init__(self, cfg: Config) -> None:
+    `capture` = "phase" or "module" adds on-device digests of phase / module inputs and outputs to the
+    step's metrics under "trace"; their static description is in `trace_meta` once the step is traced.
+    """
+
+    def __init__(self, cfg: Config, capture: str = "none", scope: str = "") -> None:
         self.cfg = cfg
         self.model = HybridLM(cfg.model)
         self.tx = make_optimizer(cfg.train)
         self.schedule = lr_schedule(cfg.train)
+        self.capture = capture
+        self.scope = scope
+        self.trace_meta: dict[str, list[dict[str, Any]]] = {}
 
     def init_state(self, seed_key: jax.Array) -> TrainState:
         t = self.cfg.train
@@ -61,12 +72,22 @@ class Trainer:
     def abstract_state(self) -> TrainState:
         return jax.eval_shape(self.init_state, jax.random.key(0))
 
-    def loss_terms(self, params, tokens_BL1: jax.Array, key: jax.Array):
+    def loss_terms(self, params, tokens_BL1: jax.Array, key: jax.Array, hooks: Any = None):
         """Per-microbatch sums: (lm CE sum, MTP CE sum, aux loss)."""
         ids_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
-        logits, mtp_logits, aux = self.model.apply({"params": params}, ids_BL, train=True, rngs={"dropout": key})
+        if hooks is None:
+            logits, mtp_logits, aux = self.model.apply({"params": params}, ids_BL, train=True, rngs={"dropout": key})
+        else:
+            with nn.intercept_methods(hooks):
+                logits, mtp_logits, aux = self.model.apply(
+                    {"params": params}, ids_BL, train=True, rngs={"dropout": key}
+                )
         lm_sum = token_ce_sum(logits, targets_BL)
         mtp_sum = token_ce_sum(mtp_logits, targets_BL[:, 1:]) if mtp_logits is not None else jnp.zeros(())
+        if self.capture == "phase":  # the forward phase's outputs: losses *and* logits (far more sensitive)
+            self._fwd_digests = [fp.tensor_digest(logits)] + (
+                [fp.tensor_digest(mtp_logits)] if mtp_logits is not None else []
+            )
         return lm_sum, mtp_sum, aux
 
     def train_step(self, state: TrainState, batch_GL1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
@@ -77,29 +98,60 @@ class Trainer:
         n_mtp = t.global_batch * (t.seq_len - 1)
         step_key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), PURPOSE_DROPOUT)
 
+        inj = cfg.debug.inject_nondeterminism
+        inject_modules = inj.scope if inj.scope and not re.search(inj.scope, "optimizer") else ""
+        capture = self.capture
+
         def objective(params, tokens, key):
-            lm_sum, mtp_sum, aux = self.loss_terms(params, tokens, key)
+            rec = cap.Recorder("module", self.scope) if capture == "module" else None
+            hooks = cap.ModuleHooks(rec, inject_modules, inj.step, state.step) if (rec or inject_modules) else None
+            token = cap.activate(rec)
+            try:
+                lm_sum, mtp_sum, aux = self.loss_terms(params, tokens, key, hooks)
+            finally:
+                cap.deactivate(token)
+            if rec is not None:
+                self.trace_meta["micro"] = rec.meta
+            fwd = getattr(self, "_fwd_digests", []) if capture == "phase" else []
             # Gradients are of token-loss *sums*; the division by the token count happens once, at the end.
             j = lm_sum + m.mtp.loss_coef * mtp_sum * (n_tok / n_mtp) + m.moe.aux_loss_coef * aux * (n_tok / n_micro)
-            return j, (lm_sum, mtp_sum, aux)
+            return j, ((lm_sum, mtp_sum, aux), rec.values if rec else fwd)
 
         def micro(carry, xs):
             g_acc, sums = carry
             tokens, i = xs
-            g, terms = jax.grad(objective, has_aux=True)(state.params, tokens, jax.random.fold_in(step_key, i))
-            g_acc = jax.tree.map(jnp.add, g_acc, g)
-            return (g_acc, jax.tree.map(jnp.add, sums, terms)), None
+            key = jax.random.fold_in(step_key, i)
+            g, (terms, values) = jax.grad(objective, has_aux=True)(state.params, tokens, key)
+            fwd_out = list(terms) + (list(values) if capture == "phase" else [])
+            with jax.named_scope("grad_accumulate"):
+                new_acc = jax.tree.map(jnp.add, g_acc, g)
+            if capture == "phase":
+                rec = cap.Recorder("phase")
+                fwd_in = [fp.tree_digest(state.params), tokens, key]
+                rec.add("phase", "forward", fwd_in, fwd_out)
+                rec.add("phase", "backward", fwd_in, [fp.tree_digest(g)])
+                rec.add(
+                    "phase", "grad_accumulate", [fp.tree_digest(g_acc), fp.tree_digest(g)], [fp.tree_digest(new_acc)]
+                )
+                self.trace_meta["micro"] = rec.meta
+                values = rec.values
+            return (new_acc, jax.tree.map(jnp.add, sums, terms)), values
 
         micro_tokens = batch_GL1.reshape(n_micro, t.micro_batch, -1)
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         zero_terms = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
         # Microbatches accumulate in index order (a fixed sequential order).
-        (g_sum, (lm_sum, mtp_sum, aux_sum)), _ = jax.lax.scan(
+        (g_sum, (lm_sum, mtp_sum, aux_sum)), micro_values = jax.lax.scan(
             micro, (zeros, zero_terms), (micro_tokens, jnp.arange(n_micro))
         )
-        grads = jax.tree.map(lambda g: g / n_tok, g_sum)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        with jax.named_scope("grad_scale"):
+            grads = jax.tree.map(lambda g: g / n_tok, g_sum)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+            if inj.scope and re.search(inj.scope, "optimizer"):
+                leaves, tree = jax.tree.flatten(updates)
+                updates = jax.tree.unflatten(tree, [perturb(leaves[0], state.step, inj.step), *leaves[1:]])
+            params = optax.apply_updates(state.params, updates)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         metrics: dict[str, Any] = {
             "lm_loss": lm_sum / n_tok,
@@ -108,6 +160,20 @@ class Trainer:
             "grad_norm": global_norm(grads),
             "lr": self.schedule(state.step),
         }
+        if capture == "phase":
+            rec = cap.Recorder("phase")
+            rec.add("phase", "grad_scale", [fp.tree_digest(g_sum)], [fp.tree_digest(grads)])
+            rec.add(
+                "phase",
+                "optimizer",
+                [fp.tree_digest(grads), fp.tree_digest(state.opt_state), fp.tree_digest(state.params)],
+                [fp.tree_digest(updates), fp.tree_digest(opt_state), fp.tree_digest(params)],
+            )
+            self.trace_meta["step"] = rec.meta
+            metrics["trace"] = {"micro": micro_values, "step": rec.values}
+        elif capture == "module":
+            self.trace_meta["step"] = []
+            metrics["trace"] = {"micro": micro_values, "step": []}
         if cfg.run.fingerprints:
             metrics["digest"] = {
                 "params": fp.tree_digest(params),
@@ -125,20 +191,34 @@ _COMPILED: dict[Any, Any] = {}
 
 def _cache_key(trainer: Trainer, kind: str, *shardings: Any) -> Any:
     c = trainer.cfg
-    return (kind, c.model, c.train, c.determinism, c.run.fingerprints, *shardings)
+    return (
+        kind,
+        c.model,
+        c.train,
+        c.determinism,
+        c.debug,
+        c.run.fingerprints,
+        trainer.capture,
+        trainer.scope,
+        *shardings,
+    )
 
 
 def compile_train_step(trainer: Trainer, state_sharding: Any, batch_sharding: Any):
     """The one jit of the train step: explicit shardings, state donated."""
     key = _cache_key(trainer, "step", state_sharding, batch_sharding)
     if key not in _COMPILED:
-        _COMPILED[key] = jax.jit(
-            trainer.train_step,
-            in_shardings=(state_sharding, batch_sharding),
-            out_shardings=(state_sharding, None),
-            donate_argnums=(0,),
+        _COMPILED[key] = (
+            jax.jit(
+                trainer.train_step,
+                in_shardings=(state_sharding, batch_sharding),
+                out_shardings=(state_sharding, None),
+                donate_argnums=(0,),
+            ),
+            trainer.trace_meta,
         )
-    return _COMPILED[key]
+    fn, trainer.trace_meta = _COMPILED[key]  # share the trace description filled when fn is traced
+    return fn
 
 
 def compile_init(trainer: Trainer, state_sharding: Any):

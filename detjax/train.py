@@ -83,6 +83,47 @@ def _policy_drift(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
 
 
+class _Tracer:
+    """Runs the capture variant of the step at trace.steps and appends its records to the trace stream."""
+
+    def __init__(self, cfg: Config, trainer: Any, run_dir: Path, sharding: Any) -> None:
+        self.cfg, self.trainer, self.run_dir, self.sharding = cfg, trainer, run_dir, sharding
+        self.steps = set(cfg.trace.step_list()) if cfg.trace.level != "none" else set()
+        self._fn = None
+        self._rec = None
+
+    def active(self, step: int) -> bool:
+        return step in self.steps
+
+    def step(self, step: int, state: Any, batch: Any):
+        import jax
+
+        from detjax.step import Trainer, compile_train_step
+        from detjax.trace import streams
+        from detjax.trace.opcapture import traced_step_fn
+
+        level, scope = self.cfg.trace.level, self.cfg.trace.scope
+        device = int(next(iter(self.sharding.device_set)).id)
+        if level == "op":
+            if self._fn is None:
+                from detjax.step import _cache_key
+
+                key = _cache_key(self.trainer, "op", self.sharding)
+                self._fn, self._rec = traced_step_fn(self.trainer.train_step, (state, batch), scope, key)
+            (state, metrics), values = self._fn(state, batch)
+            recs = streams.op_records(self._rec.meta, values, step)
+        else:
+            if self._fn is None:
+                self._trainer = Trainer(self.cfg, capture=level, scope=scope)
+                self._fn = compile_train_step(self._trainer, self.sharding, self.sharding)
+            state, metrics = self._fn(state, batch)
+            tr = metrics.pop("trace")
+            meta = self._trainer.trace_meta
+            recs = streams.capture_records(meta["micro"], tr["micro"], meta["step"], tr["step"], step, level)
+        streams.append(self.run_dir, device, recs)
+        return state, jax.tree.map(lambda x: x, metrics)
+
+
 def train(
     cfg: Config,
     run_dir: Path | None = None,
@@ -146,6 +187,7 @@ def train(
         json.dump(policy, f, indent=2, sort_keys=True)
 
     step_fn = compile_train_step(trainer, rep, rep)
+    tracer = _Tracer(cfg, trainer, run_dir, rep)
     t = cfg.train
     start = int(jax.device_get(state.step))
     end = min(t.steps, cfg.run.stop_after) if cfg.run.stop_after else t.steps
@@ -194,7 +236,11 @@ def train(
     saved_at = start
     with _Signals() as sig:
         for step in range(start, end):
-            state, metrics = step_fn(state, jax.device_put(np.asarray(next(batches)), rep))
+            batch = jax.device_put(np.asarray(next(batches)), rep)
+            if tracer.active(step):
+                state, metrics = tracer.step(step, state, batch)
+            else:
+                state, metrics = step_fn(state, batch)
             if pending is not None:
                 emit(*pending)
             pending = (step, metrics)

@@ -34,6 +34,16 @@ def _a_log_init(key, shape, dtype=jnp.float32):
     return jnp.log(jax.random.uniform(key, shape, dtype, minval=1.0, maxval=16.0))
 
 
+class SSD(nn.Module):
+    """The chunked SSD scan as its own module, so traces and fault injection can name it."""
+
+    chunk: int
+
+    @nn.compact
+    def __call__(self, x_BLHP, a_BLH, b_BLN, c_BLN) -> jax.Array:
+        return ssd_chunked(x_BLHP, a_BLH, b_BLN, c_BLN, self.chunk)
+
+
 class Mamba2(nn.Module):
     d_model: int
     cfg: MambaConfig
@@ -67,7 +77,7 @@ class Mamba2(nn.Module):
         x_BLHP = x_BLI.reshape(bsz, length, heads, p)
         dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + dt_bias_H[None, None, :])
         a_11H = -jnp.exp(a_log_H)[None, None, :]
-        y_BLHP = ssd_chunked(x_BLHP * dt_BLH[..., None], a_11H * dt_BLH, b_BLN, c_BLN, c.chunk_size)
+        y_BLHP = SSD(c.chunk_size, name="ssd")(x_BLHP * dt_BLH[..., None], a_11H * dt_BLH, b_BLN, c_BLN)
         y_BLHP = y_BLHP + d_skip_H[None, None, :, None] * x_BLHP
         y_BLI = y_BLHP.reshape(bsz, length, d_inner) * nn.silu(z_BLI.astype(jnp.float32))
         y_BLI = (

@@ -12,6 +12,7 @@ from flax import linen as nn
 
 from detjax.config import MoEConfig
 from detjax.model.layers import MLP, normal_init, permute_rows, proj
+from detjax.trace.capture import tap_rows
 
 
 def route(logits_TE: jax.Array, top_k: int, router: str) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -35,14 +36,28 @@ def load_balance_loss(idx_TX: jax.Array, probs_TE: jax.Array) -> jax.Array:
     return n_exp * jnp.sum(f_E * p_E)
 
 
-def grouped_ffn(x_RD, gs_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype) -> jax.Array:
-    """SwiGLU per expert over rows sorted by expert (R = T*X rows, group sizes gs_E)."""
+class Experts(nn.Module):
+    """SwiGLU per expert over rows sorted by expert (R = T*X rows, group sizes gs_E): grouped matmuls."""
 
-    def gmm(a, w):
-        return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)
+    n_experts: int
+    d_model: int
+    ffn_dim: int
+    init_std: float
+    dtype: jnp.dtype
 
-    h_RF = nn.silu(gmm(x_RD, w_gate_EDF)) * gmm(x_RD, w_up_EDF)
-    return gmm(h_RF.astype(dtype), w_down_EFD).astype(dtype)
+    @nn.compact
+    def __call__(self, x_RD: jax.Array, gs_E: jax.Array) -> jax.Array:
+        e, d, f, dtype = self.n_experts, self.d_model, self.ffn_dim, self.dtype
+        init = normal_init(self.init_std)
+        w_gate_EDF = self.param("w_gate", init, (e, d, f), jnp.float32)
+        w_up_EDF = self.param("w_up", init, (e, d, f), jnp.float32)
+        w_down_EFD = self.param("w_down", init, (e, f, d), jnp.float32)
+
+        def gmm(a, w):
+            return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)
+
+        h_RF = nn.silu(gmm(x_RD, w_gate_EDF)) * gmm(x_RD, w_up_EDF)
+        return gmm(h_RF.astype(dtype), w_down_EFD).astype(dtype)
 
 
 class MoE(nn.Module):
@@ -57,15 +72,13 @@ class MoE(nn.Module):
         e, f, d, k = c.n_experts, c.ffn_dim, self.d_model, c.top_k
         init = normal_init(self.init_std)
         w_router_DE = self.param("w_router", init, (d, e), jnp.float32)
-        w_gate_EDF = self.param("w_gate", init, (e, d, f), jnp.float32)
-        w_up_EDF = self.param("w_up", init, (e, d, f), jnp.float32)
-        w_down_EFD = self.param("w_down", init, (e, f, d), jnp.float32)
 
         bsz, length, _ = x_BLD.shape
         x_TD = x_BLD.reshape(bsz * length, d).astype(self.dtype)
         logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), w_router_DE)
         idx_TX, gate_TX, probs_TE = route(logits_TE, k, c.router)
         aux = load_balance_loss(idx_TX, probs_TE)
+        tap_rows(self, "routing", idx_TX)  # row-wise: a swapped pair of rows is caught
 
         # Sort the T*X (token, slot) rows by expert; the stable sort keeps global token order inside
         # each expert group, so an expert's rows (and its weight-gradient sum) are in token order.
@@ -73,9 +86,10 @@ class MoE(nn.Module):
         order_R = jnp.argsort(expert_R, stable=True)
         inv_R = jnp.argsort(order_R)
         gs_E = jnp.sum(jax.nn.one_hot(expert_R, e, dtype=jnp.int32), axis=0)
+        tap_rows(self, "dispatch_order", order_R)
         x_RD = jnp.broadcast_to(x_TD[:, None, :], (x_TD.shape[0], k, d)).reshape(-1, d)
         xs_RD = permute_rows(x_RD, order_R, inv_R)
-        ys_RD = grouped_ffn(xs_RD, gs_E, w_gate_EDF, w_up_EDF, w_down_EFD, self.dtype)
+        ys_RD = Experts(e, d, f, self.init_std, self.dtype, name="experts")(xs_RD, gs_E)
 
         if c.combine == "scatter_add":
             # fast, nondeterministic baseline (refused in strict mode): atomics accumulate per token
@@ -102,10 +116,12 @@ def moe_dense_reference(params, x_BLD, cfg: MoEConfig, dtype) -> tuple[jax.Array
     logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), params["w_router"])
     idx_TX, gate_TX, probs_TE = route(logits_TE, cfg.top_k, cfg.router)
 
+    w = params["experts"]
+
     def expert(ei, x_D):
-        g = proj("d,df->f", x_D, params["w_gate"][ei], dtype)
-        u = proj("d,df->f", x_D, params["w_up"][ei], dtype)
-        return proj("f,fd->d", nn.silu(g) * u, params["w_down"][ei], dtype)
+        g = proj("d,df->f", x_D, w["w_gate"][ei], dtype)
+        u = proj("d,df->f", x_D, w["w_up"][ei], dtype)
+        return proj("f,fd->d", nn.silu(g) * u, w["w_down"][ei], dtype)
 
     def per_token(x_D, idx_X, gate_X):
         out = jnp.zeros((d,), dtype)

@@ -1,0 +1,1 @@
+"""First-divergence tracing: capture at step / phase / module / op level, offline comparison, hunt."""

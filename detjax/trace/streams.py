@@ -1,0 +1,69 @@
+"""Append-only trace streams: one JSON line per record, one file per device shard, under <run>/trace/."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from detjax import fingerprint as fp
+
+
+def stream_path(run_dir: Path, device_id: int) -> Path:
+    return Path(run_dir) / "trace" / f"stream-d{device_id}.jsonl"
+
+
+def append(run_dir: Path, device_id: int, records: list[dict[str, Any]]) -> None:
+    p = stream_path(run_dir, device_id)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("a") as f:
+        for r in records:
+            f.write(json.dumps(r, sort_keys=True) + "\n")
+
+
+def _split(meta: dict[str, Any], row: Any) -> tuple[list[str], list[str]]:
+    digs = [fp.digest_hex(r) for r in row]
+    if meta.get("rowwise"):
+        return [], ["".join(digs)]
+    return digs[: meta["n_in"]], digs[meta["n_in"] :]
+
+
+def capture_records(meta_micro, values_micro, meta_step, values_step, step: int, level: str) -> list[dict[str, Any]]:
+    """Phase/module capture: values of microbatch records are stacked along the microbatch axis."""
+    vm = jax.device_get(values_micro)
+    vs = jax.device_get(values_step)
+    out = []
+    n_micro = len(vm[0]) if vm else 0
+    for mb in range(n_micro):
+        for m, v in zip(meta_micro, vm, strict=True):
+            ins, outs = _split(m, v[mb])
+            out.append(dict(m, level=level, step=step, micro=mb, inputs=ins, outputs=outs))
+    for m, v in zip(meta_step, vs, strict=True):
+        ins, outs = _split(m, v)
+        out.append(dict(m, level=level, step=step, inputs=ins, outputs=outs))
+    return out
+
+
+def op_records(meta: list[dict[str, Any]], values: list[Any], step: int) -> list[dict[str, Any]]:
+    """Op capture: records inside a scan are stacked along iterations; emit them iteration-major."""
+    vals = jax.device_get(values)
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(meta):
+        sid = meta[i].get("scan")
+        j = i
+        while j < len(meta) and meta[j].get("scan") == sid:
+            j += 1
+        if sid is None:
+            for k in range(i, j):
+                ins, outs = _split(meta[k], vals[k])
+                out.append(dict(meta[k], level="op", step=step, inputs=ins, outputs=outs))
+        else:
+            for it in range(len(vals[i])):
+                for k in range(i, j):
+                    ins, outs = _split(meta[k], vals[k][it])
+                    out.append(dict(meta[k], level="op", step=step, iteration=it, inputs=ins, outputs=outs))
+        i = j
+    return out
