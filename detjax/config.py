@@ -115,6 +115,8 @@ class ModelConfig:
     init_std: float = 0.02
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     attention_impl: Literal["reference", "xla"] = "reference"
+    # "pallas": fused RMSNorm and the embedding-gradient segment sum run as fixed-order Pallas kernels
+    kernels: Literal["reference", "pallas"] = "reference"
     mamba: MambaConfig = field(default_factory=MambaConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mtp: MTPConfig = field(default_factory=MTPConfig)
@@ -140,6 +142,13 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             _fail("model.head_dim", self.head_dim, "RoPE needs an even head_dim", "use an even head_dim")
+        if self.kernels == "pallas" and (self.d_model & (self.d_model - 1) or self.d_model % 32):
+            _fail(
+                "model.d_model",
+                self.d_model,
+                "the Pallas kernels need a power-of-two d_model >= 32",
+                "use e.g. 64 or 512, or model.kernels=reference",
+            )
         if not 0.0 <= self.dropout < 1.0:
             _fail("model.dropout", self.dropout, "must be in [0, 1)", "use e.g. 0.0 or 0.1")
         self.mamba.validate(self.d_model)
@@ -406,8 +415,8 @@ def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
         node = nxt
     try:
         node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override '{dotted}={raw}': value is not valid YAML ({e}). Fix: quote it") from e
+    except yaml.YAMLError:
+        node[parts[-1]] = raw  # not YAML (e.g. a pattern starting with '*'): the plain string; types still checked
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:

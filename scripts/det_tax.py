@@ -6,6 +6,7 @@ Modes (each a separate process, since XLA reads its flags once):
   fast        determinism.mode=off, scatter-add MoE combine, XLA/cuDNN attention: the fastest recipe
   off         determinism.mode=off with the deterministic model path (no XLA determinism flags)
   strict      determinism.mode=strict: XLA deterministic ops + pinned autotuning + deterministic path
+  pallas      determinism.mode=off + model.kernels=pallas (fixed-order Pallas RMSNorm / embedding grad)
 Rounds alternate the modes (fast, off, strict, fast, off, strict, ...) so drift hits all alike. Reported:
 median steady-state step time per mode (warm-up steps dropped; each step synchronised) and the tax
 (mode / fast - 1) x 100 %.
@@ -25,6 +26,8 @@ MODES = {
     "fast": ["determinism.mode=off", "model.moe.combine=scatter_add", "model.attention_impl=xla"],
     "off": ["determinism.mode=off"],
     "strict": ["determinism.mode=strict"],
+    # no XLA flag: the Pallas RMSNorm and embedding-gradient kernels, XLA's default kernels elsewhere
+    "pallas": ["determinism.mode=off", "model.kernels=pallas"],
 }
 
 

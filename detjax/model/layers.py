@@ -22,10 +22,16 @@ def proj(spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 class RMSNorm(nn.Module):
     eps: float = 1e-5
+    kernels: str = "reference"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         w_D = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        if self.kernels == "pallas" and x.size // x.shape[-1] % 16 == 0:
+            from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
+
+            d = x.shape[-1]
+            return rmsnorm(x.astype(jnp.float32).reshape(-1, d), w_D, self.eps).reshape(x.shape)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return y * w_D.reshape((1,) * (y.ndim - 1) + (-1,))
@@ -37,16 +43,21 @@ class RMSNorm(nn.Module):
 # inverse permutation for row permutations.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _embed_lookup(table_VD: jax.Array, ids_BL: jax.Array, vocab: int) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _embed_lookup(table_VD: jax.Array, ids_BL: jax.Array, vocab: int, kernels: str) -> jax.Array:
     return jnp.take(table_VD, ids_BL, axis=0)
 
 
-def _embed_fwd(table_VD, ids_BL, vocab):
-    return _embed_lookup(table_VD, ids_BL, vocab), ids_BL
+def _embed_fwd(table_VD, ids_BL, vocab, kernels):
+    return _embed_lookup(table_VD, ids_BL, vocab, kernels), ids_BL
 
 
-def _embed_bwd(vocab, ids_BL, g_BLD):
+def _embed_bwd(vocab, kernels, ids_BL, g_BLD):
+    if kernels == "pallas":
+        from detjax.pallas_kernels.segment_sum.ops import segment_sum
+
+        d = g_BLD.shape[-1]
+        return segment_sum(ids_BL.reshape(-1), g_BLD.reshape(-1, d), vocab), None
     onehot_BLV = jax.nn.one_hot(ids_BL, vocab, dtype=g_BLD.dtype)
     return jnp.einsum("blv,bld->vd", onehot_BLV, g_BLD, preferred_element_type=jnp.float32), None
 
@@ -54,9 +65,9 @@ def _embed_bwd(vocab, ids_BL, g_BLD):
 _embed_lookup.defvjp(_embed_fwd, _embed_bwd)
 
 
-def embed_lookup(table_VD: jax.Array, ids_BL: jax.Array) -> jax.Array:
-    """table[ids]; the table gradient is a one-hot contraction instead of a scatter-add."""
-    return _embed_lookup(table_VD, ids_BL, table_VD.shape[0])
+def embed_lookup(table_VD: jax.Array, ids_BL: jax.Array, kernels: str = "reference") -> jax.Array:
+    """table[ids]; the table gradient is a one-hot contraction (or the Pallas segment sum), not a scatter-add."""
+    return _embed_lookup(table_VD, ids_BL, table_VD.shape[0], kernels)
 
 
 @jax.custom_vjp
@@ -81,11 +92,12 @@ class Embed(nn.Module):
     vocab_size: int
     d_model: int
     init_std: float
+    kernels: str = "reference"
 
     @nn.compact
     def __call__(self, ids_BL: jax.Array) -> jax.Array:
         table_VD = self.param("table", normal_init(self.init_std), (self.vocab_size, self.d_model), jnp.float32)
-        return embed_lookup(table_VD, ids_BL)
+        return embed_lookup(table_VD, ids_BL, self.kernels)
 
 
 class MLP(nn.Module):

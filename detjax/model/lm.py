@@ -23,7 +23,7 @@ class Block(nn.Module):
     def __call__(self, h_BLD: jax.Array, train: bool) -> tuple[jax.Array, jax.Array]:
         c = self.cfg
         dtype = DTYPES[c.compute_dtype]
-        x_BLD = RMSNorm(c.norm_eps, name="norm")(h_BLD).astype(dtype)
+        x_BLD = RMSNorm(c.norm_eps, c.kernels, name="norm")(h_BLD).astype(dtype)
         aux = jnp.zeros((), jnp.float32)
         if self.letter == "M":
             y = Mamba2(c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, name="mixer")(x_BLD)
@@ -56,16 +56,16 @@ class HybridLM(nn.Module):
 
     def setup(self) -> None:
         c = self.cfg
-        self.embed = Embed(c.vocab_size, c.d_model, c.init_std)
+        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, c.kernels)
         self.layers = [Block(c, letter, name=f"layer_{i}") for i, letter in enumerate(c.pattern)]
-        self.final_norm = RMSNorm(c.norm_eps)
+        self.final_norm = RMSNorm(c.norm_eps, c.kernels)
         self.w_head_DV = self.param("w_head", normal_init(c.init_std), (c.d_model, c.vocab_size), jnp.float32)
         if c.mtp.depth:
-            self.mtp_norm_h = RMSNorm(c.norm_eps)
-            self.mtp_norm_e = RMSNorm(c.norm_eps)
+            self.mtp_norm_h = RMSNorm(c.norm_eps, c.kernels)
+            self.mtp_norm_e = RMSNorm(c.norm_eps, c.kernels)
             self.w_mtp_2DD = self.param("w_mtp_proj", normal_init(c.init_std), (2, c.d_model, c.d_model), jnp.float32)
             self.mtp_layers = [Block(c, letter, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)]
-            self.mtp_final_norm = RMSNorm(c.norm_eps)
+            self.mtp_final_norm = RMSNorm(c.norm_eps, c.kernels)
 
     def head(self, h_BLD: jax.Array) -> jax.Array:
         return proj("bld,dv->blv", h_BLD, self.w_head_DV, DTYPES[self.cfg.compute_dtype]).astype(jnp.float32)

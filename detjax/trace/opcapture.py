@@ -76,14 +76,16 @@ class OpRecorder:
         )
 
 
-def _digests(xs: list[Any]) -> jax.Array:
-    return jnp.stack([fp.tensor_digest(x) for x in xs]) if xs else jnp.zeros((0, 2), jnp.uint32)
-
-
 def interpret(rec: OpRecorder, jaxpr: Any, consts: list[Any], args: list[Any], prefix: str, in_scan: str | None):
     """Evaluate `jaxpr`; returns (outputs, list of per-record digest arrays)."""
     env: dict[Any, Any] = {}
     values: list[jax.Array] = []
+    digest_of: dict[Any, jax.Array] = {}  # each variable is digested once, however many ops read it
+
+    def dig(v, x):
+        if v not in digest_of:
+            digest_of[v] = fp.tensor_digest(x)
+        return digest_of[v]
 
     def read(v):
         return v.val if isinstance(v, jcore.Literal) else env[v]
@@ -113,13 +115,14 @@ def interpret(rec: OpRecorder, jaxpr: Any, consts: list[Any], args: list[Any], p
         path = module_path(ns)
         if rec.wants(path):
             ins = [
-                x
+                (v, x)
                 for v, x in zip(eqn.invars, invals, strict=True)
                 if not isinstance(v, jcore.Literal) and _digestable(x)
             ]
-            outd = [x for x in outs if _digestable(x)]
-            rec.describe(path, prim, eqn, ins, outd, in_scan, "transpose(" in ns)
-            values.append(_digests(ins + outd))
+            outd = [(v, x) for v, x in zip(eqn.outvars, outs, strict=True) if _digestable(x)]
+            rec.describe(path, prim, eqn, [x for _, x in ins], [x for _, x in outd], in_scan, "transpose(" in ns)
+            ds = [dig(v, x) for v, x in ins + outd]
+            values.append(jnp.stack(ds) if ds else jnp.zeros((0, 2), jnp.uint32))
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
     return [read(v) for v in jaxpr.outvars], values

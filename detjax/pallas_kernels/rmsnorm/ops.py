@@ -1,0 +1,29 @@
+"""rmsnorm(x, w): the fused Pallas RMSNorm with a custom_vjp whose weight gradient is reduced in fixed order."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from detjax.pallas_kernels import interpret_mode
+from detjax.pallas_kernels.rmsnorm.kernel import rmsnorm_bwd, rmsnorm_fwd
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rmsnorm(x_ND: jax.Array, w_D: jax.Array, eps: float = 1e-5) -> jax.Array:
+    return rmsnorm_fwd(x_ND, w_D, eps=eps, interpret=interpret_mode())[0]
+
+
+def _fwd(x_ND, w_D, eps):
+    y, rstd = rmsnorm_fwd(x_ND, w_D, eps=eps, interpret=interpret_mode())
+    return y, (x_ND, w_D, rstd)
+
+
+def _bwd(eps, res, dy):
+    x_ND, w_D, rstd = res
+    dx, dw = rmsnorm_bwd(x_ND, w_D, rstd, dy, interpret=interpret_mode())
+    return dx, dw.astype(w_D.dtype)
+
+
+rmsnorm.defvjp(_fwd, _bwd)

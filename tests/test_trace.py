@@ -1,0 +1,127 @@
+"""First-divergence tracer: hunt names injected faults; clean runs give no false origin; capture is inert."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from detjax.config import load_config
+from detjax.step import Trainer
+from detjax.trace.__main__ import main as trace_main
+from detjax.trace.analyze import compare_runs, compare_stream
+from detjax.trace.hunt import hunt
+from detjax.train import train
+
+# A small hybrid (Mamba2, attention, MoE) so that each hunt compiles quickly; injection at step 1 of 2.
+SMALL = ["train.steps=2", "model.pattern=M*E", "model.mtp.depth=0", "run.progress=false", "run.log_every=0"]
+INJECT = ["debug.inject_nondeterminism.step=1", "debug.allow_injection_in_strict=true"]
+
+
+@pytest.fixture(scope="module")
+def small(tiny_path):
+    return lambda *extra: load_config(tiny_path, SMALL + list(extra))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "scope,module",
+    [
+        ("layer_1/mixer$", "layer_1/mixer"),  # the attention block
+        ("layer_2/mixer/experts$", "layer_2/mixer/experts"),  # the MoE experts' grouped matmul output
+        ("layer_0/mixer/ssd$", "layer_0/mixer/ssd"),  # the SSD scan
+        ("optimizer", "optimizer"),  # the optimizer update
+    ],
+    ids=["attention", "moe-expert", "ssd-scan", "optimizer"],
+)
+def test_hunt_names_the_injected_module_and_op(small, tmp_path, scope, module):
+    cfg = small(f"debug.inject_nondeterminism.scope={scope}", *INJECT)
+    lines = []
+    rc, origin = hunt(cfg, tmp_path, log=lines.append)
+    text = "\n".join(lines)
+    assert rc == 1, text
+    assert origin is not None, text
+    assert origin["primitive"] == "pure_callback" and "detjax/trace/inject.py" in origin["source"], text
+    assert origin["scope"].endswith(module), text
+    assert origin["step"] == 1
+    if module != "optimizer":
+        assert f"candidate module: {module}" in text
+    assert "CANDIDATE ORIGIN" in text
+
+
+@pytest.fixture(scope="module")
+def clean_module_pair(small, tmp_path_factory):
+    d = tmp_path_factory.mktemp("clean")
+    cfg = small("trace.level=module", "trace.steps=1")
+    return [train(cfg, d / n).run_dir for n in ("a", "b")]
+
+
+def test_clean_runs_have_no_origin(clean_module_pair, capsys):
+    a, b = clean_module_pair
+    results = compare_runs(a, b)
+    assert [r.status for r in results] == ["match"]
+    assert trace_main(["compare", str(a), str(b)]) == 0
+    assert "1 of 1 stream(s) agree" in capsys.readouterr().out
+
+
+def test_clean_hunt_finds_no_divergence(small, tmp_path):
+    lines = []
+    rc, origin = hunt(small(), tmp_path, log=lines.append)
+    assert rc == 0 and origin is None and "bit-identical" in lines[-1]
+
+
+def test_module_capture_content_and_rowwise_routing(clean_module_pair):
+    recs = [json.loads(x) for x in (clean_module_pair[0] / "trace" / "stream-d0.jsonl").read_text().splitlines()]
+    names = {r["name"] for r in recs}
+    assert {"layer_0/mixer/ssd", "layer_1/mixer", "layer_2/mixer/experts", "layer_2/mixer"} <= names
+    rows = [r for r in recs if r.get("rowwise")]
+    assert {r["name"] for r in rows} == {"layer_2/mixer:routing", "layer_2/mixer:dispatch_order"}
+    # A routing map with two rows swapped: the row-wise record changes although the multiset of rows does not.
+    r = next(r for r in rows if r["name"].endswith("routing"))
+    digs = r["outputs"][0]
+    row = 16  # hex chars per row digest
+    swapped = digs[row : 2 * row] + digs[:row] + digs[2 * row :]
+    assert swapped != digs
+    res = compare_stream("s", [r], [dict(r, outputs=[swapped])])
+    assert res.status == "origin"
+
+
+def test_compare_cli_mismatch_and_bad_input(clean_module_pair, tmp_path, capsys):
+    a, _ = clean_module_pair
+    b = tmp_path / "b" / "trace"
+    b.mkdir(parents=True)
+    recs = (a / "trace" / "stream-d0.jsonl").read_text().splitlines()
+    first = json.loads(recs[0])
+    first["outputs"] = ["0" * 16 for _ in first["outputs"]]
+    (b / "stream-d0.jsonl").write_text("\n".join([json.dumps(first), *recs[1:]]) + "\n")
+    assert trace_main(["compare", str(a), str(tmp_path / "b")]) == 1
+    assert "CANDIDATE ORIGIN" in capsys.readouterr().out
+    assert trace_main(["compare", str(a), str(tmp_path / "nothing")]) == 2
+    (b / "stream-d0.jsonl").write_text("{bad\n")
+    assert trace_main(["compare", str(a), str(tmp_path / "b")]) == 2
+
+
+def test_tracing_off_leaves_the_step_unchanged(small):
+    plain = small()
+    with_trace = small("trace.level=op", "trace.steps=7", "trace.scope=layer_1")
+    batch = jax.ShapeDtypeStruct((plain.train.global_batch, plain.train.seq_len + 1), np.int32)
+    texts = []
+    for cfg in (plain, with_trace):
+        tr = Trainer(cfg)
+        texts.append(jax.jit(tr.train_step).lower(tr.abstract_state(), batch).as_text())
+    assert texts[0] == texts[1]
+
+
+def test_injection_refused_in_strict_unless_allowed(small):
+    from detjax import determinism
+
+    cfg = small("debug.inject_nondeterminism.scope=layer_1/mixer$", "debug.inject_nondeterminism.step=1")
+    with pytest.raises(determinism.DeterminismError, match="debug.allow_injection_in_strict=true"):
+        determinism.check_features(cfg)
+    determinism.check_features(
+        small(
+            "debug.inject_nondeterminism.scope=x",
+            "debug.inject_nondeterminism.step=1",
+            "debug.allow_injection_in_strict=true",
+        )
+    )
