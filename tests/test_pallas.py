@@ -74,12 +74,24 @@ def test_harness_compares_bytes_not_values():
 
 
 @pytest.mark.gpu
-def test_atomic_scatter_add_negative_control():
-    """On the GPU, XLA's scatter-add (atomics) without the deterministic flag differs between replays."""
-    ids = jax.random.randint(jax.random.key(0), (1 << 20,), 0, 64)
-    vals = jax.random.normal(jax.random.key(1), (1 << 20, 8))
-    fn = jax.jit(lambda i, v: jnp.zeros((64, 8)).at[i].add(v))
-    assert count_differing_replays(fn, (ids, vals), replays=20) > 0
+def test_atomic_scatter_add_negative_control(python):
+    """On the GPU, XLA's scatter-add (atomics) differs between replays when the deterministic flag is off —
+    the harness can see a race. Runs in a fresh process: this session has the strict flags set."""
+    import os
+    import subprocess
+
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from detjax.pallas_kernels.harness import count_differing_replays\n"
+        "ids = jax.random.randint(jax.random.key(0), (1 << 20,), 0, 64)\n"
+        "vals = jax.random.normal(jax.random.key(1), (1 << 20, 8))\n"
+        "fn = jax.jit(lambda i, v: jnp.zeros((64, 8)).at[i].add(v))\n"
+        "print('DIFFER', count_differing_replays(fn, (ids, vals), replays=20))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.split("DIFFER")[1]) > 0
 
 
 def test_manifest_gate(tmp_path):
