@@ -270,6 +270,20 @@ def train(
     return RunResult(run_dir, state, records, stopped_by, batches.get_state())
 
 
+def config_for_cli(path: str, overrides: list[str]) -> Config | None:
+    """Load and check a config for a command line tool, setting the XLA environment before JAX starts;
+    prints the error and returns None on bad input."""
+    try:
+        cfg = load_config(path, overrides)
+        # Before anything imports jax: XLA reads XLA_FLAGS once, when its backends start.
+        determinism.apply_environment(cfg.determinism.mode)
+        determinism.check_features(cfg)
+    except (ConfigError, determinism.DeterminismError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m detjax.train", description="Train the detjax hybrid LM.")
     ap.add_argument("--config", required=True, help="YAML config file, e.g. configs/tiny.yaml")
@@ -277,13 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 model.d_model=128")
     args = ap.parse_intermixed_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        # Before anything imports jax: XLA reads XLA_FLAGS once, when its backends start.
-        determinism.apply_environment(cfg.determinism.mode)
-        determinism.check_features(cfg)
-    except (ConfigError, determinism.DeterminismError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = config_for_cli(args.config, args.overrides)
+    if cfg is None:
         return 2
     from detjax.ckpt import CheckpointError
 

@@ -63,7 +63,8 @@ def main() -> int:
     rows.append(("", "", "", "", "XLA one-hot einsum", bench(onehot, (ids, g))))
     neg = count_differing_replays(scat, (ids, g), a.replays)
     print(f"\nnegative control: XLA scatter-add (atomics), {neg} of {a.replays - 1} replays differ from the first")
-    print(f"\n| kernel | differing replays (of {a.replays - 1}) | under contention | Pallas ms | alternative | alt ms |")
+    n = a.replays - 1
+    print(f"\n| kernel | differing replays (of {n}) | under contention | Pallas ms | alternative | alt ms |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r) + " |")

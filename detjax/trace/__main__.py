@@ -33,15 +33,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(text)
         return rc
-    from detjax import determinism
-    from detjax.config import ConfigError, load_config
+    from detjax.train import config_for_cli
 
-    try:
-        cfg = load_config(a.config, a.overrides)
-        determinism.apply_environment(cfg.determinism.mode)
-        determinism.check_features(cfg)
-    except (ConfigError, determinism.DeterminismError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = config_for_cli(a.config, a.overrides)
+    if cfg is None:
         return 2
     from detjax.trace.hunt import hunt
 
