@@ -125,3 +125,38 @@ def test_injection_refused_in_strict_unless_allowed(small):
             "debug.allow_injection_in_strict=true",
         )
     )
+
+
+def test_shard_map_bodies_are_captured_per_device_shard(tmp_path):
+    """Op capture enters shard_map bodies: each device digests its own shard into its own stream, so a fault
+    on one shard is named on that device's stream while the other shards' streams agree."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from detjax.trace import streams
+    from detjax.trace.analyze import report
+    from detjax.trace.inject import perturb
+    from detjax.trace.opcapture import traced_step_fn
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(4), ("x",))
+
+    def body(b):
+        y = jax.numpy.sin(b) * 2.0
+        return perturb(y, jax.lax.axis_index("x"), 2) + 1.0  # nondeterministic on shard 2 only
+
+    def f(a):
+        return jax.numpy.sum(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(a) ** 2)
+
+    a = jax.numpy.arange(32.0).reshape(8, 4) / 7
+    fn, rec = traced_step_fn(f, (a,), "")
+    for name in ("a", "b"):
+        _, values = fn(a)
+        streams.append(tmp_path / name, 0, streams.op_records(rec.meta, values, 0))
+    assert sorted(p.name for p in (tmp_path / "a" / "trace").iterdir()) == [f"stream-d{i}.jsonl" for i in range(4)]
+    res = {r.stream: r for r in compare_runs(tmp_path / "a", tmp_path / "b")}
+    dev2 = mesh.devices.reshape(-1)[2].id
+    assert res[f"stream-d{dev2}"].status == "origin"
+    assert res[f"stream-d{dev2}"].record["primitive"] == "pure_callback"
+    others = [s for s in res if s not in (f"stream-d{dev2}", "stream-d0")]
+    assert all(res[s].status == "match" for s in others)
+    assert "2 of 4 stream(s) agree" in report(list(res.values()))[0]

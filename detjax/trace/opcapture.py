@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
 from detjax import fingerprint as fp
@@ -109,6 +110,11 @@ def interpret(rec: OpRecorder, jaxpr: Any, consts: list[Any], args: list[Any], p
                 continue
         if prim == "scan":
             outs = _scan(rec, eqn, invals, ns, values)
+        elif prim == "shard_map" and in_scan is None:
+            # the body's per-shard records stand for it: a digest of the global result would need a collective
+            for v, x in zip(eqn.outvars, _shard_map(rec, eqn, invals, ns, values), strict=True):
+                env[v] = x
+            continue
         else:
             out = eqn.primitive.bind(*invals, **eqn.params)
             outs = list(out) if eqn.primitive.multiple_results else [out]
@@ -145,6 +151,41 @@ def _scan(rec: OpRecorder, eqn, invals, ns, values) -> list[Any]:
 
 
 _CACHE: dict[Any, Any] = {}
+
+
+def _shard_map(rec: OpRecorder, eqn, invals, ns, values) -> list[Any]:
+    """Re-run the shard_map with the interpreted body; each device digests its own shard (no collective),
+    and the digests come out stacked along the manual mesh axes: one record per device shard."""
+    from jax.sharding import PartitionSpec as P
+
+    p = eqn.params
+    mesh, body = p["mesh"], p["jaxpr"]
+    manual = p.get("newly_manual_axes", p.get("manual_axes"))
+    if manual is None:
+        manual = frozenset(mesh.axis_names) - frozenset(p.get("auto", ()))
+    manual_t = tuple(a for a in mesh.axis_names if a in manual)
+    n_before = len(rec.meta)
+
+    def f(*xs):
+        outs, inner = interpret(rec, body, [], list(xs), ns, None)
+        return list(outs), [v[None] for v in inner]
+
+    outs, inner = jax.shard_map(
+        f,
+        mesh=mesh,
+        in_specs=tuple(p["in_specs"]),
+        out_specs=(list(p["out_specs"]), P(manual_t)),
+        axis_names=set(manual),
+        check_vma=False,
+    )(*invals)
+    names = list(mesh.axis_names)
+    order = [names.index(a) for a in manual_t] + [i for i, a in enumerate(names) if a not in manual]
+    devs = np.transpose(np.vectorize(lambda d: d.id)(mesh.devices), order).reshape(len(inner[0]) if inner else 1, -1)
+    for m in rec.meta[n_before:]:
+        m["shard_map"] = f"{module_path(ns)}:{manual_t}"
+        m["shard_devices"] = [int(d) for d in devs[:, 0]]
+    values += inner
+    return outs
 
 
 def traced_step_fn(step_fn, example_args: tuple, scope: str, cache_key: Any = None):

@@ -16,11 +16,16 @@ def stream_path(run_dir: Path, device_id: int) -> Path:
 
 
 def append(run_dir: Path, device_id: int, records: list[dict[str, Any]]) -> None:
-    p = stream_path(run_dir, device_id)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with p.open("a") as f:
-        for r in records:
-            f.write(json.dumps(r, sort_keys=True) + "\n")
+    """Append records to their device's stream (`device` field, else `device_id`)."""
+    by_dev: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        by_dev.setdefault(int(r.get("device", device_id)), []).append(r)
+    for dev, recs in sorted(by_dev.items()):
+        p = stream_path(run_dir, dev)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with p.open("a") as f:
+            for r in recs:
+                f.write(json.dumps(r, sort_keys=True) + "\n")
 
 
 def _split(meta: dict[str, Any], row: Any) -> tuple[list[str], list[str]]:
@@ -54,9 +59,14 @@ def op_records(meta: list[dict[str, Any]], values: list[Any], step: int) -> list
     while i < len(meta):
         sid = meta[i].get("scan")
         j = i
-        while j < len(meta) and meta[j].get("scan") == sid:
+        while j < len(meta) and meta[j].get("scan") == sid and meta[j].get("shard_map") == meta[i].get("shard_map"):
             j += 1
-        if sid is None:
+        if meta[i].get("shard_map"):  # one record per device shard, for that device's stream
+            for k in range(i, j):
+                for s, dev in enumerate(meta[k]["shard_devices"]):
+                    ins, outs = _split(meta[k], vals[k][s])
+                    out.append(dict(meta[k], level="op", step=step, shard=s, device=dev, inputs=ins, outputs=outs))
+        elif sid is None:
             for k in range(i, j):
                 ins, outs = _split(meta[k], vals[k])
                 out.append(dict(meta[k], level="op", step=step, inputs=ins, outputs=outs))
