@@ -149,6 +149,13 @@ class ModelConfig:
                 "the Pallas kernels need a power-of-two d_model >= 32",
                 "use e.g. 64 or 512, or model.kernels=reference",
             )
+        if self.kernels == "pallas" and (self.head_dim & (self.head_dim - 1) or self.head_dim < 16):
+            _fail(
+                "model.head_dim",
+                self.head_dim,
+                "the Pallas flash attention needs a power-of-two head_dim >= 16",
+                "use e.g. 16, 64 or 128, or model.kernels=reference",
+            )
         if not 0.0 <= self.dropout < 1.0:
             _fail("model.dropout", self.dropout, "must be in [0, 1)", "use e.g. 0.0 or 0.1")
         self.mamba.validate(self.d_model)

@@ -61,6 +61,32 @@ def main() -> int:
     d1 = count_differing_replays(seg, (ids, g), a.replays, matmul_contention(4096, 20))
     rows.append(("segment_sum (embed grad)", d0, d1, bench(seg, (ids, g)), "XLA scatter-add", bench(scat, (ids, g))))
     rows.append(("", "", "", "", "XLA one-hot einsum", bench(onehot, (ids, g))))
+    # causal GQA attention at the gpu_small shape: B 16, L 1024, H 8, K 2, head dim 64 (bf16), fwd+bwd
+    from detjax.pallas_kernels.flash_attention.ops import flash_attention
+
+    ka = jax.random.split(jax.random.key(5), 4)
+    q = jax.random.normal(ka[0], (16, 1024, 8, 64), jnp.bfloat16)
+    kk = jax.random.normal(ka[1], (16, 1024, 2, 64), jnp.bfloat16)
+    vv = jax.random.normal(ka[2], (16, 1024, 2, 64), jnp.bfloat16)
+    go = jax.random.normal(ka[3], q.shape, jnp.bfloat16)
+
+    def attn_fb(f):
+        return jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](go))
+
+    fa = attn_fb(flash_attention)
+    xla = attn_fb(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    d0 = count_differing_replays(fa, (q, kk, vv), a.replays)
+    d1 = count_differing_replays(fa, (q, kk, vv), a.replays, matmul_contention(4096, 20))
+    rows.append(
+        (
+            "flash attention fwd+bwd",
+            d0,
+            d1,
+            bench(fa, (q, kk, vv)),
+            "jax.nn.dot_product_attention",
+            bench(xla, (q, kk, vv)),
+        )
+    )
     neg = count_differing_replays(scat, (ids, g), a.replays)
     print(f"\nnegative control: XLA scatter-add (atomics), {neg} of {a.replays - 1} replays differ from the first")
     n = a.replays - 1

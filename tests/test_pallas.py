@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from detjax.pallas_kernels.flash_attention.ops import flash_attention
+from detjax.pallas_kernels.flash_attention.reference import flash_attention_ref
 from detjax.pallas_kernels.harness import assert_replays_bit_exact, count_differing_replays, matmul_contention
 from detjax.pallas_kernels.manifest import check_manifest
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
@@ -65,6 +67,32 @@ def test_segment_sum_replays_bit_exact():
     fn = jax.jit(lambda i, g: segment_sum(i, g, v))
     assert_replays_bit_exact(fn, (ids, g), replays=5)
     assert_replays_bit_exact(fn, (ids, g), replays=3, contention=matmul_contention(256, 5))
+
+
+def _attn_inputs(seed=0, b=2, length=48, h=4, kv=2, d=16):
+    k = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(k[0], (b, length, h, d))
+    return q, jax.random.normal(k[1], (b, length, kv, d)), jax.random.normal(k[2], (b, length, kv, d)), k[3]
+
+
+def test_flash_attention_matches_reference():
+    q, k, v, gk = _attn_inputs()
+    g = jax.random.normal(gk, q.shape)
+    assert _rel(flash_attention(q, k, v), flash_attention_ref(q, k, v)) <= TOL_FWD * 4
+    ga = jax.grad(lambda *x: jnp.sum(flash_attention(*x) * g), argnums=(0, 1, 2))(q, k, v)
+    gb = jax.grad(lambda *x: jnp.sum(flash_attention_ref(*x) * g), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(ga, gb, strict=True):
+        assert _rel(a, b) <= TOL_GRAD
+
+
+def test_flash_attention_replays_bit_exact():
+    q, k, v, gk = _attn_inputs(1)
+    g = jax.random.normal(gk, q.shape)
+    fn = jax.jit(
+        lambda q, k, v: jax.value_and_grad(lambda *x: jnp.sum(flash_attention(*x) * g), argnums=(0, 1, 2))(q, k, v)
+    )
+    assert_replays_bit_exact(fn, (q, k, v), replays=4)
+    assert_replays_bit_exact(fn, (q, k, v), replays=3, contention=matmul_contention(256, 5))
 
 
 def test_harness_compares_bytes_not_values():

@@ -43,6 +43,7 @@ class Attention(nn.Module):
     init_std: float
     dtype: jnp.dtype
     impl: str = "reference"
+    kernels: str = "reference"
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -57,6 +58,10 @@ class Attention(nn.Module):
         v_BLKQ = proj("bld,dkq->blkq", x_BLD, w_v_DKQ, self.dtype)
         if self.impl == "xla":
             o_BLHQ = jax.nn.dot_product_attention(q_BLHQ, k_BLKQ, v_BLKQ, is_causal=True)
+        elif self.kernels == "pallas" and x_BLD.shape[1] % 16 == 0:  # (MTP blocks see L-1 rows: reference)
+            from detjax.pallas_kernels.flash_attention.ops import flash_attention
+
+            o_BLHQ = flash_attention(q_BLHQ, k_BLKQ, v_BLKQ)
         else:
             o_BLHQ = attention_reference(q_BLHQ, k_BLKQ, v_BLKQ)
         return proj("blhq,hqd->bld", o_BLHQ, w_o_HQD, self.dtype)

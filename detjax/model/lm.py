@@ -37,6 +37,7 @@ class Block(nn.Module):
                 c.init_std,
                 dtype,
                 c.attention_impl,
+                c.kernels,
                 name="mixer",
             )(x_BLD)
         elif self.letter == "E":
