@@ -96,7 +96,6 @@ class _Tracer:
         return step in self.steps
 
     def step(self, step: int, state: Any, batch: Any):
-        import jax
 
         from detjax.step import Trainer, compile_train_step
         from detjax.trace import streams
@@ -121,7 +120,7 @@ class _Tracer:
             meta = self._trainer.trace_meta
             recs = streams.capture_records(meta["micro"], tr["micro"], meta["step"], tr["step"], step, level)
         streams.append(self.run_dir, device, recs)
-        return state, jax.tree.map(lambda x: x, metrics)
+        return state, metrics
 
 
 def train(

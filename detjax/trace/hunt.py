@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from detjax.config import Config, TraceConfig
-from detjax.trace.analyze import StreamResult, compare_runs, describe, phase_of, report
+from detjax.trace.analyze import StreamResult, compare_runs, phase_of, report
 
 
 def _pair(cfg: Config, work: Path, tag: str) -> tuple[Path, Path]:
@@ -75,6 +75,3 @@ def hunt(cfg: Config, work: Path, log=print) -> tuple[int, dict | None]:
         log(f"\nCANDIDATE ORIGIN: {r['primitive']} in {r['scope']} ({phase_of(r)}) at {r['source']}")
         return 1, r
     return 1, None
-
-
-__all__ = ["hunt", "describe"]
