@@ -203,3 +203,32 @@ def test_sigterm_saves_and_exits_cleanly(python, tiny_path, cfg_of, continuous, 
     assert "stopped by signal" in out or "stopped by steps" in out
     got = train(cfg_of(), run, resume=True)
     _assert_same_run(continuous, got)
+
+
+@pytest.mark.slow
+def test_resume_check_script(python, tiny_path, tmp_path):
+    """The L2 tool end to end, each stop a new process: exit 0 and the 'identical' verdict."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "resume_check.py"
+    cmd = [
+        python,
+        str(script),
+        "--config",
+        str(tiny_path),
+        "--stops",
+        "2",
+        "--steps",
+        "4",
+        "--workdir",
+        str(tmp_path / "w"),
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "identical: continuous vs stops [2] over 4 steps" in r.stdout
+    bad = subprocess.run(
+        [python, str(script), "--config", str(tiny_path), "--stops", "9", "--steps", "4"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "every stop must lie in 1..3" in bad.stderr
