@@ -43,28 +43,31 @@ def hunt(cfg: Config, work: Path, log=print) -> tuple[int, dict | None]:
         ra, rb = _pair(c, work, name)
         return compare_runs(ra, rb)
 
+    def origin_at(name: str) -> StreamResult | None:
+        res = level(name)
+        o = _origin(res)
+        if o is None:
+            log(report(res)[0])
+        return o
+
     log(f"[2/4] phase capture at step {s} ...")
-    res = level("phase")
-    o = _origin(res)
+    o = origin_at("phase")
     if o is None:
-        log(report(res)[0])
         return 1, None
     phase = o.record["name"]
     log(f"      candidate phase: {phase} (microbatch {o.record.get('micro')})")
 
     if phase in ("forward", "backward"):
         log(f"[3/4] module capture at step {s} ...")
-        res = level("module")
-        o = _origin(res)
+        o = origin_at("module")
         if o is None:
-            log(report(res)[0])
             return 1, None
         module = o.record["name"].split(":")[0]
         log(f"      candidate module: {module}")
         scope = re.escape(module) + "(/|$)"
     else:
         log("[3/4] origin lies outside the model's modules; skipping module capture")
-        scope = {"optimizer": "optimizer", "grad_accumulate": "grad_accumulate", "grad_scale": "grad_scale"}[phase]
+        scope = phase  # optimizer / grad_accumulate / grad_scale: the named scope of that phase
     log(f"[4/4] op capture at step {s}, scope /{scope}/ ...")
     res = level("op", scope)
     text, rc = report(res)
