@@ -1,9 +1,11 @@
 """Fault injection for testing the tracer: a deliberately nondeterministic op.
 
-`perturb(x, step, at_step)` returns x, except at `at_step` where one nonzero element (position drawn from
-os.urandom, so it differs run to run) has its fourth-highest mantissa bit flipped (about 6 % of its value:
-large enough that the next bf16 rounding or a gated sum cannot absorb it). Identical inputs, different
-outputs: exactly what a nondeterministic kernel looks like to the tracer.
+`perturb(x, step, at_step)` returns x, except at `at_step` where one nonzero element has its fourth-highest
+mantissa bit flipped (about 6 % of its value: large enough that the next bf16 rounding or a gated sum cannot
+absorb it). Identical inputs, different outputs: exactly what a nondeterministic kernel looks like to the
+tracer. The element differs run to run: a per-process random offset (os.urandom) plus a per-process count of
+flips, so two flips in one process never pick the same element of an array with more than one candidate (and
+runs in two processes pick the same one with probability 1/candidates).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 _MANTISSA_BITS = {"float32": 23, "bfloat16": 7, "float16": 10, "float64": 52}
+_OFFSET = int.from_bytes(os.urandom(8), "little")
+_CALLS: dict[tuple, int] = {}
 
 
 def _flip_one_bit(x: np.ndarray, step: np.ndarray, at_step: int) -> np.ndarray:
@@ -25,7 +29,9 @@ def _flip_one_bit(x: np.ndarray, step: np.ndarray, at_step: int) -> np.ndarray:
     candidates = np.flatnonzero(np.isfinite(x.reshape(-1)) & (x.reshape(-1) != 0))
     if candidates.size == 0:
         candidates = np.arange(flat.size)
-    i = candidates[int.from_bytes(os.urandom(8), "little") % candidates.size]
+    key = (x.shape, x.dtype.name, at_step)
+    _CALLS[key] = _CALLS.get(key, -1) + 1
+    i = candidates[(_OFFSET + _CALLS[key]) % candidates.size]
     flat[i] ^= flat.dtype.type(1 << (_MANTISSA_BITS[x.dtype.name] - 4))
     return x
 
