@@ -304,8 +304,79 @@ def _check_regex(key: str, pattern: str) -> None:
         _fail(key, pattern, f"is not a valid regular expression ({e})", "escape special characters")
 
 
+@dataclass(frozen=True)
+class MeshConfig:
+    """Degrees of the five mesh axes (product = device count; one -1 is filled from the device count).
+
+    Dense layers see `expert` as one more data-parallel axis (Megatron folds expert parallelism into the
+    data-parallel group the same way): the batch is split over data x fsdp x expert.
+    """
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    pipeline_virtual: int = 1  # interleaved virtual stages per pipeline rank
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    sequence_parallel: bool = False  # residual stream split over `tensor` along the sequence between blocks
+    devices: int = 0  # how many devices the mesh spans: 0 = every device of every process; N = the first N
+
+    AXES = ("data", "fsdp", "tensor", "pipeline", "expert")
+
+    def degrees(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in self.AXES}
+
+    def validate(self) -> None:
+        fills = [a for a, d in self.degrees().items() if d == -1]
+        if len(fills) > 1:
+            _fail(f"mesh.{fills[1]}", -1, f"only one axis may be -1 (also {fills[0]})", "give explicit degrees")
+        for a, d in self.degrees().items():
+            if d == 0 or d < -1:
+                _fail(f"mesh.{a}", d, "must be a positive degree or -1 (fill)", "use e.g. 1, 2, 4 or -1")
+        if self.devices < 0:
+            _fail("mesh.devices", self.devices, "must be >= 0", "use 0 for all devices or a count")
+        if self.pipeline_virtual < 1:
+            _fail("mesh.pipeline_virtual", self.pipeline_virtual, "must be >= 1", "use 1 (no interleaving)")
+        if self.pipeline_virtual > 1 and self.pipeline == 1:
+            _fail(
+                "mesh.pipeline_virtual",
+                self.pipeline_virtual,
+                "interleaved virtual stages need mesh.pipeline > 1",
+                "set mesh.pipeline >= 2 or pipeline_virtual=1",
+            )
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """Multi-process (multi-controller) start-up. Empty coordinator: read SLURM / the JAX env, else 1 process."""
+
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 1
+    process_id: int = 0
+    cpu_collectives: Literal["gloo", "mpi", "none"] = "gloo"  # CPU cross-process collectives (tests, CI)
+
+    def validate(self) -> None:
+        if self.num_processes < 1:
+            _fail("dist.num_processes", self.num_processes, "must be >= 1", "use 1 for a single process")
+        if not 0 <= self.process_id < self.num_processes:
+            _fail(
+                "dist.process_id",
+                self.process_id,
+                f"must be in [0, num_processes = {self.num_processes})",
+                "number processes 0..N-1",
+            )
+        if self.num_processes > 1 and not self.coordinator:
+            _fail(
+                "dist.coordinator",
+                self.coordinator,
+                "several processes need the coordinator address",
+                "set dist.coordinator=host:port (process 0's host)",
+            )
+
+
 # Sections that may change between a save and a resume: they never touch the trajectory.
-RESUME_MUTABLE_SECTIONS = ("run", "ckpt", "trace")
+RESUME_MUTABLE_SECTIONS = ("run", "ckpt", "trace", "dist")
 
 
 @dataclass(frozen=True)
@@ -318,8 +389,12 @@ class Config:
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
+        self.mesh.validate()
+        self.dist.validate()
         self.trace.validate()
         self.debug.validate()
         self.model.validate()
@@ -337,6 +412,95 @@ class Config:
             )
         if m.mtp.depth and t.seq_len < 3:
             _fail("train.seq_len", t.seq_len, "the MTP head needs seq_len >= 3", "raise seq_len or mtp.depth=0")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """Mesh degrees against the model: what each axis splits must divide (the device count is checked
+        when the mesh is built)."""
+        m, t, mesh = self.model, self.train, self.mesh
+        tp = mesh.tensor
+        if tp > 1:
+            splits = {
+                "model.n_heads": m.n_heads,
+                "model.mamba.n_heads": m.mamba.n_heads if "M" in m.pattern + m.mtp.pattern else tp,
+                "model.ffn_dim": m.ffn_dim,
+                "model.moe.ffn_dim": m.moe.ffn_dim,
+                "model.vocab_size": m.vocab_size,
+            }
+            for key, n in splits.items():
+                if n % tp:
+                    _fail(key, n, f"is not divisible by mesh.tensor = {tp}", f"make {key} a multiple of {tp}")
+            if m.n_kv_heads % tp and tp % m.n_kv_heads:
+                _fail(
+                    "model.n_kv_heads",
+                    m.n_kv_heads,
+                    f"neither divides nor is divided by mesh.tensor = {tp} (kv heads are split, or replicated "
+                    "when fewer than the tensor degree)",
+                    "choose n_kv_heads dividing n_heads and dividing or divisible by the tensor degree",
+                )
+            if mesh.sequence_parallel and t.seq_len % tp:
+                _fail("train.seq_len", t.seq_len, f"sequence parallel needs it divisible by tensor = {tp}", "")
+        elif mesh.sequence_parallel:
+            _fail("mesh.sequence_parallel", True, "needs mesh.tensor > 1", "set mesh.tensor >= 2 or turn it off")
+        if mesh.expert > 1:
+            has_moe = "E" in m.pattern + (m.mtp.pattern if m.mtp.depth else "")
+            if not has_moe:
+                _fail("mesh.expert", mesh.expert, "the pattern has no MoE block (E)", "set mesh.expert=1")
+            if m.moe.n_experts % mesh.expert:
+                _fail(
+                    "model.moe.n_experts",
+                    m.moe.n_experts,
+                    f"is not divisible by mesh.expert = {mesh.expert}",
+                    f"use a multiple of {mesh.expert} experts",
+                )
+            if m.moe.combine != "gather":
+                _fail("model.moe.combine", m.moe.combine, "expert parallel uses the ordered combine", "use gather")
+        if mesh.fsdp > 1 and m.d_model % mesh.fsdp:
+            _fail("model.d_model", m.d_model, f"is not divisible by mesh.fsdp = {mesh.fsdp}", "change fsdp or d_model")
+        if mesh.pipeline > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        m, t, mesh = self.model, self.train, self.mesh
+        chunks = mesh.pipeline * mesh.pipeline_virtual
+        if len(m.pattern) % chunks:
+            _fail(
+                "model.pattern",
+                m.pattern,
+                f"{len(m.pattern)} layers cannot be split into pipeline x pipeline_virtual = {chunks} stages",
+                f"use a layer count that is a multiple of {chunks}",
+            )
+        n = len(m.pattern) // chunks
+        parts = [m.pattern[i * n : (i + 1) * n] for i in range(chunks)]
+        if len(set(parts)) > 1:
+            _fail(
+                "model.pattern",
+                m.pattern,
+                f"pipeline stages must hold the same block sequence (stacked over the pipeline axis), got {parts}",
+                f"repeat one sub-pattern {chunks} times, e.g. '{parts[0] * chunks}'",
+            )
+        if mesh.expert > 1:
+            _fail(
+                "mesh.expert",
+                mesh.expert,
+                "expert parallel inside pipeline stages is not supported yet",
+                "use mesh.pipeline=1 or mesh.expert=1",
+            )
+        if mesh.pipeline_virtual > 1 and t.n_micro % mesh.pipeline:
+            _fail(
+                "train.global_batch",
+                t.global_batch,
+                f"the interleaved schedule needs the microbatch count ({t.n_micro}) divisible by "
+                f"mesh.pipeline = {mesh.pipeline}",
+                "change global_batch or micro_batch",
+            )
+        if self.trace.level != "none" or self.debug.inject_nondeterminism.scope:
+            _fail(
+                "trace.level",
+                self.trace.level,
+                "phase/module/op capture and fault injection do not run inside pipeline stages yet",
+                "trace with mesh.pipeline=1 (fingerprints still run), or trace.level=none",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

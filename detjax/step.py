@@ -15,6 +15,9 @@ from detjax import fingerprint as fp
 from detjax.config import Config
 from detjax.model import HybridLM
 from detjax.optim import lr_schedule, make_optimizer
+from detjax.sharding import pipeline
+from detjax.sharding import rules as ax
+from detjax.sharding.rules import Layout, constrain, tree_shardings
 from detjax.trace import capture as cap
 from detjax.trace.inject import perturb
 
@@ -38,6 +41,10 @@ def token_ce_sum(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
     return jnp.sum(logz_BL - jnp.sum(logits_BLV * onehot_BLV, axis=-1))
 
 
+def _dict_path(path: tuple) -> tuple[str, ...]:
+    return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
 def global_norm(tree: Any) -> jax.Array:
     """sqrt of the sum of squares, leaves summed in pytree order."""
     total = jnp.zeros((), jnp.float32)
@@ -53,35 +60,72 @@ class Trainer:
     step's metrics under "trace"; their static description is in `trace_meta` once the step is traced.
     """
 
-    def __init__(self, cfg: Config, capture: str = "none", scope: str = "") -> None:
+    def __init__(self, cfg: Config, capture: str = "none", scope: str = "", layout: Layout | None = None) -> None:
         self.cfg = cfg
-        self.model = HybridLM(cfg.model)
+        self.layout = layout
+        self.pipelined = layout is not None and layout.degrees["pipeline"] > 1
+        self.model = HybridLM(cfg.model, layout)
         self.tx = make_optimizer(cfg.train)
         self.schedule = lr_schedule(cfg.train)
         self.capture = capture
         self.scope = scope
         self.trace_meta: dict[str, list[dict[str, Any]]] = {}
 
-    def init_state(self, seed_key: jax.Array) -> TrainState:
+    def _boxed_params(self, seed_key: jax.Array) -> Any:
         t = self.cfg.train
         ids = jnp.zeros((t.micro_batch, t.seq_len), jnp.int32)
-        init_key = jax.random.fold_in(seed_key, PURPOSE_INIT)
-        params = self.model.init({"params": init_key}, ids)["params"]
+        return self.model.init({"params": jax.random.fold_in(seed_key, PURPOSE_INIT)}, ids)["params"]
+
+    def init_state(self, seed_key: jax.Array) -> TrainState:
+        params = nn.unbox(self._boxed_params(seed_key))
+        if self.pipelined:  # the same initial values, stacked per pipeline stage
+            params = pipeline.stack_params(params, self.cfg)
         return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), seed_key)
 
     def abstract_state(self) -> TrainState:
         return jax.eval_shape(self.init_state, jax.random.key(0))
 
+    def param_logical_specs(self) -> Any:
+        """PartitionSpecs of logical axis names, one per parameter (the model's annotations)."""
+        specs = nn.get_partition_spec(jax.eval_shape(self._boxed_params, jax.random.key(0)))
+        if self.pipelined:
+            specs = pipeline.stack_specs(specs, self.cfg)
+        return specs
+
+    def state_shardings(self) -> TrainState:
+        """Explicit shardings for every state leaf: parameters by the rules table, optimizer moments like
+        their parameter, scalars and keys replicated."""
+        layout = self.layout
+        abstract = self.abstract_state()
+        if layout is None:
+            raise ValueError("state_shardings needs a Trainer built with a layout")
+        param_sh = tree_shardings(layout, self.param_logical_specs())
+        by_path = {_dict_path(p): (sh, leaf.shape) for (p, sh), leaf in zip(
+            jax.tree_util.tree_flatten_with_path(param_sh)[0], jax.tree.leaves(abstract.params), strict=True)}
+        rep = layout.sharding(())
+
+        def opt_leaf(path, leaf):
+            dp = _dict_path(path)
+            for i in range(len(dp)):  # an optimizer leaf mirrors the parameter at the end of its path
+                hit = by_path.get(dp[i:])
+                if hit is not None and hit[1] == leaf.shape:
+                    return hit[0]
+            return rep
+
+        opt_sh = jax.tree_util.tree_map_with_path(opt_leaf, abstract.opt_state)
+        return TrainState(rep, param_sh, opt_sh, rep, jax.tree.map(lambda _: rep, abstract.collections))
+
+    def batch_sharding(self) -> Any:
+        return self.layout.sharding((ax.BATCH, None))
+
     def loss_terms(self, params, tokens_BL1: jax.Array, key: jax.Array, hooks: Any = None):
         """Per-microbatch sums: (lm CE sum, MTP CE sum, aux loss)."""
         ids_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
         if hooks is None:
-            logits, mtp_logits, aux = self.model.apply({"params": params}, ids_BL, train=True, rngs={"dropout": key})
+            logits, mtp_logits, aux = self.model.apply({"params": params}, ids_BL, train=True, key=key)
         else:
             with nn.intercept_methods(hooks):
-                logits, mtp_logits, aux = self.model.apply(
-                    {"params": params}, ids_BL, train=True, rngs={"dropout": key}
-                )
+                logits, mtp_logits, aux = self.model.apply({"params": params}, ids_BL, train=True, key=key)
         lm_sum = token_ce_sum(logits, targets_BL)
         mtp_sum = token_ce_sum(mtp_logits, targets_BL[:, 1:]) if mtp_logits is not None else jnp.zeros(())
         if self.capture == "phase":  # the forward phase's outputs: losses *and* logits (far more sensitive)
@@ -137,13 +181,17 @@ class Trainer:
                 values = rec.values
             return (new_acc, jax.tree.map(jnp.add, sums, terms)), values
 
-        micro_tokens = batch_GL1.reshape(n_micro, t.micro_batch, -1)
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        zero_terms = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
-        # Microbatches accumulate in index order (a fixed sequential order).
-        (g_sum, (lm_sum, mtp_sum, aux_sum)), micro_values = jax.lax.scan(
-            micro, (zeros, zero_terms), (micro_tokens, jnp.arange(n_micro))
-        )
+        micro_tokens = constrain(batch_GL1.reshape(n_micro, t.micro_batch, -1), self.layout, (None, ax.BATCH, None))
+        if self.pipelined:
+            g_sum, (lm_sum, mtp_sum, aux_sum) = pipeline.pipeline_grads(self, state.params, micro_tokens, step_key)
+            micro_values = []
+        else:
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            zero_terms = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
+            # Microbatches accumulate in index order (a fixed sequential order).
+            (g_sum, (lm_sum, mtp_sum, aux_sum)), micro_values = jax.lax.scan(
+                micro, (zeros, zero_terms), (micro_tokens, jnp.arange(n_micro))
+            )
         with jax.named_scope("grad_scale"):
             grads = jax.tree.map(lambda g: g / n_tok, g_sum)
         with jax.named_scope("optimizer"):
@@ -191,6 +239,7 @@ _COMPILED: dict[Any, Any] = {}
 
 def _cache_key(trainer: Trainer, kind: str, *shardings: Any) -> Any:
     c = trainer.cfg
+    shardings = tuple((jax.tree.structure(s), tuple(jax.tree.leaves(s))) for s in shardings)
     return (
         kind,
         c.model,
@@ -198,6 +247,8 @@ def _cache_key(trainer: Trainer, kind: str, *shardings: Any) -> Any:
         c.determinism,
         c.debug,
         c.run.fingerprints,
+        c.mesh,
+        trainer.layout,
         trainer.capture,
         trainer.scope,
         *shardings,

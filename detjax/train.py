@@ -86,8 +86,9 @@ def _policy_drift(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 class _Tracer:
     """Runs the capture variant of the step at trace.steps and appends its records to the trace stream."""
 
-    def __init__(self, cfg: Config, trainer: Any, run_dir: Path, sharding: Any) -> None:
-        self.cfg, self.trainer, self.run_dir, self.sharding = cfg, trainer, run_dir, sharding
+    def __init__(self, cfg: Config, trainer: Any, run_dir: Path, state_sharding: Any, batch_sharding: Any) -> None:
+        self.cfg, self.trainer, self.run_dir = cfg, trainer, run_dir
+        self.state_sharding, self.batch_sharding = state_sharding, batch_sharding
         self.steps = set(cfg.trace.step_list()) if cfg.trace.level != "none" else set()
         self._fn = None
         self._rec = None
@@ -102,19 +103,19 @@ class _Tracer:
         from detjax.trace.opcapture import traced_step_fn
 
         level, scope = self.cfg.trace.level, self.cfg.trace.scope
-        device = int(next(iter(self.sharding.device_set)).id)
+        device = int(self.trainer.layout.mesh.devices.reshape(-1)[0].id)
         if level == "op":
             if self._fn is None:
                 from detjax.step import _cache_key
 
-                key = _cache_key(self.trainer, "op", self.sharding)
+                key = _cache_key(self.trainer, "op", self.state_sharding, self.batch_sharding)
                 self._fn, self._rec = traced_step_fn(self.trainer.train_step, (state, batch), scope, key)
             (state, metrics), values = self._fn(state, batch)
             recs = streams.op_records(self._rec.meta, values, step)
         else:
             if self._fn is None:
-                self._trainer = Trainer(self.cfg, capture=level, scope=scope)
-                self._fn = compile_train_step(self._trainer, self.sharding, self.sharding)
+                self._trainer = Trainer(self.cfg, capture=level, scope=scope, layout=self.trainer.layout)
+                self._fn = compile_train_step(self._trainer, self.state_sharding, self.batch_sharding)
             state, metrics = self._fn(state, batch)
             tr = metrics.pop("trace")
             meta = self._trainer.trace_meta
@@ -135,6 +136,9 @@ def train(
     """
     determinism.apply_environment(cfg.determinism.mode)
     determinism.check_features(cfg)
+    from detjax.sharding.distributed import initialize, is_primary
+
+    initialize(cfg.dist)  # before any JAX backend starts
     import jax
     import numpy as np
     from tqdm import tqdm
@@ -142,24 +146,32 @@ def train(
     from detjax import fingerprint as fp
     from detjax.ckpt import Checkpointer
     from detjax.data.pipeline import BatchIterator, make_dataset
-    from detjax.sharding.mesh import replicated, single_device_mesh
+    from detjax.sharding.mesh import build_layout
     from detjax.step import Trainer, compile_init, compile_train_step
 
+    primary = is_primary()
     resume = cfg.ckpt.resume if resume is None else resume
     if run_dir is None:
-        run_dir = Path(cfg.run.out_dir) / cfg.run.name if resume else make_run_dir(cfg)
+        run_dir = Path(cfg.run.out_dir) / cfg.run.name if resume or not primary else make_run_dir(cfg)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     policy = determinism.policy_record(cfg)
     ckptr = Checkpointer(Path(cfg.ckpt.dir) if cfg.ckpt.dir else run_dir / "checkpoints", cfg)
 
-    mesh = single_device_mesh()
-    rep = replicated(mesh)
-    trainer = Trainer(cfg)
+    layout = build_layout(cfg)  # impossible meshes fail here, before anything compiles
+    trainer = Trainer(cfg, layout=layout)
     abstract = trainer.abstract_state()
-    state_shardings = jax.tree.map(lambda _: rep, abstract)
-    batches = BatchIterator(make_dataset(cfg))
+    state_shardings = trainer.state_shardings()
+    batch_sharding = trainer.batch_sharding()
+    g, width = cfg.train.global_batch, cfg.train.seq_len + 1
+    rows = process_rows(batch_sharding, (g, width))
+    batches = BatchIterator(make_dataset(cfg, rows=rows))
     history: list[dict[str, Any]] = []
+
+    def put(batch: Any) -> Any:
+        if jax.process_count() == 1:
+            return jax.device_put(batch, batch_sharding)
+        return jax.make_array_from_process_local_data(batch_sharding, batch, (g, width))
 
     if resume and ckptr.latest_step() is not None:
         state, data_state, meta = ckptr.restore(abstract, state_shardings)
@@ -176,30 +188,33 @@ def train(
     else:
         if resume:
             print(f"no checkpoint in {ckptr.directory}; starting from step 0", file=sys.stderr)
-        state = compile_init(trainer, rep)(jax.random.key(cfg.train.seed))
+        state = compile_init(trainer, state_shardings)(jax.random.key(cfg.train.seed))
     if after_restore is not None:
         state, batches = after_restore(state, batches)
 
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    (run_dir / "config_hash").write_text(cfg.hash() + "\n")
-    with open(run_dir / "determinism.json", "w") as f:
-        json.dump(policy, f, indent=2, sort_keys=True)
+    if primary:
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        (run_dir / "config_hash").write_text(cfg.hash() + "\n")
+        with open(run_dir / "determinism.json", "w") as f:
+            json.dump(policy, f, indent=2, sort_keys=True)
 
-    step_fn = compile_train_step(trainer, rep, rep)
-    tracer = _Tracer(cfg, trainer, run_dir, rep)
+    step_fn = compile_train_step(trainer, state_shardings, batch_sharding)
+    tracer = _Tracer(cfg, trainer, run_dir, state_shardings, batch_sharding)
     t = cfg.train
     start = int(jax.device_get(state.step))
     end = min(t.steps, cfg.run.stop_after) if cfg.run.stop_after else t.steps
     tokens_per_step = t.global_batch * t.seq_len
     records = history
     fp_file = None
-    if cfg.run.fingerprints:
+    if cfg.run.fingerprints and primary:
         # Rewritten from the checkpoint's history: steps after the checkpoint are redone, bit for bit.
         fp_file = (run_dir / "fingerprints.jsonl").open("w")
         for r in records:
             fp_file.write(fp.dumps(r) + "\n")
-    metrics_file = (run_dir / "metrics.jsonl").open("a")
-    bar = tqdm(total=end, initial=start, disable=not cfg.run.progress, desc=cfg.run.name, dynamic_ncols=True)
+    metrics_file = (run_dir / "metrics.jsonl").open("a") if primary else None
+    bar = tqdm(
+        total=end, initial=start, disable=not (cfg.run.progress and primary), desc=cfg.run.name, dynamic_ncols=True
+    )
     t_last = time.perf_counter()
     kill_at = int(os.environ.get(KILL_DURING_SAVE_ENV, "-1"))
 
@@ -211,15 +226,17 @@ def train(
         tok_s = tokens_per_step / max(now - t_last, 1e-9)
         t_last = now
         line = {k: float(host[k]) for k in fp.FLOAT_FIELDS} | {"step": step, "tokens_per_s": tok_s}
-        metrics_file.write(json.dumps(line) + "\n")
-        if fp_file is not None:
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(line) + "\n")
+        if cfg.run.fingerprints:
             rec = fp.record(step, host)
             records.append(rec)
-            fp_file.write(fp.dumps(rec) + "\n")
-            fp_file.flush()
+            if fp_file is not None:
+                fp_file.write(fp.dumps(rec) + "\n")
+                fp_file.flush()
         bar.set_postfix(loss=f"{line['lm_loss']:.4f}", tok_s=f"{tok_s:,.0f}")
         bar.update(1)
-        if cfg.run.log_every and (step % cfg.run.log_every == 0 or step == t.steps - 1):
+        if primary and cfg.run.log_every and (step % cfg.run.log_every == 0 or step == t.steps - 1):
             bar.write(
                 f"step {step:5d}  lm_loss {line['lm_loss']:.4f}  mtp {line['mtp_loss']:.4f}  "
                 f"aux {line['aux_loss']:.4f}  gnorm {line['grad_norm']:.3f}  {tok_s:,.0f} tok/s"
@@ -235,7 +252,7 @@ def train(
     saved_at = start
     with _Signals() as sig:
         for step in range(start, end):
-            batch = jax.device_put(np.asarray(next(batches)), rep)
+            batch = put(np.asarray(next(batches)))
             if tracer.active(step):
                 state, metrics = tracer.step(step, state, batch)
             else:
@@ -261,12 +278,35 @@ def train(
         ckptr.wait()
         ckptr.close()
     bar.close()
-    metrics_file.close()
+    if metrics_file is not None:
+        metrics_file.close()
     if fp_file is not None:
         fp_file.close()
     if cfg.run.save_final_params and stopped_by == "steps":
-        np.savez(run_dir / "final_params.npz", **flat_params(state.params))
+        params = state.params
+        if jax.process_count() > 1:  # every process takes part in the gather; process 0 writes
+            from jax.experimental import multihost_utils
+
+            params = multihost_utils.process_allgather(params, tiled=True)
+        if primary:
+            np.savez(run_dir / "final_params.npz", **flat_params(params))
     return RunResult(run_dir, state, records, stopped_by, batches.get_state())
+
+
+def process_rows(sharding: Any, shape: tuple[int, int]) -> tuple[int, int]:
+    """The contiguous block of batch rows this process's devices hold (all rows with one process)."""
+    spans = sorted(
+        {
+            (idx[0].start or 0, shape[0] if idx[0].stop is None else idx[0].stop)
+            for idx in sharding.addressable_devices_indices_map(shape).values()
+        }
+    )
+    lo, hi = spans[0][0], spans[0][1]
+    for a, b in spans[1:]:
+        if a > hi:
+            raise ValueError(f"this process's batch rows are not contiguous: {spans}")
+        hi = max(hi, b)
+    return lo, hi
 
 
 def config_for_cli(path: str, overrides: list[str]) -> Config | None:

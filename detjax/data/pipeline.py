@@ -55,8 +55,14 @@ def load_tokens(cfg: Config) -> np.ndarray:
     return read_arrayrecord_tokens(cfg.data.path)
 
 
-def make_dataset(cfg: Config, tokens: np.ndarray | None = None) -> grain.MapDataset:
-    """MapDataset whose element s is the (global_batch, seq_len + 1) int32 batch of step s."""
+def make_dataset(
+    cfg: Config, tokens: np.ndarray | None = None, rows: tuple[int, int] | None = None
+) -> grain.MapDataset:
+    """MapDataset whose element s is the (global_batch, seq_len + 1) int32 batch of step s.
+
+    `rows=(lo, hi)` keeps only rows lo..hi-1 of every batch (one process's share of a multi-process
+    batch): only those windows are read, and the rows are the same whatever the process count.
+    """
     t = cfg.train
     tokens = load_tokens(cfg) if tokens is None else tokens
     src = WindowSource(tokens, t.seq_len)
@@ -65,7 +71,16 @@ def make_dataset(cfg: Config, tokens: np.ndarray | None = None) -> grain.MapData
             f"the corpus has {len(src)} windows of {t.seq_len + 1} tokens, fewer than train.global_batch="
             f"{t.global_batch}. Fix: use more data or a smaller batch / seq_len"
         )
-    return grain.MapDataset.source(src).shuffle(seed=t.seed).repeat(None).batch(t.global_batch, drop_remainder=True)
+    windows = grain.MapDataset.source(src).shuffle(seed=t.seed).repeat(None)
+    if rows is None or rows == (0, t.global_batch):
+        return windows.batch(t.global_batch, drop_remainder=True)
+    lo, hi = rows
+    if not 0 <= lo < hi <= t.global_batch:
+        raise DataError(f"rows {rows} are not a slice of a batch of {t.global_batch}")
+    n = hi - lo
+    g = t.global_batch
+    local = grain.MapDataset.range(len(windows) // g * n).map(lambda k: windows[(k // n) * g + lo + k % n])
+    return local.batch(n, drop_remainder=True)
 
 
 class BatchIterator:

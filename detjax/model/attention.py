@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from detjax.model.layers import normal_init, proj
+from detjax.model.layers import normal_init, param, proj
+from detjax.sharding import rules as ax
+from detjax.sharding.rules import constrain
 
 
 def rope(x_BLHQ: jax.Array, theta: float) -> jax.Array:
@@ -44,18 +46,20 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     impl: str = "reference"
     kernels: str = "reference"
+    layout: ax.Layout | None = None
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         init = normal_init(self.init_std)
         d, h, k, q = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
-        w_q_DHQ = self.param("w_q", init, (d, h, q), jnp.float32)
-        w_k_DKQ = self.param("w_k", init, (d, k, q), jnp.float32)
-        w_v_DKQ = self.param("w_v", init, (d, k, q), jnp.float32)
-        w_o_HQD = self.param("w_o", init, (h, q, d), jnp.float32)
-        q_BLHQ = rope(proj("bld,dhq->blhq", x_BLD, w_q_DHQ, self.dtype), self.rope_theta)
-        k_BLKQ = rope(proj("bld,dkq->blkq", x_BLD, w_k_DKQ, self.dtype), self.rope_theta)
-        v_BLKQ = proj("bld,dkq->blkq", x_BLD, w_v_DKQ, self.dtype)
+        w_q_DHQ = param(self, "w_q", init, (d, h, q), (ax.EMBED, ax.HEADS, ax.HEAD_DIM))
+        w_k_DKQ = param(self, "w_k", init, (d, k, q), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
+        w_v_DKQ = param(self, "w_v", init, (d, k, q), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
+        w_o_HQD = param(self, "w_o", init, (h, q, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED))
+        lay, q_names, kv_names = self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, None), (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, None)
+        q_BLHQ = constrain(rope(proj("bld,dhq->blhq", x_BLD, w_q_DHQ, self.dtype), self.rope_theta), lay, q_names, "attn_q")
+        k_BLKQ = constrain(rope(proj("bld,dkq->blkq", x_BLD, w_k_DKQ, self.dtype), self.rope_theta), lay, kv_names, "attn_k")
+        v_BLKQ = constrain(proj("bld,dkq->blkq", x_BLD, w_v_DKQ, self.dtype), lay, kv_names)
         if self.impl == "xla":
             o_BLHQ = jax.nn.dot_product_attention(q_BLHQ, k_BLKQ, v_BLKQ, is_causal=True)
         elif self.kernels == "pallas" and x_BLD.shape[1] % 16 == 0:  # (MTP blocks see L-1 rows: reference)
@@ -64,4 +68,5 @@ class Attention(nn.Module):
             o_BLHQ = flash_attention(q_BLHQ, k_BLKQ, v_BLKQ)
         else:
             o_BLHQ = attention_reference(q_BLHQ, k_BLKQ, v_BLKQ)
+        o_BLHQ = constrain(o_BLHQ, lay, q_names, "attn_out")
         return proj("blhq,hqd->bld", o_BLHQ, w_o_HQD, self.dtype)

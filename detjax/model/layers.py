@@ -8,11 +8,20 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from detjax.sharding import rules as ax
+from detjax.sharding.rules import constrain
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def normal_init(std: float) -> nn.initializers.Initializer:
     return nn.initializers.normal(stddev=std)
+
+
+def param(module: nn.Module, name: str, init: nn.initializers.Initializer, shape: tuple[int, ...], axes: tuple):
+    """An fp32 master parameter whose dimensions carry logical axis names (the sharding words)."""
+    assert len(axes) == len(shape), (name, shape, axes)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
 def proj(spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -26,7 +35,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        w_D = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        w_D = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (ax.NORM,))
         if self.kernels == "pallas" and x.size // x.shape[-1] % 16 == 0:
             from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
 
@@ -93,11 +102,13 @@ class Embed(nn.Module):
     d_model: int
     init_std: float
     kernels: str = "reference"
+    layout: ax.Layout | None = None
 
     @nn.compact
     def __call__(self, ids_BL: jax.Array) -> jax.Array:
-        table_VD = self.param("table", normal_init(self.init_std), (self.vocab_size, self.d_model), jnp.float32)
-        return embed_lookup(table_VD, ids_BL, self.kernels)
+        table_VD = param(self, "table", normal_init(self.init_std), (self.vocab_size, self.d_model), (ax.VOCAB, ax.EMBED))
+        h_BLD = embed_lookup(table_VD, ids_BL, self.kernels)
+        return constrain(h_BLD, self.layout, (ax.BATCH, ax.SEQ, ax.ACT_EMBED), "embed_out")
 
 
 class MLP(nn.Module):
@@ -107,13 +118,16 @@ class MLP(nn.Module):
     ffn_dim: int
     init_std: float
     dtype: jnp.dtype
+    layout: ax.Layout | None = None
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         init = normal_init(self.init_std)
-        w_gate_DF = self.param("w_gate", init, (self.d_model, self.ffn_dim), jnp.float32)
-        w_up_DF = self.param("w_up", init, (self.d_model, self.ffn_dim), jnp.float32)
-        w_down_FD = self.param("w_down", init, (self.ffn_dim, self.d_model), jnp.float32)
-        gate_BLF = proj("bld,df->blf", x_BLD, w_gate_DF, self.dtype)
-        up_BLF = proj("bld,df->blf", x_BLD, w_up_DF, self.dtype)
+        d, f = self.d_model, self.ffn_dim
+        w_gate_DF = param(self, "w_gate", init, (d, f), (ax.EMBED, ax.MLP))
+        w_up_DF = param(self, "w_up", init, (d, f), (ax.EMBED, ax.MLP))
+        w_down_FD = param(self, "w_down", init, (f, d), (ax.MLP, ax.EMBED))
+        names = (ax.BATCH, ax.LENGTH, ax.ACT_MLP)
+        gate_BLF = constrain(proj("bld,df->blf", x_BLD, w_gate_DF, self.dtype), self.layout, names, "mlp_hidden")
+        up_BLF = constrain(proj("bld,df->blf", x_BLD, w_up_DF, self.dtype), self.layout, names)
         return proj("blf,fd->bld", nn.silu(gate_BLF) * up_BLF, w_down_FD, self.dtype)

@@ -8,25 +8,33 @@ from flax import linen as nn
 
 from detjax.config import ModelConfig
 from detjax.model.attention import Attention
-from detjax.model.layers import DTYPES, MLP, Embed, RMSNorm, normal_init, proj
+from detjax.model.layers import DTYPES, MLP, Embed, RMSNorm, normal_init, param, proj
 from detjax.model.mamba2 import Mamba2
 from detjax.model.moe import MoE
+from detjax.sharding import rules as ax
+from detjax.sharding.rules import constrain
 
 
 class Block(nn.Module):
-    """Pre-norm residual block; `letter` picks the mixer (M, *, E, -). Returns (h, aux loss)."""
+    """Pre-norm residual block; `letter` picks the mixer (M, *, E, -). Returns (h, aux loss).
+
+    Dropout takes an explicit key (the model derives one per layer index), so a block's mask does not
+    depend on where the block sits in the module tree — a pipeline stage applying it alone draws the same.
+    """
 
     cfg: ModelConfig
     letter: str
+    layout: ax.Layout | None = None
 
     @nn.compact
-    def __call__(self, h_BLD: jax.Array, train: bool) -> tuple[jax.Array, jax.Array]:
-        c = self.cfg
+    def __call__(self, h_BLD: jax.Array, train: bool, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        c, lay = self.cfg, self.layout
         dtype = DTYPES[c.compute_dtype]
         x_BLD = RMSNorm(c.norm_eps, c.kernels, name="norm")(h_BLD).astype(dtype)
+        x_BLD = constrain(x_BLD, lay, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED), "block_in")
         aux = jnp.zeros((), jnp.float32)
         if self.letter == "M":
-            y = Mamba2(c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, name="mixer")(x_BLD)
+            y = Mamba2(c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, lay, name="mixer")(x_BLD)
         elif self.letter == "*":
             y = Attention(
                 c.d_model,
@@ -38,46 +46,64 @@ class Block(nn.Module):
                 dtype,
                 c.attention_impl,
                 c.kernels,
+                lay,
                 name="mixer",
             )(x_BLD)
         elif self.letter == "E":
-            y, aux = MoE(c.d_model, c.moe, c.init_std, dtype, name="mixer")(x_BLD)
+            y, aux = MoE(c.d_model, c.moe, c.init_std, dtype, lay, name="mixer")(x_BLD)
         elif self.letter == "-":
-            y = MLP(c.d_model, c.ffn_dim, c.init_std, dtype, name="mixer")(x_BLD)
+            y = MLP(c.d_model, c.ffn_dim, c.init_std, dtype, lay, name="mixer")(x_BLD)
         else:
             raise ValueError(f"unknown block letter {self.letter!r}")
-        y = nn.Dropout(c.dropout, deterministic=not train)(y)
-        return h_BLD + y.astype(jnp.float32), aux
+        if train and c.dropout > 0.0:
+            if key is None:
+                raise ValueError("training with dropout needs a dropout key")
+            y = nn.Dropout(c.dropout, deterministic=False)(y, rng=key)
+        h_BLD = h_BLD + y.astype(jnp.float32)
+        return constrain(h_BLD, lay, (ax.BATCH, ax.SEQ, ax.ACT_EMBED), "residual"), aux
+
+
+def layer_key(key: jax.Array | None, index: int) -> jax.Array | None:
+    """The dropout key of layer `index` (MTP layers follow the main stack's indices)."""
+    return None if key is None else jax.random.fold_in(key, index)
 
 
 class HybridLM(nn.Module):
-    """Returns (logits B×L×V, MTP logits B×(L-1)×V or None, summed MoE aux loss)."""
+    """Returns (logits B×L×V, MTP logits B×(L-1)×V or None, summed MoE aux loss).
+
+    The pieces are also methods so a pipeline can run them apart: `embed_ids` (first stage), the blocks
+    (stacked per stage, see detjax.sharding.pipeline), `outputs` (last stage: LM head and MTP head).
+    """
 
     cfg: ModelConfig
+    layout: ax.Layout | None = None
 
     def setup(self) -> None:
-        c = self.cfg
-        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, c.kernels)
-        self.layers = [Block(c, letter, name=f"layer_{i}") for i, letter in enumerate(c.pattern)]
+        c, lay = self.cfg, self.layout
+        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, c.kernels, lay)
+        self.layers = [Block(c, letter, lay, name=f"layer_{i}") for i, letter in enumerate(c.pattern)]
         self.final_norm = RMSNorm(c.norm_eps, c.kernels)
-        self.w_head_DV = self.param("w_head", normal_init(c.init_std), (c.d_model, c.vocab_size), jnp.float32)
+        self.w_head_DV = param(self, "w_head", normal_init(c.init_std), (c.d_model, c.vocab_size), (ax.EMBED, ax.VOCAB))
         if c.mtp.depth:
             self.mtp_norm_h = RMSNorm(c.norm_eps, c.kernels)
             self.mtp_norm_e = RMSNorm(c.norm_eps, c.kernels)
-            self.w_mtp_2DD = self.param("w_mtp_proj", normal_init(c.init_std), (2, c.d_model, c.d_model), jnp.float32)
-            self.mtp_layers = [Block(c, letter, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)]
+            self.w_mtp_2DD = param(
+                self, "w_mtp_proj", normal_init(c.init_std), (2, c.d_model, c.d_model), (None, ax.EMBED, None)
+            )
+            self.mtp_layers = [Block(c, letter, lay, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)]
             self.mtp_final_norm = RMSNorm(c.norm_eps, c.kernels)
 
     def head(self, h_BLD: jax.Array) -> jax.Array:
-        return proj("bld,dv->blv", h_BLD, self.w_head_DV, DTYPES[self.cfg.compute_dtype]).astype(jnp.float32)
+        logits = proj("bld,dv->blv", h_BLD, self.w_head_DV, DTYPES[self.cfg.compute_dtype]).astype(jnp.float32)
+        return constrain(logits, self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB), "logits")
 
-    def __call__(self, ids_BL: jax.Array, train: bool = False):
+    def embed_ids(self, ids_BL: jax.Array) -> jax.Array:
+        return self.embed(ids_BL)
+
+    def outputs(self, h_BLD: jax.Array, ids_BL: jax.Array, train: bool = False, key: jax.Array | None = None):
+        """Final hidden state -> (logits, MTP logits or None, MTP blocks' aux loss)."""
         c = self.cfg
-        h_BLD = self.embed(ids_BL)
         aux = jnp.zeros((), jnp.float32)
-        for layer in self.layers:
-            h_BLD, a = layer(h_BLD, train)
-            aux = aux + a
         logits_BLV = self.head(self.final_norm(h_BLD))
         mtp_logits = None
         if c.mtp.depth:
@@ -88,8 +114,17 @@ class HybridLM(nn.Module):
             m_BLD = (
                 proj("bld,de->ble", hn, self.w_mtp_2DD[0], dtype) + proj("bld,de->ble", en, self.w_mtp_2DD[1], dtype)
             ).astype(jnp.float32)
-            for layer in self.mtp_layers:
-                m_BLD, a = layer(m_BLD, train)
+            for i, layer in enumerate(self.mtp_layers):
+                m_BLD, a = layer(m_BLD, train, layer_key(key, len(c.pattern) + i))
                 aux = aux + a
             mtp_logits = self.head(self.mtp_final_norm(m_BLD))
         return logits_BLV, mtp_logits, aux
+
+    def __call__(self, ids_BL: jax.Array, train: bool = False, key: jax.Array | None = None):
+        h_BLD = self.embed(ids_BL)
+        aux = jnp.zeros((), jnp.float32)
+        for i, layer in enumerate(self.layers):
+            h_BLD, a = layer(h_BLD, train, layer_key(key, i))
+            aux = aux + a
+        logits_BLV, mtp_logits, mtp_aux = self.outputs(h_BLD, ids_BL, train, key)
+        return logits_BLV, mtp_logits, aux + mtp_aux

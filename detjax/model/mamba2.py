@@ -9,18 +9,23 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.config import MambaConfig
-from detjax.model.layers import normal_init, proj
+from detjax.model.layers import normal_init, param, proj
+from detjax.sharding import rules as ax
+from detjax.sharding.rules import constrain
 from detjax.model.ssd import ssd_chunked
 
 
-def causal_conv(x_BLM: jax.Array, w_WM: jax.Array, b_M: jax.Array) -> jax.Array:
-    """Depthwise causal conv as a fixed-order sum of shifted copies (no conv algorithm to choose)."""
-    width = w_WM.shape[0]
-    length = x_BLM.shape[1]
-    xpad = jnp.pad(x_BLM, ((0, 0), (width - 1, 0), (0, 0)))
-    out = jnp.broadcast_to(b_M.astype(x_BLM.dtype)[None, None, :], x_BLM.shape)
+def causal_conv(x_BL_: jax.Array, w_W_: jax.Array, b_: jax.Array) -> jax.Array:
+    """Depthwise causal conv along L as a fixed-order sum of shifted copies (no conv algorithm to choose).
+
+    x is (B, L, ...channels), w is (W, ...channels), b is (...channels)."""
+    width = w_W_.shape[0]
+    length = x_BL_.shape[1]
+    lead = (1, 1)
+    xpad = jnp.pad(x_BL_, ((0, 0), (width - 1, 0)) + ((0, 0),) * (x_BL_.ndim - 2))
+    out = jnp.broadcast_to(b_.astype(x_BL_.dtype).reshape(lead + b_.shape), x_BL_.shape)
     for k in range(width):
-        out = out + xpad[:, k : k + length] * w_WM[k].astype(x_BLM.dtype)[None, None, :]
+        out = out + xpad[:, k : k + length] * w_W_[k].astype(x_BL_.dtype).reshape(lead + b_.shape)
     return out
 
 
@@ -45,44 +50,53 @@ class SSD(nn.Module):
 
 
 class Mamba2(nn.Module):
+    """Projections are split per role so that every head-indexed weight can be split over `tensor` by heads;
+    B and C (one group) are shared by all heads and stay whole."""
+
     d_model: int
     cfg: MambaConfig
     init_std: float
     norm_eps: float
     dtype: jnp.dtype
+    layout: ax.Layout | None = None
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         c = self.cfg
-        d_inner = c.expand * self.d_model
-        heads, n = c.n_heads, c.d_state
+        d, d_inner = self.d_model, c.expand * self.d_model
+        heads, n, w = c.n_heads, c.d_state, c.d_conv
         p = d_inner // heads
-        conv_dim = d_inner + 2 * n
-        init = normal_init(self.init_std)
-        w_in_DM = self.param("w_in", init, (self.d_model, 2 * d_inner + 2 * n + heads), jnp.float32)
-        w_conv_WM = self.param("w_conv", normal_init(1.0 / math.sqrt(c.d_conv)), (c.d_conv, conv_dim), jnp.float32)
-        b_conv_M = self.param("b_conv", nn.initializers.zeros, (conv_dim,), jnp.float32)
-        dt_bias_H = self.param("dt_bias", _dt_bias_init, (heads,), jnp.float32)
-        a_log_H = self.param("a_log", _a_log_init, (heads,), jnp.float32)
-        d_skip_H = self.param("d_skip", nn.initializers.ones, (heads,), jnp.float32)
-        norm_I = self.param("norm_scale", nn.initializers.ones, (d_inner,), jnp.float32)
-        w_out_ID = self.param("w_out", init, (d_inner, self.d_model), jnp.float32)
+        init, conv_init = normal_init(self.init_std), normal_init(1.0 / math.sqrt(w))
+        hp = (ax.SSM_HEADS, ax.HEAD_DIM)
+        w_z_DHP = param(self, "w_in_z", init, (d, heads, p), (ax.EMBED, *hp))
+        w_x_DHP = param(self, "w_in_x", init, (d, heads, p), (ax.EMBED, *hp))
+        w_bc_D2N = param(self, "w_in_bc", init, (d, 2, n), (ax.EMBED, None, ax.SSM_STATE))
+        w_dt_DH = param(self, "w_in_dt", init, (d, heads), (ax.EMBED, ax.SSM_HEADS))
+        w_conv_x_WHP = param(self, "w_conv_x", conv_init, (w, heads, p), (ax.CONV, *hp))
+        b_conv_x_HP = param(self, "b_conv_x", nn.initializers.zeros, (heads, p), hp)
+        w_conv_bc_W2N = param(self, "w_conv_bc", conv_init, (w, 2, n), (ax.CONV, None, ax.SSM_STATE))
+        b_conv_bc_2N = param(self, "b_conv_bc", nn.initializers.zeros, (2, n), (None, ax.SSM_STATE))
+        dt_bias_H = param(self, "dt_bias", _dt_bias_init, (heads,), (ax.SSM_HEADS,))
+        a_log_H = param(self, "a_log", _a_log_init, (heads,), (ax.SSM_HEADS,))
+        d_skip_H = param(self, "d_skip", nn.initializers.ones, (heads,), (ax.SSM_HEADS,))
+        norm_HP = param(self, "norm_scale", nn.initializers.ones, (heads, p), hp)
+        w_out_HPD = param(self, "w_out", init, (heads, p, d), (*hp, ax.EMBED))
 
-        zxbcdt_BLM = proj("bld,dm->blm", x_BLD, w_in_DM, self.dtype)
-        z_BLI, xbc_BLM, dt_BLH = jnp.split(zxbcdt_BLM, [d_inner, d_inner + conv_dim], axis=-1)
-        xbc_BLM = nn.silu(causal_conv(xbc_BLM.astype(jnp.float32), w_conv_WM, b_conv_M))
-        x_BLI, b_BLN, c_BLN = jnp.split(xbc_BLM, [d_inner, d_inner + n], axis=-1)
+        lay, names = self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, None)
+        z_BLHP = constrain(proj("bld,dhp->blhp", x_BLD, w_z_DHP, self.dtype), lay, names, "ssm_z")
+        x_BLHP = constrain(proj("bld,dhp->blhp", x_BLD, w_x_DHP, self.dtype), lay, names)
+        bc_BL2N = proj("bld,dgn->blgn", x_BLD, w_bc_D2N, self.dtype)
+        dt_BLH = proj("bld,dh->blh", x_BLD, w_dt_DH, self.dtype)
+        x_BLHP = nn.silu(causal_conv(x_BLHP.astype(jnp.float32), w_conv_x_WHP, b_conv_x_HP))
+        bc_BL2N = nn.silu(causal_conv(bc_BL2N.astype(jnp.float32), w_conv_bc_W2N, b_conv_bc_2N))
+        b_BLN, c_BLN = bc_BL2N[:, :, 0], bc_BL2N[:, :, 1]
 
-        bsz, length = x_BLD.shape[:2]
-        x_BLHP = x_BLI.reshape(bsz, length, heads, p)
         dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + dt_bias_H[None, None, :])
         a_11H = -jnp.exp(a_log_H)[None, None, :]
         y_BLHP = SSD(c.chunk_size, name="ssd")(x_BLHP * dt_BLH[..., None], a_11H * dt_BLH, b_BLN, c_BLN)
         y_BLHP = y_BLHP + d_skip_H[None, None, :, None] * x_BLHP
-        y_BLI = y_BLHP.reshape(bsz, length, d_inner) * nn.silu(z_BLI.astype(jnp.float32))
-        y_BLI = (
-            y_BLI
-            * jax.lax.rsqrt(jnp.mean(y_BLI * y_BLI, axis=-1, keepdims=True) + self.norm_eps)
-            * norm_I[None, None, :]
-        )
-        return proj("bli,id->bld", y_BLI, w_out_ID, self.dtype)
+        y_BLHP = constrain(y_BLHP * nn.silu(z_BLHP.astype(jnp.float32)), lay, names, "ssm_y")
+        # gated RMSNorm over the whole inner width (all heads)
+        ms_BL11 = jnp.mean(y_BLHP * y_BLHP, axis=(-2, -1), keepdims=True)
+        y_BLHP = y_BLHP * jax.lax.rsqrt(ms_BL11 + self.norm_eps) * norm_HP[None, None]
+        return proj("blhp,hpd->bld", y_BLHP, w_out_HPD, self.dtype)

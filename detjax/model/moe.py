@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.config import MoEConfig
-from detjax.model.layers import MLP, normal_init, permute_rows, proj
+from detjax.model.layers import MLP, normal_init, param, permute_rows, proj
+from detjax.sharding import rules as ax
 from detjax.trace.capture import tap_rows
 
 
@@ -36,50 +37,53 @@ def load_balance_loss(idx_TX: jax.Array, probs_TE: jax.Array) -> jax.Array:
     return n_exp * jnp.sum(f_E * p_E)
 
 
+def expert_ffn(xs_RD: jax.Array, gs_E: jax.Array, w_gate_EDF, w_up_EDF, w_down_EFD, dtype) -> jax.Array:
+    """SwiGLU per expert over rows sorted by expert (group sizes gs_E): grouped matmuls."""
+
+    def gmm(a, w):
+        return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)
+
+    h_RF = nn.silu(gmm(xs_RD, w_gate_EDF)) * gmm(xs_RD, w_up_EDF)
+    return gmm(h_RF.astype(dtype), w_down_EFD)
+
+
+def combine_slots(y_TXD: jax.Array, gate_TX: jax.Array) -> jax.Array:
+    """Weighted sum over the k slots in a fixed order (slot 0 first)."""
+    y_TD = y_TXD[:, 0] * gate_TX[:, 0:1]
+    for slot in range(1, y_TXD.shape[1]):
+        y_TD = y_TD + y_TXD[:, slot] * gate_TX[:, slot : slot + 1]
+    return y_TD
+
+
 class Experts(nn.Module):
-    """SwiGLU per expert over rows sorted by expert (R = T*X rows, group sizes gs_E): grouped matmuls."""
+    """Dispatch, the experts' grouped matmuls and the ordered combine: (T×D tokens, routing) -> T×D.
+
+    With `mesh.expert > 1` the experts are split over the `expert` axis and tokens travel to them by
+    all-to-all inside shard_map (detjax.sharding.expert); otherwise every expert is local.
+    """
 
     n_experts: int
     d_model: int
     ffn_dim: int
     init_std: float
     dtype: jnp.dtype
+    combine: str = "gather"
+    layout: ax.Layout | None = None
 
     @nn.compact
-    def __call__(self, x_RD: jax.Array, gs_E: jax.Array) -> jax.Array:
+    def __call__(self, x_TD: jax.Array, idx_TX: jax.Array, gate_TX: jax.Array) -> jax.Array:
         e, d, f, dtype = self.n_experts, self.d_model, self.ffn_dim, self.dtype
         init = normal_init(self.init_std)
-        w_gate_EDF = self.param("w_gate", init, (e, d, f), jnp.float32)
-        w_up_EDF = self.param("w_up", init, (e, d, f), jnp.float32)
-        w_down_EFD = self.param("w_down", init, (e, f, d), jnp.float32)
+        w_gate_EDF = param(self, "w_gate", init, (e, d, f), (ax.EXPERTS, ax.EXPERT_EMBED, ax.EXPERT_MLP))
+        w_up_EDF = param(self, "w_up", init, (e, d, f), (ax.EXPERTS, ax.EXPERT_EMBED, ax.EXPERT_MLP))
+        w_down_EFD = param(self, "w_down", init, (e, f, d), (ax.EXPERTS, ax.EXPERT_MLP, ax.EXPERT_EMBED))
+        weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
+        if self.layout is not None and self.layout.degrees["expert"] > 1:
+            from detjax.sharding.expert import expert_parallel_moe
 
-        def gmm(a, w):
-            return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)
+            return expert_parallel_moe(x_TD, idx_TX, gate_TX, weights, self.layout, dtype)
 
-        h_RF = nn.silu(gmm(x_RD, w_gate_EDF)) * gmm(x_RD, w_up_EDF)
-        return gmm(h_RF.astype(dtype), w_down_EFD).astype(dtype)
-
-
-class MoE(nn.Module):
-    d_model: int
-    cfg: MoEConfig
-    init_std: float
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        c = self.cfg
-        e, f, d, k = c.n_experts, c.ffn_dim, self.d_model, c.top_k
-        init = normal_init(self.init_std)
-        w_router_DE = self.param("w_router", init, (d, e), jnp.float32)
-
-        bsz, length, _ = x_BLD.shape
-        x_TD = x_BLD.reshape(bsz * length, d).astype(self.dtype)
-        logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), w_router_DE)
-        idx_TX, gate_TX, probs_TE = route(logits_TE, k, c.router)
-        aux = load_balance_loss(idx_TX, probs_TE)
-        tap_rows(self, "routing", idx_TX)  # row-wise: a swapped pair of rows is caught
-
+        t, k = idx_TX.shape
         # Sort the T*X (token, slot) rows by expert; the stable sort keeps global token order inside
         # each expert group, so an expert's rows (and its weight-gradient sum) are in token order.
         expert_R = idx_TX.reshape(-1)
@@ -87,25 +91,42 @@ class MoE(nn.Module):
         inv_R = jnp.argsort(order_R)
         gs_E = jnp.sum(jax.nn.one_hot(expert_R, e, dtype=jnp.int32), axis=0)
         tap_rows(self, "dispatch_order", order_R)
-        x_RD = jnp.broadcast_to(x_TD[:, None, :], (x_TD.shape[0], k, d)).reshape(-1, d)
+        x_RD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d)).reshape(-1, d)
         xs_RD = permute_rows(x_RD, order_R, inv_R)
-        ys_RD = Experts(e, d, f, self.init_std, self.dtype, name="experts")(xs_RD, gs_E)
-
-        if c.combine == "scatter_add":
+        ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype).astype(dtype)
+        if self.combine == "scatter_add":
             # fast, nondeterministic baseline (refused in strict mode): atomics accumulate per token
-            tok_R = jnp.broadcast_to(jnp.arange(x_TD.shape[0])[:, None], (x_TD.shape[0], k)).reshape(-1)
-            w_R = gate_TX.reshape(-1)[order_R].astype(self.dtype)
-            y_TD = jnp.zeros_like(x_TD).at[tok_R[order_R]].add(ys_RD * w_R[:, None])
-        else:
-            y_TXD = permute_rows(ys_RD, inv_R, order_R).reshape(-1, k, d)
-            gate_TX = gate_TX.astype(self.dtype)
-            y_TD = y_TXD[:, 0] * gate_TX[:, 0:1]
-            for slot in range(1, k):  # fixed order over the k slots
-                y_TD = y_TD + y_TXD[:, slot] * gate_TX[:, slot : slot + 1]
+            tok_R = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k)).reshape(-1)
+            w_R = gate_TX.reshape(-1)[order_R].astype(dtype)
+            return jnp.zeros_like(x_TD).at[tok_R[order_R]].add(ys_RD * w_R[:, None])
+        y_TXD = permute_rows(ys_RD, inv_R, order_R).reshape(t, k, d)
+        return combine_slots(y_TXD, gate_TX.astype(dtype))
 
-        y_BLD = y_TD.reshape(bsz, length, d)
+
+class MoE(nn.Module):
+    d_model: int
+    cfg: MoEConfig
+    init_std: float
+    dtype: jnp.dtype
+    layout: ax.Layout | None = None
+
+    @nn.compact
+    def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        c = self.cfg
+        e, f, d, k = c.n_experts, c.ffn_dim, self.d_model, c.top_k
+        init = normal_init(self.init_std)
+        w_router_DE = param(self, "w_router", init, (d, e), (ax.EMBED, None))
+
+        bsz, length, _ = x_BLD.shape
+        x_TD = x_BLD.reshape(bsz * length, d).astype(self.dtype)
+        logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), w_router_DE)
+        idx_TX, gate_TX, probs_TE = route(logits_TE, k, c.router)
+        aux = load_balance_loss(idx_TX, probs_TE)
+        tap_rows(self, "routing", idx_TX)  # row-wise: a swapped pair of rows is caught
+        experts = Experts(e, d, f, self.init_std, self.dtype, c.combine, self.layout, name="experts")
+        y_BLD = experts(x_TD, idx_TX, gate_TX).reshape(bsz, length, d)
         if c.shared_expert:
-            y_BLD = y_BLD + MLP(d, f, self.init_std, self.dtype, name="shared")(x_BLD)
+            y_BLD = y_BLD + MLP(d, f, self.init_std, self.dtype, self.layout, name="shared")(x_BLD)
         return y_BLD, aux
 
 

@@ -1,12 +1,79 @@
-"""Mesh construction. The axis names are fixed; degrees come from config once meshes land (issue 3)."""
+"""Mesh construction from `mesh:` in config; impossible layouts fail here, before anything compiles."""
 
 from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from detjax.config import Config, ConfigError
+from detjax.sharding.rules import Layout
+
 MESH_AXES = ("data", "fsdp", "tensor", "pipeline", "expert")
+
+
+def resolve_degrees(cfg: Config, n_devices: int) -> dict[str, int]:
+    """Mesh degrees with the -1 axis filled; errors name the axis and the numbers."""
+    deg = cfg.mesh.degrees()
+    known = math.prod(d for d in deg.values() if d != -1)
+    fill = [a for a, d in deg.items() if d == -1]
+    if fill:
+        if n_devices % known:
+            raise ConfigError(
+                f"mesh: the fixed degrees {({a: d for a, d in deg.items() if d != -1})} multiply to {known}, "
+                f"which does not divide the {n_devices} devices, so mesh.{fill[0]}=-1 cannot be filled. "
+                "Fix: choose degrees whose product divides the device count"
+            )
+        deg[fill[0]] = n_devices // known
+    elif known != n_devices:
+        raise ConfigError(
+            f"mesh: degrees {deg} multiply to {known} but {n_devices} devices are present. "
+            "Fix: make the product equal the device count, or set one axis (e.g. mesh.data) to -1"
+        )
+    batch_ways = deg["data"] * deg["fsdp"] * deg["expert"]
+    mb = cfg.train.micro_batch
+    if mb % batch_ways:
+        raise ConfigError(
+            f"config key 'train.micro_batch' = {mb}: a microbatch is split over data x fsdp x expert = "
+            f"{deg['data']} x {deg['fsdp']} x {deg['expert']} = {batch_ways} devices and must be divisible by it. "
+            f"Fix: use a micro_batch that is a multiple of {batch_ways}"
+        )
+    return deg
+
+
+def build_layout(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Layout:
+    """The mesh over `devices` (default: all devices of all processes) and the rules switches for cfg."""
+    if devices is None:
+        devices = jax.devices()
+        n = cfg.mesh.devices or len(devices)
+        if n > len(devices):
+            raise ConfigError(
+                f"config key 'mesh.devices' = {n}: only {len(devices)} devices are present. "
+                "Fix: use 0 (all devices) or a smaller count"
+            )
+        if n < len(devices) and jax.process_count() > 1:
+            raise ConfigError(
+                f"config key 'mesh.devices' = {n}: a multi-process run must span all {len(devices)} devices. "
+                "Fix: set mesh.devices=0"
+            )
+        devices = devices[:n]
+    devices = list(devices)
+    if cfg.model.kernels == "pallas" and len(devices) > 1:
+        raise ConfigError(
+            f"config key 'model.kernels' = 'pallas': the Pallas kernels run on a single-device mesh for now, "
+            f"this mesh has {len(devices)} devices. Fix: set mesh.devices=1 or model.kernels=reference"
+        )
+    deg = resolve_degrees(cfg, len(devices))
+    # Row-major over (data, fsdp, tensor, pipeline, expert): tensor and expert neighbours are adjacent
+    # device ids (the fast links), and each process's devices form a contiguous block of the data axis.
+    grid = np.array(devices, dtype=object).reshape([deg[a] for a in MESH_AXES])
+    mesh = Mesh(grid, MESH_AXES)
+    mesh_cfg = dataclasses.replace(cfg.mesh, **deg)
+    return Layout(mesh, mesh_cfg, replicate_kv=cfg.model.n_kv_heads % deg["tensor"] != 0)
 
 
 def single_device_mesh() -> Mesh:
