@@ -100,8 +100,12 @@ class Trainer:
         if layout is None:
             raise ValueError("state_shardings needs a Trainer built with a layout")
         param_sh = tree_shardings(layout, self.param_logical_specs())
-        by_path = {_dict_path(p): (sh, leaf.shape) for (p, sh), leaf in zip(
-            jax.tree_util.tree_flatten_with_path(param_sh)[0], jax.tree.leaves(abstract.params), strict=True)}
+        by_path = {
+            _dict_path(p): (sh, leaf.shape)
+            for (p, sh), leaf in zip(
+                jax.tree_util.tree_flatten_with_path(param_sh)[0], jax.tree.leaves(abstract.params), strict=True
+            )
+        }
         rep = layout.sharding(())
 
         def opt_leaf(path, leaf):

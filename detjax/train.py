@@ -151,8 +151,16 @@ def train(
 
     primary = is_primary()
     resume = cfg.ckpt.resume if resume is None else resume
+    if run_dir is None and jax.process_count() > 1 and not resume:
+        # every process must agree on the directory (checkpoints are written by all of them)
+        run_dir = Path(cfg.run.out_dir) / cfg.run.name
+        if (run_dir / "fingerprints.jsonl").exists():
+            raise ConfigError(
+                f"run directory {run_dir} already holds a run; a multi-process run does not pick a new name. "
+                "Fix: pass --run-dir, change run.name, or add --resume"
+            )
     if run_dir is None:
-        run_dir = Path(cfg.run.out_dir) / cfg.run.name if resume or not primary else make_run_dir(cfg)
+        run_dir = Path(cfg.run.out_dir) / cfg.run.name if resume else make_run_dir(cfg)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     policy = determinism.policy_record(cfg)
@@ -337,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = train(cfg, Path(args.run_dir) if args.run_dir else None, resume=args.resume or None)
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"run directory: {result.run_dir} (stopped by {result.stopped_by})")

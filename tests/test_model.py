@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from detjax.config import ModelConfig, MoEConfig
 from detjax.model import HybridLM
@@ -29,7 +30,7 @@ def test_moe_equals_dense_per_token_loop(router, shared):
     cfg = MoEConfig(n_experts=4, top_k=2, ffn_dim=16, router=router, shared_expert=shared)
     layer = MoE(d_model=8, cfg=cfg, init_std=0.3, dtype=jnp.float32)
     x = jax.random.normal(jax.random.key(1), (2, 6, 8))
-    params = layer.init(jax.random.key(2), x)["params"]
+    params = nn.unbox(layer.init(jax.random.key(2), x)["params"])
     y, aux = layer.apply({"params": params}, x)
     y_ref, aux_ref = moe_dense_reference(params, x, cfg, jnp.float32)
     if shared:
@@ -68,7 +69,7 @@ def test_hybrid_lm_shapes_and_pattern():
     cfg = dataclasses.replace(ModelConfig(), pattern="M*E-", d_model=32, ffn_dim=32)
     m = HybridLM(cfg)
     ids = jnp.zeros((2, 16), jnp.int32)
-    params = m.init(jax.random.key(0), ids)["params"]
+    params = nn.unbox(m.init(jax.random.key(0), ids)["params"])
     assert {f"layer_{i}" for i in range(4)} <= set(params)
     assert "mixer" in params["layer_2"] and "w_router" in params["layer_2"]["mixer"]
     assert "a_log" in params["layer_0"]["mixer"]

@@ -56,9 +56,17 @@ class Attention(nn.Module):
         w_k_DKQ = param(self, "w_k", init, (d, k, q), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
         w_v_DKQ = param(self, "w_v", init, (d, k, q), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
         w_o_HQD = param(self, "w_o", init, (h, q, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED))
-        lay, q_names, kv_names = self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, None), (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, None)
-        q_BLHQ = constrain(rope(proj("bld,dhq->blhq", x_BLD, w_q_DHQ, self.dtype), self.rope_theta), lay, q_names, "attn_q")
-        k_BLKQ = constrain(rope(proj("bld,dkq->blkq", x_BLD, w_k_DKQ, self.dtype), self.rope_theta), lay, kv_names, "attn_k")
+        lay, q_names, kv_names = (
+            self.layout,
+            (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, None),
+            (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, None),
+        )
+        q_BLHQ = constrain(
+            rope(proj("bld,dhq->blhq", x_BLD, w_q_DHQ, self.dtype), self.rope_theta), lay, q_names, "attn_q"
+        )
+        k_BLKQ = constrain(
+            rope(proj("bld,dkq->blkq", x_BLD, w_k_DKQ, self.dtype), self.rope_theta), lay, kv_names, "attn_k"
+        )
         v_BLKQ = constrain(proj("bld,dkq->blkq", x_BLD, w_v_DKQ, self.dtype), lay, kv_names)
         if self.impl == "xla":
             o_BLHQ = jax.nn.dot_product_attention(q_BLHQ, k_BLKQ, v_BLKQ, is_causal=True)

@@ -106,7 +106,9 @@ class Embed(nn.Module):
 
     @nn.compact
     def __call__(self, ids_BL: jax.Array) -> jax.Array:
-        table_VD = param(self, "table", normal_init(self.init_std), (self.vocab_size, self.d_model), (ax.VOCAB, ax.EMBED))
+        table_VD = param(
+            self, "table", normal_init(self.init_std), (self.vocab_size, self.d_model), (ax.VOCAB, ax.EMBED)
+        )
         h_BLD = embed_lookup(table_VD, ids_BL, self.kernels)
         return constrain(h_BLD, self.layout, (ax.BATCH, ax.SEQ, ax.ACT_EMBED), "embed_out")
 

@@ -10,9 +10,9 @@ from flax import linen as nn
 
 from detjax.config import MambaConfig
 from detjax.model.layers import normal_init, param, proj
+from detjax.model.ssd import ssd_chunked
 from detjax.sharding import rules as ax
 from detjax.sharding.rules import constrain
-from detjax.model.ssd import ssd_chunked
 
 
 def causal_conv(x_BL_: jax.Array, w_W_: jax.Array, b_: jax.Array) -> jax.Array:

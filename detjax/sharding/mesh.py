@@ -24,7 +24,7 @@ def resolve_degrees(cfg: Config, n_devices: int) -> dict[str, int]:
     if fill:
         if n_devices % known:
             raise ConfigError(
-                f"mesh: the fixed degrees {({a: d for a, d in deg.items() if d != -1})} multiply to {known}, "
+                f"mesh: the fixed degrees { ({a: d for a, d in deg.items() if d != -1}) } multiply to {known}, "
                 f"which does not divide the {n_devices} devices, so mesh.{fill[0]}=-1 cannot be filled. "
                 "Fix: choose degrees whose product divides the device count"
             )

@@ -47,9 +47,7 @@ def stack_params(params: dict[str, Any], cfg: Config) -> dict[str, Any]:
     blocks = {}
     for j in range(n):
         per_chunk = [params[f"layer_{c * n + j}"] for c in range(s * v)]
-        blocks[f"block_{j}"] = jax.tree.map(
-            lambda *xs: jnp.stack(xs).reshape((v, s) + xs[0].shape), *per_chunk
-        )
+        blocks[f"block_{j}"] = jax.tree.map(lambda *xs: jnp.stack(xs).reshape((v, s) + xs[0].shape), *per_chunk)
     out["stages"] = blocks
     return out
 
@@ -297,9 +295,7 @@ def pipeline_grads(trainer: Any, params: dict[str, Any], micro_tokens: jax.Array
             recv_b = jax.lax.ppermute(send_b, "pipeline", ring_prev)
             carry = dict(carry)
             carry["act"] = jnp.where(rf_row[0] == 1, _put(carry["act"], recv_f, rf_row[1], rf_row[2]), carry["act"])
-            carry["grad"] = jnp.where(
-                rb_row[0] == 1, _put(carry["grad"], recv_b, rb_row[1], rb_row[2]), carry["grad"]
-            )
+            carry["grad"] = jnp.where(rb_row[0] == 1, _put(carry["grad"], recv_b, rb_row[1], rb_row[2]), carry["grad"])
             return carry, None
 
         tables = tuple(jnp.asarray(a) for a in (sched.action, sched.recv_f, sched.recv_b))

@@ -80,7 +80,7 @@ class Layout:
     mesh: Mesh
     cfg: MeshConfig
     replicate_kv: bool = False  # fewer kv heads than the tensor degree: kv projections are replicated
-    activations: dict[str, str] = field(default_factory=dict, compare=False)
+    activations: dict[str, list] = field(default_factory=dict, compare=False)
 
     def __hash__(self) -> int:
         return hash((self.mesh, self.cfg, self.replicate_kv))
@@ -128,8 +128,13 @@ def constrain(x: jax.Array, layout: Layout | None, names: tuple[str | None, ...]
         raise ValueError(f"constrain({what}): {len(names)} logical names for a rank-{x.ndim} array")
     spec = layout.spec(names)
     if what:
-        layout.activations[what] = str(spec)
+        layout.activations[what] = spec_json(spec)
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+
+
+def spec_json(spec: PartitionSpec) -> list:
+    """A PartitionSpec as plain JSON (stable across JAX versions, unlike its repr)."""
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
 
 
 def tree_shardings(layout: Layout, logical_specs: Any) -> Any:

@@ -1,0 +1,17 @@
+"""Pipeline cells on 8 CPU devices (GPipe, 1F1B, interleaved), each with a single-device reference."""
+
+import pytest
+from _cells import CELLS, Reference, check_cell
+
+PIPELINE = [c for c, m in CELLS.items() if m.get("pipeline", 1) > 1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return Reference(tmp_path_factory.mktemp("ref"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", PIPELINE)
+def test_cell_repeats_bitwise_and_tracks_single_device(cell, tmp_path, reference):
+    check_cell(cell, tmp_path, reference)
