@@ -46,8 +46,19 @@ def _meta_salt(x: jax.Array) -> np.uint32:
     return np.uint32(int.from_bytes(hashlib.blake2s(meta, digest_size=4).digest(), "little"))
 
 
+def _positions(shape: tuple[int, ...]) -> jax.Array:
+    """Row-major flat index of every element, built from per-dimension iotas (mod 2^32). No reshape of the
+    data is needed, so a sharded array is digested shard by shard and only the two sums are reduced."""
+    pos = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        pos = pos + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * np.uint32(stride % 2**32)
+        stride *= shape[d]
+    return pos
+
+
 def _element_hashes(bits: jax.Array, salt: np.uint32) -> tuple[jax.Array, jax.Array]:
-    pos = jnp.arange(bits.size, dtype=jnp.uint32).reshape(bits.shape)
+    pos = _positions(bits.shape)
     p1 = _fmix(pos * _C1 + salt)
     p2 = _fmix(pos * _C2 + (salt ^ np.uint32(0x5BD1E995)))
     return _fmix(bits ^ p1), _fmix((bits + p2) * _C1)
@@ -55,7 +66,7 @@ def _element_hashes(bits: jax.Array, salt: np.uint32) -> tuple[jax.Array, jax.Ar
 
 def tensor_digest(x: jax.Array) -> jax.Array:
     """uint32[2] digest of the whole tensor (bits, positions, shape, dtype)."""
-    bits = as_u32(x).reshape(-1)
+    bits = as_u32(x)  # element shape kept (8-byte dtypes add a trailing 2): positions as if flattened
     h1, h2 = _element_hashes(bits, _meta_salt(x))
     return jnp.stack([jnp.sum(h1, dtype=jnp.uint32), jnp.sum(h2, dtype=jnp.uint32)])
 
