@@ -65,6 +65,9 @@ def test_golden_shardings_split_what_the_cell_says():
     assert ep["params"]["layer_2/mixer/experts/w_gate"] == ["expert", "fsdp"]
     assert ep["params"]["embed/table"] == [None, "fsdp"]
     assert ep["activations"]["embed_out"] == [["fsdp", "expert"]]
+    sp = json.loads((GOLDEN / "tp4-sp.json").read_text())
+    assert sp["activations"]["residual"] == ["data", "tensor"]  # sequence parallel between blocks
+    assert tp["activations"]["residual"] == ["data"]
     pp = json.loads((GOLDEN / "pp2-vpp2.json").read_text())
     assert pp["params"]["stages/block_0/mixer/w_in_x"] == [None, "pipeline"]
 
