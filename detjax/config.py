@@ -115,7 +115,8 @@ class ModelConfig:
     init_std: float = 0.02
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     attention_impl: Literal["reference", "xla"] = "reference"
-    # "pallas": fused RMSNorm and the embedding-gradient segment sum run as fixed-order Pallas kernels
+    # "pallas": RMSNorm, embedding gradient, causal flash attention, the Mamba2 SSD scan and the MoE grouped
+    # matmuls run as fixed-order Pallas kernels (detjax/pallas_kernels); "reference": plain JAX/XLA
     kernels: Literal["reference", "pallas"] = "reference"
     mamba: MambaConfig = field(default_factory=MambaConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -156,6 +157,27 @@ class ModelConfig:
                 "the Pallas flash attention needs a power-of-two head_dim >= 16",
                 "use e.g. 16, 64 or 128, or model.kernels=reference",
             )
+        if self.kernels == "pallas":
+            m = self.mamba
+            for key, v in (
+                ("model.mamba.d_state", m.d_state),
+                ("model.mamba.chunk_size", m.chunk_size),
+                ("model.mamba head dim (expand*d_model/n_heads)", m.expand * self.d_model // max(m.n_heads, 1)),
+            ):
+                if v & (v - 1) or v < 16:
+                    _fail(
+                        key,
+                        v,
+                        "the Pallas SSD kernel needs a power of two >= 16",
+                        "use e.g. 16, 64 or 128, or model.kernels=reference",
+                    )
+            if self.moe.ffn_dim % 16:
+                _fail(
+                    "model.moe.ffn_dim",
+                    self.moe.ffn_dim,
+                    "the Pallas grouped matmul needs a multiple of 16",
+                    "use e.g. 64 or 768, or model.kernels=reference",
+                )
         if not 0.0 <= self.dropout < 1.0:
             _fail("model.dropout", self.dropout, "must be in [0, 1)", "use e.g. 0.0 or 0.1")
         self.mamba.validate(self.d_model)
@@ -222,6 +244,12 @@ class DataConfig:
 @dataclass(frozen=True)
 class DeterminismConfig:
     mode: Literal["off", "strict"] = "strict"
+    # How strict mode gets deterministic kernels:
+    #   "xla_flags": XLA's --xla_gpu_deterministic_ops (deterministic scatter, no run-time autotuning);
+    #   "kernels":   detjax's fixed-order Pallas kernels (needs model.kernels=pallas) with autotuning pinned
+    #                off and no XLA deterministic flag; the compiled step is checked for ops with no
+    #                deterministic path (scatter, select-and-scatter) and refused if it has any.
+    strategy: Literal["xla_flags", "kernels"] = "xla_flags"
 
 
 @dataclass(frozen=True)
@@ -409,6 +437,14 @@ class Config:
                 m.mamba.chunk_size,
                 f"must divide train.seq_len = {t.seq_len}",
                 "choose a chunk_size dividing seq_len",
+            )
+        d = self.determinism
+        if d.mode == "strict" and d.strategy == "kernels" and m.kernels != "pallas":
+            _fail(
+                "determinism.strategy",
+                "kernels",
+                "strict mode without XLA's deterministic flag relies on detjax's fixed-order Pallas kernels",
+                "set model.kernels=pallas, or determinism.strategy=xla_flags",
             )
         if m.mtp.depth and t.seq_len < 3:
             _fail("train.seq_len", t.seq_len, "the MTP head needs seq_len >= 3", "raise seq_len or mtp.depth=0")

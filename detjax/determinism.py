@@ -24,6 +24,12 @@ STRICT_XLA_FLAGS: tuple[str, ...] = (
     "--xla_gpu_deterministic_ops=true",
     "--xla_gpu_exclude_nondeterministic_ops=true",
 )
+# The "kernels" strategy: no deterministic-ops flag (its cost is what the Pallas kernels avoid); GEMM
+# autotuning off, so the algorithm for each GEMM is a function of its shape, not of a timing race.
+KERNELS_XLA_FLAGS: tuple[str, ...] = ("--xla_gpu_autotune_level=0",)
+# Ops that XLA runs with atomics (or an arrival-order-dependent combine) unless the deterministic flag is on.
+NONDETERMINISTIC_HLO_OPS: tuple[str, ...] = ("scatter", "select_and_scatter")
+
 # NCCL chooses algorithm and protocol per message size and topology; each changes the reduction order.
 # Pin both so multi-GPU runs cannot switch. (Canonical mesh-invariant numerics avoid library reductions
 # altogether; these settings guard any collective that still reaches NCCL.)
@@ -86,14 +92,48 @@ def check_features(cfg: Config) -> None:
         )
 
 
+def nondeterministic_ops(lowered_text: str) -> dict[str, int]:
+    """Count the ops in a lowered (StableHLO) program that have no deterministic path without XLA's flag."""
+    import re
+
+    found = {}
+    for op in NONDETERMINISTIC_HLO_OPS:
+        # the op itself ("stablehlo.scatter"(...) or HLO's scatter(...)), not its attributes (#stablehlo.scatter<)
+        n = len(re.findall(rf"\bstablehlo\.{op}\"?[\s(]|[\s=]{op}\(", lowered_text))
+        if n:
+            found[op] = n
+    return found
+
+
+def check_lowered_step(cfg: Config, lowered_text: str) -> None:
+    """Strict mode with strategy=kernels: refuse a train step that still contains ops whose GPU kernels
+    combine in arrival order (XLA's deterministic flag is what would otherwise fix them)."""
+    if cfg.determinism.mode != "strict" or cfg.determinism.strategy != "kernels":
+        return
+    bad = nondeterministic_ops(lowered_text)
+    if bad:
+        ops = ", ".join(f"{k} x{v}" for k, v in sorted(bad.items()))
+        raise DeterminismError(
+            f"determinism.strategy=kernels: the compiled train step contains {ops}, which run with atomics "
+            "on the GPU unless XLA's deterministic flag is on. Fix: determinism.strategy=xla_flags, or remove "
+            "the feature that introduces them (see determinism.json for the model settings)"
+        )
+
+
 def _flags_in(env_value: str) -> set[str]:
     return set(env_value.split())
 
 
-def missing_flags(env: dict[str, str] | None = None) -> list[str]:
+def required_flags(mode: str, strategy: str = "xla_flags") -> tuple[str, ...]:
+    if mode != "strict":
+        return ()
+    return KERNELS_XLA_FLAGS if strategy == "kernels" else STRICT_XLA_FLAGS
+
+
+def missing_flags(env: dict[str, str] | None = None, mode: str = "strict", strategy: str = "xla_flags") -> list[str]:
     env = dict(os.environ) if env is None else env
     have = _flags_in(env.get("XLA_FLAGS", ""))
-    return [f for f in STRICT_XLA_FLAGS if f not in have]
+    return [f for f in required_flags(mode, strategy) if f not in have]
 
 
 def _jax_initialised() -> bool:
@@ -104,17 +144,17 @@ def _jax_initialised() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def apply_environment(mode: str) -> None:
+def apply_environment(mode: str, strategy: str = "xla_flags") -> None:
     """Set the canonical environment for `mode`; must run before JAX initialises its backends."""
     if mode != "strict":
         return
-    missing = missing_flags()
+    missing = missing_flags(mode=mode, strategy=strategy)
     if missing and _jax_initialised():
         raise DeterminismError(
             "determinism.mode=strict needs XLA flags "
             f"{missing} but JAX was already initialised with XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
             "XLA reads its flags once. Fix: start through `python -m detjax.train` (it sets them first), or "
-            f"export XLA_FLAGS='{' '.join(STRICT_XLA_FLAGS)}' before anything imports jax"
+            f"export XLA_FLAGS='{' '.join(required_flags(mode, strategy))}' before anything imports jax"
         )
     if missing:
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *missing]).strip()
@@ -138,7 +178,8 @@ def policy_record(cfg: Config) -> dict[str, Any]:
         "mode": cfg.determinism.mode,
         "config_hash": cfg.hash(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "required_xla_flags": list(STRICT_XLA_FLAGS) if cfg.determinism.mode == "strict" else [],
+        "strategy": cfg.determinism.strategy,
+        "required_xla_flags": list(required_flags(cfg.determinism.mode, cfg.determinism.strategy)),
         "env": {k: os.environ.get(k) for k in STRICT_ENV},
         "refusals_checked": [r.key for r in REFUSALS],
         "versions": {

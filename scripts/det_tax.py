@@ -36,7 +36,7 @@ def worker(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
     from detjax.config import load_config
 
     cfg = load_config(config, overrides + ["run.fingerprints=true"])
-    determinism.apply_environment(cfg.determinism.mode)
+    determinism.apply_environment(cfg.determinism.mode, cfg.determinism.strategy)
     determinism.check_features(cfg)
     import jax
     import numpy as np

@@ -68,3 +68,31 @@ def test_policy_record(tiny_path, tmp_path):
     assert rec["mode"] == "strict" and rec["config_hash"] == cfg.hash()
     assert rec["versions"]["jax"] and rec["device_kind"]
     assert all(f in rec["xla_flags"] for f in determinism.STRICT_XLA_FLAGS)
+
+
+def test_kernels_strategy_needs_the_pallas_kernels(tiny_path):
+    from detjax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"determinism\.strategy.*model\.kernels=pallas"):
+        load_config(tiny_path, ["determinism.strategy=kernels"])
+    cfg = load_config(tiny_path, ["determinism.strategy=kernels", "model.kernels=pallas"])
+    assert determinism.required_flags("strict", "kernels") == determinism.KERNELS_XLA_FLAGS
+    assert "--xla_gpu_deterministic_ops=true" not in determinism.required_flags("strict", "kernels")
+    assert determinism.policy_record(cfg)["strategy"] == "kernels"
+
+
+def test_kernels_strategy_refuses_a_step_with_scatter(tiny_path):
+    """Without XLA's deterministic flag a scatter-add runs with atomics: the lowered step is checked."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg = load_config(tiny_path, ["determinism.strategy=kernels", "model.kernels=pallas"])
+    ids = jnp.arange(8) % 3
+    scatter = jax.jit(lambda v: jnp.zeros((3, 4)).at[ids].add(v)).lower(jnp.ones((8, 4))).as_text()
+    assert determinism.nondeterministic_ops(scatter) == {"scatter": 1}
+    with pytest.raises(determinism.DeterminismError, match=r"scatter x1.*determinism\.strategy=xla_flags"):
+        determinism.check_lowered_step(cfg, scatter)
+    gather = jax.jit(lambda v: v[ids]).lower(jnp.ones((8, 4))).as_text()
+    determinism.check_lowered_step(cfg, gather)  # a gather is fine
+    # the xla_flags strategy leaves scatters to XLA's flag
+    determinism.check_lowered_step(load_config(tiny_path, []), scatter)

@@ -7,14 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from detjax import determinism
 from detjax.pallas_kernels.flash_attention.ops import flash_attention
 from detjax.pallas_kernels.flash_attention.reference import flash_attention_ref
+from detjax.pallas_kernels.gmm.kernel import tgmm
+from detjax.pallas_kernels.gmm.ops import grouped_matmul
+from detjax.pallas_kernels.gmm.reference import gmm_ref, tgmm_ref
 from detjax.pallas_kernels.harness import assert_replays_bit_exact, count_differing_replays, matmul_contention
 from detjax.pallas_kernels.manifest import check_manifest
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
 from detjax.pallas_kernels.rmsnorm.reference import rmsnorm_ref
 from detjax.pallas_kernels.segment_sum.ops import segment_sum
 from detjax.pallas_kernels.segment_sum.reference import segment_sum_ref
+from detjax.pallas_kernels.ssd.ops import ssd
+from detjax.pallas_kernels.ssd.reference import ssd_chunked, ssd_quadratic
 
 # Tolerances (float32 math on both sides; they differ in summation order only): relative to max |ref|.
 TOL_FWD, TOL_GRAD = 1e-6, 1e-5
@@ -95,6 +101,80 @@ def test_flash_attention_replays_bit_exact():
     assert_replays_bit_exact(fn, (q, k, v), replays=3, contention=matmul_contention(256, 5))
 
 
+def _ssd_inputs(seed=0, b=2, length=64, h=3, p=16, n=16):
+    k = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(k[0], (b, length, h, p))
+    a = -0.3 * jnp.exp(jax.random.normal(k[1], (b, length, h)))
+    bm, cm = jax.random.normal(k[2], (b, length, n)), jax.random.normal(k[3], (b, length, n))
+    return (x, a, bm, cm), jax.random.normal(k[4], x.shape)
+
+
+def _ssd_grads(fn, args, g):
+    return jax.grad(lambda *a: jnp.sum(fn(*a) * g), argnums=(0, 1, 2, 3))(*args)
+
+
+def test_ssd_matches_reference():
+    """Forward and every input gradient (dx, da, dB, dC; ddt, dA, dD follow by the chain rule outside)."""
+    args, g = _ssd_inputs()
+    assert _rel(ssd(*args, 16), ssd_chunked(*args, 16)) <= TOL_FWD
+    assert _rel(ssd(*args, 16), ssd_quadratic(*args)) <= TOL_FWD * 4
+    got = _ssd_grads(lambda *a: ssd(*a, 16), args, g)
+    want = _ssd_grads(lambda *a: ssd_chunked(*a, 16), args, g)
+    for name, a, b in zip("x a B C".split(), got, want, strict=True):
+        assert _rel(a, b) <= TOL_GRAD, name
+
+
+def test_ssd_replays_bit_exact():
+    args, g = _ssd_inputs(1, length=32)
+    fn = jax.jit(lambda *a: (ssd(*a, 16), _ssd_grads(lambda *b: ssd(*b, 16), a, g)))
+    assert_replays_bit_exact(fn, args, replays=4)
+    assert_replays_bit_exact(fn, args, replays=3, contention=matmul_contention(256, 5))
+
+
+def _gmm_inputs(seed=0, r=200, k=64, n=96, sizes=(30, 0, 71, 5, 64, 30)):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    gs = jnp.asarray(sizes, jnp.int32)
+    w = jax.random.normal(ks[1], (len(sizes), k, n))
+    return jax.random.normal(ks[0], (r, k)), w, gs, jax.random.normal(ks[2], (r, n))
+
+
+def _gmm_grads(fn, x, w, gs, g):
+    return jax.grad(lambda x, w: jnp.sum(fn(x, w, gs) * g), argnums=(0, 1))(x, w)
+
+
+def test_gmm_matches_reference():
+    """Groups of uneven sizes, one empty, groups straddling row tiles; forward, dx and dw."""
+    x, w, gs, g = _gmm_inputs()
+    assert _rel(grouped_matmul(x, w, gs), gmm_ref(x, w, gs)) <= TOL_FWD
+    for a, b in zip(_gmm_grads(grouped_matmul, x, w, gs, g), _gmm_grads(gmm_ref, x, w, gs, g), strict=True):
+        assert _rel(a, b) <= TOL_GRAD
+    assert _rel(tgmm(x, g, gs, out_dtype=jnp.float32, interpret=True), tgmm_ref(x, g, gs)) <= TOL_FWD
+
+
+def test_gmm_replays_bit_exact():
+    x, w, gs, g = _gmm_inputs(1, r=96, sizes=(20, 40, 0, 36))
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)  # the model's operand dtype
+    fn = jax.jit(lambda x, w: (grouped_matmul(x, w, gs), _gmm_grads(grouped_matmul, x, w, gs, g)))
+    assert_replays_bit_exact(fn, (x, w), replays=4)
+    assert_replays_bit_exact(fn, (x, w), replays=3, contention=matmul_contention(256, 5))
+
+
+def test_tgmm_order_ignores_other_groups():
+    """Expert 2's weight gradient is bit-identical when the groups before it change size: its rows are
+    summed in tiles aligned to its own first row, not to global row positions."""
+    x, _, gs, g = _gmm_inputs()
+    start = 30  # groups 0 and 1 hold 30 rows; group 2 is rows 30..100
+    mine_x, mine_g = x[start : start + 71], g[start : start + 71]
+    for before in (7, 45, 64):  # group 2 now starts at row 7, 45, 64 (other tile phases)
+        other = jax.random.normal(jax.random.key(before), (before, x.shape[1] + g.shape[1]))
+        x2 = jnp.concatenate([other[:, : x.shape[1]], mine_x, x[start + 71 :]])
+        g2 = jnp.concatenate([other[:, x.shape[1] :], mine_g, g[start + 71 :]])
+        gs2 = jnp.asarray([before, 0, 71, 5, 64, 30], jnp.int32)
+        want = tgmm(x, g, gs, out_dtype=jnp.float32, interpret=True)[2]
+        got = tgmm(x2, g2, gs2, out_dtype=jnp.float32, interpret=True)[2]
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+
+
 def test_harness_compares_bytes_not_values():
     """Signed zero: equal as values, different as bytes — the harness must count it."""
     flips = iter([0.0, -0.0, 0.0])
@@ -143,19 +223,42 @@ def test_manifest_gate(tmp_path):
     assert any("test_rmsnorm_replays_bit_exact does not exist" in p for p in check_manifest(copy, tmp_path))
 
 
+KERNEL_NAMES = {
+    "flash_attention_fwd",
+    "flash_attention_dkv",
+    "flash_attention_dq",
+    "gmm",
+    "tgmm",
+    "rmsnorm_fwd",
+    "rmsnorm_bwd",
+    "rmsnorm_wgrad_ordered_sum",
+    "segment_sum",
+    "ssd_fwd",
+    "ssd_bwd",
+}
+
+
 def test_model_uses_pallas_kernels_through_one_switch(tiny_path):
+    """model.kernels=pallas puts every kernel (forward and backward) into the train step of the hybrid
+    M*E- model, and the step's loss and gradient norm match the reference path's."""
+    import re
+
     from detjax.config import load_config
     from detjax.step import Trainer
 
-    cfg_p = load_config(tiny_path, ["model.kernels=pallas", "model.pattern=*-", "model.mtp.depth=0"])
-    cfg_r = load_config(tiny_path, ["model.kernels=reference", "model.pattern=*-", "model.mtp.depth=0"])
+    over = ["model.pattern=M*E-", "model.mtp.depth=0", "model.dropout=0.0"]
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (16, 65)), jnp.int32)
-    out = []
-    for cfg in (cfg_p, cfg_r):
-        tr = Trainer(cfg)
+    out = {}
+    for kernels in ("pallas", "reference"):
+        tr = Trainer(load_config(tiny_path, [f"model.kernels={kernels}", *over]))
         state = jax.jit(tr.init_state)(jax.random.key(0))
-        lowered = jax.jit(tr.train_step).lower(state, batch)
-        out.append((lowered.as_text(), jax.jit(tr.train_step)(state, batch)[1]))
-    assert "pallas" in out[0][0].lower() or "while" in out[0][0].lower()
-    np.testing.assert_allclose(float(out[0][1]["lm_loss"]), float(out[1][1]["lm_loss"]), rtol=1e-4)
-    np.testing.assert_allclose(float(out[0][1]["grad_norm"]), float(out[1][1]["grad_norm"]), rtol=1e-3)
+        names = set(re.findall(r"name=(\w+)", str(jax.make_jaxpr(tr.train_step)(state, batch))))
+        step = jax.jit(tr.train_step)
+        out[kernels] = (names & KERNEL_NAMES, step(state, batch)[1], step.lower(state, batch).as_text())
+    assert out["pallas"][0] == KERNEL_NAMES
+    assert out["reference"][0] == set()
+    # nothing in the Pallas step needs XLA's deterministic flag (what determinism.strategy=kernels checks)
+    assert determinism.nondeterministic_ops(out["pallas"][2]) == {}
+    (_, mp, _), (_, mr, _) = out["pallas"], out["reference"]
+    np.testing.assert_allclose(float(mp["lm_loss"]), float(mr["lm_loss"]), rtol=1e-4)
+    np.testing.assert_allclose(float(mp["grad_norm"]), float(mr["grad_norm"]), rtol=2e-3)

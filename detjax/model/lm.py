@@ -34,7 +34,7 @@ class Block(nn.Module):
         x_BLD = constrain(x_BLD, lay, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED), "block_in")
         aux = jnp.zeros((), jnp.float32)
         if self.letter == "M":
-            y = Mamba2(c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, lay, name="mixer")(x_BLD)
+            y = Mamba2(c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, lay, c.kernels, name="mixer")(x_BLD)
         elif self.letter == "*":
             y = Attention(
                 c.d_model,
@@ -50,7 +50,7 @@ class Block(nn.Module):
                 name="mixer",
             )(x_BLD)
         elif self.letter == "E":
-            y, aux = MoE(c.d_model, c.moe, c.init_std, dtype, lay, name="mixer")(x_BLD)
+            y, aux = MoE(c.d_model, c.moe, c.init_std, dtype, lay, c.kernels, name="mixer")(x_BLD)
         elif self.letter == "-":
             y = MLP(c.d_model, c.ffn_dim, c.init_std, dtype, lay, name="mixer")(x_BLD)
         else:

@@ -43,9 +43,14 @@ class SSD(nn.Module):
     """The chunked SSD scan as its own module, so traces and fault injection can name it."""
 
     chunk: int
+    kernels: str = "reference"
 
     @nn.compact
     def __call__(self, x_BLHP, a_BLH, b_BLN, c_BLN) -> jax.Array:
+        if self.kernels == "pallas":
+            from detjax.pallas_kernels.ssd.ops import ssd
+
+            return ssd(x_BLHP, a_BLH, b_BLN, c_BLN, self.chunk)
         return ssd_chunked(x_BLHP, a_BLH, b_BLN, c_BLN, self.chunk)
 
 
@@ -59,6 +64,7 @@ class Mamba2(nn.Module):
     norm_eps: float
     dtype: jnp.dtype
     layout: ax.Layout | None = None
+    kernels: str = "reference"
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -93,7 +99,7 @@ class Mamba2(nn.Module):
 
         dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + dt_bias_H[None, None, :])
         a_11H = -jnp.exp(a_log_H)[None, None, :]
-        y_BLHP = SSD(c.chunk_size, name="ssd")(x_BLHP * dt_BLH[..., None], a_11H * dt_BLH, b_BLN, c_BLN)
+        y_BLHP = SSD(c.chunk_size, self.kernels, name="ssd")(x_BLHP * dt_BLH[..., None], a_11H * dt_BLH, b_BLN, c_BLN)
         y_BLHP = y_BLHP + d_skip_H[None, None, :, None] * x_BLHP
         y_BLHP = constrain(y_BLHP * nn.silu(z_BLHP.astype(jnp.float32)), lay, names, "ssm_y")
         # gated RMSNorm over the whole inner width (all heads)

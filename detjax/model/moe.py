@@ -37,10 +37,17 @@ def load_balance_loss(idx_TX: jax.Array, probs_TE: jax.Array) -> jax.Array:
     return n_exp * jnp.sum(f_E * p_E)
 
 
-def expert_ffn(xs_RD: jax.Array, gs_E: jax.Array, w_gate_EDF, w_up_EDF, w_down_EFD, dtype) -> jax.Array:
-    """SwiGLU per expert over rows sorted by expert (group sizes gs_E): grouped matmuls."""
+def expert_ffn(
+    xs_RD: jax.Array, gs_E: jax.Array, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, kernels: str = "reference"
+) -> jax.Array:
+    """SwiGLU per expert over rows sorted by expert (group sizes gs_E): grouped matmuls (XLA's ragged_dot,
+    or with kernels=pallas the fixed-order Pallas gmm/tgmm)."""
 
     def gmm(a, w):
+        if kernels == "pallas":
+            from detjax.pallas_kernels.gmm.ops import grouped_matmul
+
+            return grouped_matmul(a.astype(dtype), w.astype(dtype), gs_E)
         return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)
 
     h_RF = nn.silu(gmm(xs_RD, w_gate_EDF)) * gmm(xs_RD, w_up_EDF)
@@ -69,6 +76,7 @@ class Experts(nn.Module):
     dtype: jnp.dtype
     combine: str = "gather"
     layout: ax.Layout | None = None
+    kernels: str = "reference"
 
     @nn.compact
     def __call__(self, x_TD: jax.Array, idx_TX: jax.Array, gate_TX: jax.Array) -> jax.Array:
@@ -93,7 +101,7 @@ class Experts(nn.Module):
         tap_rows(self, "dispatch_order", order_R)
         x_RD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d)).reshape(-1, d)
         xs_RD = permute_rows(x_RD, order_R, inv_R)
-        ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype).astype(dtype)
+        ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype, self.kernels).astype(dtype)
         if self.combine == "scatter_add":
             # fast, nondeterministic baseline (refused in strict mode): atomics accumulate per token
             tok_R = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k)).reshape(-1)
@@ -109,6 +117,7 @@ class MoE(nn.Module):
     init_std: float
     dtype: jnp.dtype
     layout: ax.Layout | None = None
+    kernels: str = "reference"
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -123,7 +132,7 @@ class MoE(nn.Module):
         idx_TX, gate_TX, probs_TE = route(logits_TE, k, c.router)
         aux = load_balance_loss(idx_TX, probs_TE)
         tap_rows(self, "routing", idx_TX)  # row-wise: a swapped pair of rows is caught
-        experts = Experts(e, d, f, self.init_std, self.dtype, c.combine, self.layout, name="experts")
+        experts = Experts(e, d, f, self.init_std, self.dtype, c.combine, self.layout, self.kernels, name="experts")
         y_BLD = experts(x_TD, idx_TX, gate_TX).reshape(bsz, length, d)
         if c.shared_expert:
             y_BLD = y_BLD + MLP(d, f, self.init_std, self.dtype, self.layout, name="shared")(x_BLD)

@@ -120,6 +120,7 @@ def flash_fwd(q, k, v, *, g: int, interpret: bool):
             pl.BlockSpec((None, bq, 1), lambda h, i: (h, i, 0)),
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((bh, length, 1), jnp.float32)],
+        name="flash_attention_fwd",
         interpret=interpret,
     )(q, k, v)
 
@@ -140,6 +141,7 @@ def flash_bwd(q, k, v, o, lse, do, *, g: int, interpret: bool):
         in_specs=[full_q, kv_blk, kv_blk, full_q, full_r, full_r],
         out_specs=[kv_blk, kv_blk],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        name="flash_attention_dkv",
         interpret=interpret,
     )(q, k, v, do, lse, delta)
     q_blk = pl.BlockSpec((None, bq, d), lambda h, i: (h, i, 0))
@@ -151,6 +153,7 @@ def flash_bwd(q, k, v, o, lse, do, *, g: int, interpret: bool):
         in_specs=[q_blk, kv_full, kv_full, q_blk, r_blk, r_blk],
         out_specs=q_blk,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        name="flash_attention_dq",
         interpret=interpret,
     )(q, k, v, do, lse, delta)
     return dq, dk, dv

@@ -58,6 +58,7 @@ def rmsnorm_fwd(x_ND, w_D, *, eps: float, interpret: bool):
         in_specs=[pl.BlockSpec((br, d), lambda i: (i, 0)), pl.BlockSpec((1, d), lambda i: (0, 0))],
         out_specs=[pl.BlockSpec((br, d), lambda i: (i, 0)), pl.BlockSpec((br, 1), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((n, d), x_ND.dtype), jax.ShapeDtypeStruct((n, 1), jnp.float32)],
+        name="rmsnorm_fwd",
         interpret=interpret,
         compiler_params=None,
     )(x_ND, w_D.reshape(1, d))
@@ -79,6 +80,7 @@ def rmsnorm_bwd(x_ND, w_D, rstd_N1, dy_ND, *, interpret: bool):
         ],
         out_specs=[pl.BlockSpec((br, d), lambda i: (i, 0)), pl.BlockSpec((1, d), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((n, d), x_ND.dtype), jax.ShapeDtypeStruct((nb, d), jnp.float32)],
+        name="rmsnorm_bwd",
         interpret=interpret,
     )(x_ND, w_D.reshape(1, d), rstd_N1, dy_ND)
     bd = min(d, 128)
@@ -88,6 +90,7 @@ def rmsnorm_bwd(x_ND, w_D, rstd_N1, dy_ND, *, interpret: bool):
         in_specs=[pl.BlockSpec((nb, bd), lambda j: (0, j))],
         out_specs=pl.BlockSpec((1, bd), lambda j: (0, j)),
         out_shape=jax.ShapeDtypeStruct((1, d), jnp.float32),
+        name="rmsnorm_wgrad_ordered_sum",
         interpret=interpret,
     )(parts)
     return dx, dw.reshape(d)

@@ -45,6 +45,7 @@ def segment_sum(ids_T: jax.Array, g_TD: jax.Array, *, n_segments: int, interpret
         in_specs=[pl.BlockSpec((1, tp), lambda i, j: (0, 0)), pl.BlockSpec((tp, bd), lambda i, j: (0, j))],
         out_specs=pl.BlockSpec((bv, bd), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((vp, d), jnp.float32),
+        name="segment_sum",
         interpret=interpret,
     )(ids, g)
     return out[:n_segments]

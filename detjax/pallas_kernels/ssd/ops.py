@@ -1,0 +1,63 @@
+"""ssd(x, a, b, c, chunk): the Mamba2 SSD scan as a Pallas kernel with a fixed-order backward.
+
+Same contract as detjax.model.ssd.ssd_chunked: x (B, L, H, P) already multiplied by dt, a = A*dt (B, L, H),
+B and C (B, L, N) shared by all heads; float32 out (B, L, H, P).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from detjax.pallas_kernels import interpret_mode
+from detjax.pallas_kernels.ssd.kernel import ssd_bwd, ssd_fwd
+
+
+def _heads_first(x_BLH_):
+    b, length, h = x_BLH_.shape[:3]
+    return jnp.moveaxis(x_BLH_, 2, 1).reshape(b * h, length, *x_BLH_.shape[3:])
+
+
+def _heads_last(x_G__, b, h):
+    return jnp.moveaxis(x_G__.reshape(b, h, *x_G__.shape[1:]), 1, 2)
+
+
+def _sum_heads_in_order(slots_GLN, b, h):
+    """Add the per-head slots in ascending head order (one fixed order, whatever the hardware)."""
+    s = slots_GLN.reshape(b, h, *slots_GLN.shape[1:])
+    acc = s[:, 0]
+    for k in range(1, h):
+        acc = acc + s[:, k]
+    return acc
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def ssd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk: int) -> jax.Array:
+    return _fwd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk)[0]
+
+
+def _fwd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk):
+    bsz, length, h, _ = x_BLHP.shape
+    x = _heads_first(x_BLHP.astype(jnp.float32))
+    arow = _heads_first(a_BLH.astype(jnp.float32)).reshape(bsz * h, 1, length)
+    b, c = b_BLN.astype(jnp.float32), c_BLN.astype(jnp.float32)
+    y, states = ssd_fwd(x, arow, b, c, h=h, chunk=chunk, interpret=interpret_mode())
+    return _heads_last(y, bsz, h), (x, arow, b, c, states)
+
+
+def _bwd(chunk, res, dy_BLHP):
+    x, arow, b, c, states = res
+    bsz, length, h, _ = dy_BLHP.shape
+    dy = _heads_first(dy_BLHP.astype(jnp.float32))
+    dx, da, db_slots, dc_slots = ssd_bwd(x, arow, b, c, states, dy, h=h, chunk=chunk, interpret=interpret_mode())
+    return (
+        _heads_last(dx, bsz, h),
+        _heads_last(da.reshape(bsz * h, length), bsz, h),
+        _sum_heads_in_order(db_slots, bsz, h),
+        _sum_heads_in_order(dc_slots, bsz, h),
+    )
+
+
+ssd.defvjp(_fwd, _bwd)
