@@ -24,9 +24,11 @@ STRICT_XLA_FLAGS: tuple[str, ...] = (
     "--xla_gpu_deterministic_ops=true",
     "--xla_gpu_exclude_nondeterministic_ops=true",
 )
-# The "kernels" strategy: no deterministic-ops flag (its cost is what the Pallas kernels avoid); GEMM
-# autotuning off, so the algorithm for each GEMM is a function of its shape, not of a timing race.
-KERNELS_XLA_FLAGS: tuple[str, ...] = ("--xla_gpu_autotune_level=0",)
+# The "kernels" strategy: no deterministic-ops flag (its cost is what the Pallas kernels avoid). XLA still
+# autotunes GEMMs and fusions, and a timing race could pick a different algorithm in another run; the
+# per-fusion autotune cache pins the choice: the first run writes it, every later run reads it.
+# (Turning autotuning off instead, --xla_gpu_autotune_level=0, cost +156 % on the H200: docs/BENCHMARKS.md.)
+AUTOTUNE_CACHE_FLAG = "--xla_gpu_per_fusion_autotune_cache_dir="
 # Ops that XLA runs with atomics (or an arrival-order-dependent combine) unless the deterministic flag is on.
 NONDETERMINISTIC_HLO_OPS: tuple[str, ...] = ("scatter", "select_and_scatter")
 
@@ -124,16 +126,25 @@ def _flags_in(env_value: str) -> set[str]:
     return set(env_value.split())
 
 
-def required_flags(mode: str, strategy: str = "xla_flags") -> tuple[str, ...]:
+def autotune_cache_dir(cfg: Config) -> str:
+    d = cfg.determinism.autotune_cache or os.path.join(cfg.run.out_dir, "autotune_cache")
+    return os.path.abspath(d)
+
+
+def required_flags(mode: str, strategy: str = "xla_flags", autotune_cache: str = "") -> tuple[str, ...]:
     if mode != "strict":
         return ()
-    return KERNELS_XLA_FLAGS if strategy == "kernels" else STRICT_XLA_FLAGS
+    if strategy == "kernels":
+        return (AUTOTUNE_CACHE_FLAG + os.path.abspath(autotune_cache or "autotune_cache"),)
+    return STRICT_XLA_FLAGS
 
 
-def missing_flags(env: dict[str, str] | None = None, mode: str = "strict", strategy: str = "xla_flags") -> list[str]:
+def missing_flags(
+    env: dict[str, str] | None = None, mode: str = "strict", strategy: str = "xla_flags", autotune_cache: str = ""
+) -> list[str]:
     env = dict(os.environ) if env is None else env
     have = _flags_in(env.get("XLA_FLAGS", ""))
-    return [f for f in required_flags(mode, strategy) if f not in have]
+    return [f for f in required_flags(mode, strategy, autotune_cache) if f not in have]
 
 
 def _jax_initialised() -> bool:
@@ -144,18 +155,21 @@ def _jax_initialised() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def apply_environment(mode: str, strategy: str = "xla_flags") -> None:
+def apply_environment(mode: str, strategy: str = "xla_flags", autotune_cache: str = "") -> None:
     """Set the canonical environment for `mode`; must run before JAX initialises its backends."""
     if mode != "strict":
         return
-    missing = missing_flags(mode=mode, strategy=strategy)
+    missing = missing_flags(mode=mode, strategy=strategy, autotune_cache=autotune_cache)
     if missing and _jax_initialised():
         raise DeterminismError(
             "determinism.mode=strict needs XLA flags "
             f"{missing} but JAX was already initialised with XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
             "XLA reads its flags once. Fix: start through `python -m detjax.train` (it sets them first), or "
-            f"export XLA_FLAGS='{' '.join(required_flags(mode, strategy))}' before anything imports jax"
+            f"export XLA_FLAGS='{' '.join(required_flags(mode, strategy, autotune_cache))}' before anything "
+            "imports jax"
         )
+    if strategy == "kernels":
+        os.makedirs(autotune_cache or "autotune_cache", exist_ok=True)
     if missing:
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *missing]).strip()
     for k, v in STRICT_ENV.items():
@@ -179,7 +193,9 @@ def policy_record(cfg: Config) -> dict[str, Any]:
         "config_hash": cfg.hash(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "strategy": cfg.determinism.strategy,
-        "required_xla_flags": list(required_flags(cfg.determinism.mode, cfg.determinism.strategy)),
+        "required_xla_flags": list(
+            required_flags(cfg.determinism.mode, cfg.determinism.strategy, autotune_cache_dir(cfg))
+        ),
         "env": {k: os.environ.get(k) for k in STRICT_ENV},
         "refusals_checked": [r.key for r in REFUSALS],
         "versions": {

@@ -134,7 +134,7 @@ def train(
 
     `after_restore(state, batches) -> (state, batches)` exists for negative-control tests only.
     """
-    determinism.apply_environment(cfg.determinism.mode, cfg.determinism.strategy)
+    determinism.apply_environment(cfg.determinism.mode, cfg.determinism.strategy, determinism.autotune_cache_dir(cfg))
     determinism.check_features(cfg)
     from detjax.sharding.distributed import initialize, is_primary
 
@@ -326,7 +326,9 @@ def config_for_cli(path: str, overrides: list[str]) -> Config | None:
     try:
         cfg = load_config(path, overrides)
         # Before anything imports jax: XLA reads XLA_FLAGS once, when its backends start.
-        determinism.apply_environment(cfg.determinism.mode, cfg.determinism.strategy)
+        determinism.apply_environment(
+            cfg.determinism.mode, cfg.determinism.strategy, determinism.autotune_cache_dir(cfg)
+        )
         determinism.check_features(cfg)
     except (ConfigError, determinism.DeterminismError) as e:
         print(f"error: {e}", file=sys.stderr)

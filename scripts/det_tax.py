@@ -6,7 +6,9 @@ Modes (each a separate process, since XLA reads its flags once):
   fast        determinism.mode=off, scatter-add MoE combine, XLA/cuDNN attention: the fastest recipe
   off         determinism.mode=off with the deterministic model path (no XLA determinism flags)
   strict      determinism.mode=strict: XLA deterministic ops + pinned autotuning + deterministic path
-  pallas      determinism.mode=off + model.kernels=pallas (fixed-order Pallas RMSNorm / embedding grad)
+  pallas      determinism.mode=off + model.kernels=pallas (every Pallas kernel, GEMM autotuning on)
+  strict-kernels  determinism.mode=strict, strategy=kernels: the Pallas kernels, GEMM autotuning off, no
+              XLA deterministic flag; the lowered step is checked for scatter (refused if present)
 Rounds alternate the modes (fast, off, strict, fast, off, strict, ...) so drift hits all alike. Reported:
 median steady-state step time per mode (warm-up steps dropped; each step synchronised) and the tax
 (mode / fast - 1) x 100 %.
@@ -26,8 +28,9 @@ MODES = {
     "fast": ["determinism.mode=off", "model.moe.combine=scatter_add", "model.attention_impl=xla"],
     "off": ["determinism.mode=off"],
     "strict": ["determinism.mode=strict"],
-    # no XLA flag: the Pallas RMSNorm and embedding-gradient kernels, XLA's default kernels elsewhere
+    # no XLA flag: every Pallas kernel, XLA GEMM autotuning left on (fast, not a guarantee)
     "pallas": ["determinism.mode=off", "model.kernels=pallas"],
+    "strict-kernels": ["determinism.mode=strict", "determinism.strategy=kernels", "model.kernels=pallas"],
 }
 
 
@@ -36,7 +39,7 @@ def worker(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
     from detjax.config import load_config
 
     cfg = load_config(config, overrides + ["run.fingerprints=true"])
-    determinism.apply_environment(cfg.determinism.mode, cfg.determinism.strategy)
+    determinism.apply_environment(cfg.determinism.mode, cfg.determinism.strategy, determinism.autotune_cache_dir(cfg))
     determinism.check_features(cfg)
     import jax
     import numpy as np
@@ -51,6 +54,7 @@ def worker(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
     step = compile_train_step(trainer, rep, rep)
     ds = make_dataset(cfg)
     batches = [jax.device_put(np.asarray(ds[i]), rep) for i in range(8)]  # rotate: not one cached input
+    determinism.check_lowered_step(cfg, step.lower(state, batches[0]).as_text())
     t0 = time.perf_counter()
     state, m = step(state, batches[0])
     jax.block_until_ready((state, m))

@@ -28,70 +28,116 @@ def bench(fn, args, reps=50):
     return 1e3 * statistics.median(ts)
 
 
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b| over all leaves (float32)."""
+    errs = []
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
+        errs.append(float(jnp.max(jnp.abs(x - y)) / jnp.maximum(jnp.max(jnp.abs(y)), 1e-30)))
+    return max(errs)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--kernels", default="rmsnorm,segment_sum,flash_attention,ssd,gmm")
     a = ap.parse_args()
+    which = a.kernels.split(",")
     from detjax.pallas_kernels.harness import count_differing_replays, matmul_contention
-    from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
-    from detjax.pallas_kernels.rmsnorm.reference import rmsnorm_ref
-    from detjax.pallas_kernels.segment_sum.ops import segment_sum
 
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, backend {jax.default_backend()}")
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, backend {jax.default_backend()}", flush=True)
     rows = []
+
+    def measure(name, pal, ref, args, alt_name, extra=()):
+        """Replays (quiet, contended), error vs the alternative, times; one table row (+ extra alternatives)."""
+        err = rel_err(pal(*args), ref(*args))
+        d0 = count_differing_replays(pal, args, a.replays)
+        d1 = count_differing_replays(pal, args, a.replays, matmul_contention(4096, 20))
+        rows.append((name, d0, d1, f"{err:.1e}", bench(pal, args), alt_name, bench(ref, args)))
+        for alt, fn in extra:
+            rows.append(("", "", "", "", "", alt, bench(fn, args)))
+        print(rows[-1 - len(extra)], flush=True)
+
     k = jax.random.split(jax.random.key(0), 4)
-    # RMSNorm at the gpu_small shape: 16 x 1024 tokens, d_model 512
-    x = jax.random.normal(k[0], (16384, 512), jnp.float32)
-    w = 1 + 0.1 * jax.random.normal(k[1], (512,))
     g = jax.random.normal(k[2], (16384, 512))
+    if "rmsnorm" in which:  # the gpu_small shape: 16 x 1024 tokens, d_model 512
+        from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
+        from detjax.pallas_kernels.rmsnorm.reference import rmsnorm_ref
 
-    def fb(norm):
-        return jax.jit(lambda x, w: jax.value_and_grad(lambda x, w: jnp.sum(norm(x, w) * g), argnums=(0, 1))(x, w))
+        x = jax.random.normal(k[0], (16384, 512), jnp.float32)
+        w = 1 + 0.1 * jax.random.normal(k[1], (512,))
 
-    pal, ref = fb(lambda x, w: rmsnorm(x, w, 1e-5)), fb(lambda x, w: rmsnorm_ref(x, w, 1e-5))
-    d0 = count_differing_replays(pal, (x, w), a.replays)
-    d1 = count_differing_replays(pal, (x, w), a.replays, matmul_contention(4096, 20))
-    rows.append(("rmsnorm fwd+bwd", d0, d1, bench(pal, (x, w)), "XLA jnp (fused)", bench(ref, (x, w))))
-    # embedding gradient: 16384 tokens, vocab 264, d 512
+        def fb(norm):
+            return jax.jit(lambda x, w: jax.value_and_grad(lambda x, w: jnp.sum(norm(x, w) * g), argnums=(0, 1))(x, w))
+
+        pal, ref = fb(lambda x, w: rmsnorm(x, w, 1e-5)), fb(lambda x, w: rmsnorm_ref(x, w, 1e-5))
+        measure("rmsnorm fwd+bwd", pal, ref, (x, w), "XLA jnp (fused)")
     ids = jax.random.randint(k[3], (16384,), 0, 264)
-    seg = jax.jit(lambda i, g: segment_sum(i, g, 264))
     scat = jax.jit(lambda i, g: jnp.zeros((264, 512)).at[i].add(g))
-    onehot = jax.jit(lambda i, g: jnp.einsum("tv,td->vd", jax.nn.one_hot(i, 264), g))
-    d0 = count_differing_replays(seg, (ids, g), a.replays)
-    d1 = count_differing_replays(seg, (ids, g), a.replays, matmul_contention(4096, 20))
-    rows.append(("segment_sum (embed grad)", d0, d1, bench(seg, (ids, g)), "XLA scatter-add", bench(scat, (ids, g))))
-    rows.append(("", "", "", "", "XLA one-hot einsum", bench(onehot, (ids, g))))
-    # causal GQA attention at the gpu_small shape: B 16, L 1024, H 8, K 2, head dim 64 (bf16), fwd+bwd
-    from detjax.pallas_kernels.flash_attention.ops import flash_attention
+    if "segment_sum" in which:  # embedding gradient: 16384 tokens, vocab 264, d 512
+        from detjax.pallas_kernels.segment_sum.ops import segment_sum
 
-    ka = jax.random.split(jax.random.key(5), 4)
-    q = jax.random.normal(ka[0], (16, 1024, 8, 64), jnp.bfloat16)
-    kk = jax.random.normal(ka[1], (16, 1024, 2, 64), jnp.bfloat16)
-    vv = jax.random.normal(ka[2], (16, 1024, 2, 64), jnp.bfloat16)
-    go = jax.random.normal(ka[3], q.shape, jnp.bfloat16)
+        seg = jax.jit(lambda i, g: segment_sum(i, g, 264))
+        onehot = jax.jit(lambda i, g: jnp.einsum("tv,td->vd", jax.nn.one_hot(i, 264), g))
+        measure("segment_sum (embed grad)", seg, scat, (ids, g), "XLA scatter-add", [("XLA one-hot einsum", onehot)])
+    if "flash_attention" in which:  # B 16, L 1024, H 8, K 2, head dim 64 (bf16), fwd+bwd
+        from detjax.pallas_kernels.flash_attention.ops import flash_attention
 
-    def attn_fb(f):
-        return jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](go))
+        ka = jax.random.split(jax.random.key(5), 4)
+        q = jax.random.normal(ka[0], (16, 1024, 8, 64), jnp.bfloat16)
+        kk = jax.random.normal(ka[1], (16, 1024, 2, 64), jnp.bfloat16)
+        vv = jax.random.normal(ka[2], (16, 1024, 2, 64), jnp.bfloat16)
+        go = jax.random.normal(ka[3], q.shape, jnp.bfloat16)
 
-    fa = attn_fb(flash_attention)
-    xla = attn_fb(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
-    d0 = count_differing_replays(fa, (q, kk, vv), a.replays)
-    d1 = count_differing_replays(fa, (q, kk, vv), a.replays, matmul_contention(4096, 20))
-    rows.append(
-        (
-            "flash attention fwd+bwd",
-            d0,
-            d1,
-            bench(fa, (q, kk, vv)),
-            "jax.nn.dot_product_attention",
-            bench(xla, (q, kk, vv)),
+        def attn_fb(f):
+            return jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](go))
+
+        fa = attn_fb(flash_attention)
+        xla = attn_fb(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+        measure("flash attention fwd+bwd", fa, xla, (q, kk, vv), "jax.nn.dot_product_attention")
+    if "ssd" in which:  # one gpu_small Mamba2 layer per microbatch: B 8, L 1024, H 16, P 64, N 64, chunk 64
+        from detjax.model.ssd import ssd_chunked
+        from detjax.pallas_kernels.ssd.ops import ssd
+
+        ks = jax.random.split(jax.random.key(7), 5)
+        xs = jax.random.normal(ks[0], (8, 1024, 16, 64)) * 0.1
+        av = -jnp.exp(jax.random.normal(ks[1], (8, 1024, 16))) * 0.05
+        bs, cs = jax.random.normal(ks[2], (8, 1024, 64)), jax.random.normal(ks[3], (8, 1024, 64))
+        gy = jax.random.normal(ks[4], xs.shape)
+
+        def ssd_fb(f):
+            return jax.jit(lambda *args: jax.vjp(f, *args)[1](gy))
+
+        measure(
+            "ssd scan fwd+bwd",
+            ssd_fb(lambda *t: ssd(*t, 64)),
+            ssd_fb(lambda *t: ssd_chunked(*t, 64)),
+            (xs, av, bs, cs),
+            "XLA chunked SSD (jnp einsums)",
         )
-    )
+    if "gmm" in which:  # MoE up-projection of gpu_small: 8 x 1024 tokens x top-2 rows, 512 -> 768, 8 experts
+        from detjax.pallas_kernels.gmm.ops import grouped_matmul
+
+        kg = jax.random.split(jax.random.key(9), 4)
+        experts = jax.random.randint(kg[0], (16384,), 0, 8)
+        gs = jnp.bincount(experts, length=8).astype(jnp.int32)
+        xr = jax.random.normal(kg[1], (16384, 512), jnp.bfloat16)
+        wr = (jax.random.normal(kg[2], (8, 512, 768)) * 0.05).astype(jnp.bfloat16)
+        gr = jax.random.normal(kg[3], (16384, 768))
+
+        def gmm_fb(f):
+            return jax.jit(lambda x, w: jax.vjp(lambda x, w: f(x, w, gs), x, w)[1](gr))
+
+        rd = gmm_fb(lambda x, w, gs: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32))
+        measure("gmm + tgmm (fwd+bwd)", gmm_fb(grouped_matmul), rd, (xr, wr), "jax.lax.ragged_dot fwd+bwd")
     neg = count_differing_replays(scat, (ids, g), a.replays)
     print(f"\nnegative control: XLA scatter-add (atomics), {neg} of {a.replays - 1} replays differ from the first")
     n = a.replays - 1
-    print(f"\n| kernel | differing replays (of {n}) | under contention | Pallas ms | alternative | alt ms |")
-    print("|---|---|---|---|---|---|")
+    print(
+        f"\n| kernel | differing replays (of {n}) | under contention | rel. error vs alternative | Pallas ms "
+        "| alternative | alt ms |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r) + " |")
     return 0
