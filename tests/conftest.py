@@ -12,6 +12,12 @@ _FLAGS = [
 _have = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_have + [f for f in _FLAGS if f not in _have])
 os.environ.setdefault("JAX_PLATFORMS", "cpu") if os.environ.get("DETJAX_TEST_GPU") != "1" else None
+# Compilation dominates the suite. A persistent compilation cache in the checkout (git-ignored) lets the
+# test subprocesses (CLI runs, resume stops, the mesh sweep) and the two xdist workers load a program that
+# another process already compiled, instead of compiling it again; a fresh clone starts with it empty.
+# Loading an executable gives the same program XLA would compile, so no determinism test is weakened.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
