@@ -265,3 +265,16 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path, pyth
     assert sorted(p.name for p in (tmp_path / "two").iterdir() if p.is_file()) == sorted(
         p.name for p in (tmp_path / "one").iterdir() if p.is_file()
     )
+
+
+@pytest.mark.parametrize(
+    "kind,stages,virtual,micro", [("gpipe", 2, 1, 4), ("1f1b", 4, 1, 8), ("1f1b", 2, 2, 4), ("1f1b", 4, 2, 8)]
+)
+def test_schedule_bubble_is_the_textbook_fraction(kind, stages, virtual, micro):
+    """The simulated schedules idle exactly (S-1)/(v*M+S-1) of rank-ticks: GPipe and 1F1B alike, and
+    interleaving v virtual stages shrinks the bubble by v (Megatron's analysis)."""
+    from fractions import Fraction
+
+    sched = build_schedule(kind, stages, virtual, micro)
+    want = Fraction(stages - 1, virtual * micro + stages - 1)
+    assert Fraction(sched.bubble()).limit_denominator(1000) == want

@@ -12,6 +12,8 @@ Packing rows into the send buffer and unpacking them again are gathers whose bac
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -103,8 +105,6 @@ def _local(x_TD, idx_TX, gate_TX, w_gate, w_up, w_down, *, n_ep: int, n_experts:
 
 def expert_parallel_moe(x_TD, idx_TX, gate_TX, weights, layout: ax.Layout, dtype) -> jax.Array:
     """The MoE expert computation with experts split over `expert` (see the module docstring)."""
-    import functools
-
     w_gate, w_up, w_down = weights
     deg = layout.degrees
     tensor = "tensor" if deg["tensor"] > 1 else None
