@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,8 +97,6 @@ def check_features(cfg: Config) -> None:
 
 def nondeterministic_ops(lowered_text: str) -> dict[str, int]:
     """Count the ops in a lowered (StableHLO) program that have no deterministic path without XLA's flag."""
-    import re
-
     found = {}
     for op in NONDETERMINISTIC_HLO_OPS:
         # the op itself ("stablehlo.scatter"(...) or HLO's scatter(...)), not its attributes (#stablehlo.scatter<)
@@ -105,6 +104,18 @@ def nondeterministic_ops(lowered_text: str) -> dict[str, int]:
         if n:
             found[op] = n
     return found
+
+
+def check_step(cfg: Config, step_fn: Any, *args: Any) -> None:
+    """Lower the jitted train step (tracing only, no compile) and check it, when strategy=kernels asks."""
+    if cfg.determinism.mode == "strict" and cfg.determinism.strategy == "kernels":
+        check_lowered_step(cfg, step_fn.lower(*args).as_text())
+
+
+def apply_config_environment(cfg: Config) -> None:
+    """apply_environment for a config: its mode, strategy and autotune cache."""
+    d = cfg.determinism
+    apply_environment(d.mode, d.strategy, autotune_cache_dir(cfg))
 
 
 def check_lowered_step(cfg: Config, lowered_text: str) -> None:

@@ -134,7 +134,7 @@ def train(
 
     `after_restore(state, batches) -> (state, batches)` exists for negative-control tests only.
     """
-    determinism.apply_environment(cfg.determinism.mode, cfg.determinism.strategy, determinism.autotune_cache_dir(cfg))
+    determinism.apply_config_environment(cfg)
     determinism.check_features(cfg)
     from detjax.sharding.distributed import initialize, is_primary
 
@@ -207,9 +207,7 @@ def train(
             json.dump(policy, f, indent=2, sort_keys=True)
 
     step_fn = compile_train_step(trainer, state_shardings, batch_sharding)
-    if cfg.determinism.mode == "strict" and cfg.determinism.strategy == "kernels":
-        batch_shape = jax.ShapeDtypeStruct((g, width), np.int32, sharding=batch_sharding)
-        determinism.check_lowered_step(cfg, step_fn.lower(state, batch_shape).as_text())
+    determinism.check_step(cfg, step_fn, state, jax.ShapeDtypeStruct((g, width), np.int32, sharding=batch_sharding))
     tracer = _Tracer(cfg, trainer, run_dir, state_shardings, batch_sharding)
     t = cfg.train
     start = int(jax.device_get(state.step))
@@ -326,9 +324,7 @@ def config_for_cli(path: str, overrides: list[str]) -> Config | None:
     try:
         cfg = load_config(path, overrides)
         # Before anything imports jax: XLA reads XLA_FLAGS once, when its backends start.
-        determinism.apply_environment(
-            cfg.determinism.mode, cfg.determinism.strategy, determinism.autotune_cache_dir(cfg)
-        )
+        determinism.apply_config_environment(cfg)
         determinism.check_features(cfg)
     except (ConfigError, determinism.DeterminismError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -24,7 +24,7 @@ def main() -> int:
     from detjax.config import load_config
 
     cfg = load_config(a.config, a.overrides)
-    determinism.apply_environment(cfg.determinism.mode, cfg.determinism.strategy, determinism.autotune_cache_dir(cfg))
+    determinism.apply_config_environment(cfg)
     import jax
     import numpy as np
 
