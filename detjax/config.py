@@ -273,6 +273,7 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    enabled: bool = True  # false: no checkpoints at all (throwaway runs); no resume, no save on SIGTERM
     dir: str = ""  # "" = <run dir>/checkpoints
     every: int = 0  # save every N steps; 0 = only at the end, at run.stop_after and on SIGTERM/SIGINT
     keep: int = 3
@@ -284,6 +285,9 @@ class CheckpointConfig:
             _fail("ckpt.every", self.every, "must be >= 0", "use 0 to save only at the end")
         if self.keep < 1:
             _fail("ckpt.keep", self.keep, "must keep at least one checkpoint", "use keep >= 1")
+        if not self.enabled and (self.resume or self.every):
+            what = "ckpt.resume=true" if self.resume else f"ckpt.every={self.every}"
+            _fail("ckpt.enabled", False, f"checkpoints are off but {what} asks for them", "set ckpt.enabled=true")
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,11 @@ def train(
 
     primary = is_primary()
     resume = cfg.ckpt.resume if resume is None else resume
+    if resume and not cfg.ckpt.enabled:
+        raise ConfigError(
+            "config key 'ckpt.enabled' = False: resume asks for a checkpoint but checkpoints are off. "
+            "Fix: set ckpt.enabled=true"
+        )
     if run_dir is None and jax.process_count() > 1 and not resume:
         # every process must agree on the directory (checkpoints are written by all of them)
         run_dir = Path(cfg.run.out_dir) / cfg.run.name
@@ -164,7 +169,9 @@ def train(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     policy = determinism.policy_record(cfg)
-    ckptr = Checkpointer(Path(cfg.ckpt.dir) if cfg.ckpt.dir else run_dir / "checkpoints", cfg)
+    ckptr = None
+    if cfg.ckpt.enabled:
+        ckptr = Checkpointer(Path(cfg.ckpt.dir) if cfg.ckpt.dir else run_dir / "checkpoints", cfg)
 
     layout = build_layout(cfg)  # impossible meshes fail here, before anything compiles
     trainer = Trainer(cfg, layout=layout)
@@ -181,7 +188,7 @@ def train(
             return jax.device_put(batch, batch_sharding)
         return jax.make_array_from_process_local_data(batch_sharding, batch, (g, width))
 
-    if resume and ckptr.latest_step() is not None:
+    if resume and ckptr is not None and ckptr.latest_step() is not None:
         state, data_state, meta = ckptr.restore(abstract, state_shardings)
         batches.set_state(data_state)
         history = list(meta["fingerprints"])
@@ -252,6 +259,8 @@ def train(
             )
 
     def save(done: int) -> None:
+        if ckptr is None:
+            return
         ckptr.save(state, batches.get_state(), records, policy)
         if done == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -270,22 +279,24 @@ def train(
                 emit(*pending)
             pending = (step, metrics)
             done = step + 1
-            if ckptr.should_save(done) or sig.received is not None:
+            if (ckptr is not None and ckptr.should_save(done)) or sig.received is not None:
                 emit(*pending)  # the saved fingerprint history must reach this step
                 pending = None
                 save(done)
                 saved_at = done
             if sig.received is not None:
                 stopped_by = "signal"
-                print(f"received signal {sig.received}: saved step {done}, exiting", file=sys.stderr)
+                what = f"saved step {done}" if ckptr else f"stopped after step {done} (ckpt.enabled=false: not saved)"
+                print(f"received signal {sig.received}: {what}, exiting", file=sys.stderr)
                 break
         if pending is not None:
             emit(*pending)
         final = int(jax.device_get(state.step))
         if final != saved_at:
             save(final)
-        ckptr.wait()
-        ckptr.close()
+        if ckptr is not None:
+            ckptr.wait()
+            ckptr.close()
     bar.close()
     if metrics_file is not None:
         metrics_file.close()

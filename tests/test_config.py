@@ -60,3 +60,14 @@ def test_off_parses_and_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="'model' = 3: must be a mapping"):
         load_config(tmp_path / "sec.yaml")
     assert isinstance(Config(), Config)
+
+
+def test_checkpoints_off_refuses_what_needs_them(tiny_path, tmp_path):
+    for extra in ("ckpt.every=5", "ckpt.resume=true"):
+        with pytest.raises(ConfigError, match=r"'ckpt.enabled' = False: checkpoints are off but .*Fix: set ckpt"):
+            load_config(tiny_path, ["ckpt.enabled=false", extra])
+    from detjax.train import train
+
+    with pytest.raises(ConfigError, match=r"resume asks for a checkpoint but checkpoints are off"):
+        train(load_config(tiny_path, ["ckpt.enabled=false"]), tmp_path / "run", resume=True)
+    assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -14,25 +14,23 @@ STEPS = 24
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, python, tiny_path):
+    """Run a first, alone: it compiles the step and leaves it in the suite's persistent compilation cache,
+    so b and seed1 (started together afterwards) load that executable instead of compiling it again."""
     out = tmp_path_factory.mktemp("runs")
-    procs = {}
-    for name, extra in (("a", []), ("b", []), ("seed1", ["train.seed=1"])):
-        cmd = [
-            python,
-            "-m",
-            "detjax.train",
-            "--config",
-            str(tiny_path),
-            "--run-dir",
-            str(out / name),
-            f"train.steps={STEPS}",
-            "run.progress=false",
-            *extra,
-        ]
-        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for name, p in procs.items():
+
+    def start(name: str, *extra: str) -> subprocess.Popen:
+        cmd = [python, "-m", "detjax.train", "--config", str(tiny_path), "--run-dir", str(out / name)]
+        cmd += [f"train.steps={STEPS}", "run.progress=false", *extra]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def finish(name: str, p: subprocess.Popen) -> None:
         log, _ = p.communicate(timeout=900)
         assert p.returncode == 0, f"run {name} failed:\n{log}"
+
+    finish("a", start("a"))
+    later = {"b": start("b"), "seed1": start("seed1", "train.seed=1")}
+    for name, p in later.items():
+        finish(name, p)
     return out
 
 

@@ -71,6 +71,25 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: s
     return out
 
 
+def _state_handler() -> ocp.PyTreeCheckpointHandler:
+    """The handler for the `state` item: Orbax's standard handlers, except that every jax.Array shard is
+    written whole by its first replica. Orbax's default on CPU ("replica parallel") splits each replicated
+    shard among its replicas with eager `lax.slice` calls, one small XLA compile per array shape and
+    sharding — ~30 s of a CPU mesh run's end-of-run save; on GPU Orbax already writes by first replica.
+    The bytes written are the same either way."""
+    th = ocp.type_handlers
+    registry = th.create_type_handler_registry(
+        (int, th.ScalarHandler()),
+        (float, th.ScalarHandler()),
+        (bytes, th.ScalarHandler()),
+        (np.number, th.ScalarHandler()),
+        (np.ndarray, th.NumpyHandler()),
+        (jax.Array, th.ArrayHandler(use_replica_parallel=False)),
+        (str, th.StringHandler()),
+    )
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, cfg: Config) -> None:
         self.directory = Path(directory).absolute()
@@ -85,6 +104,11 @@ class Checkpointer:
                 create=True,
             ),
             item_names=("state", "data", "meta"),
+            item_handlers={
+                "state": _state_handler(),
+                "data": ocp.JsonCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
         )
 
     # ------------------------------------------------------------------------------------------- save
@@ -116,7 +140,7 @@ class Checkpointer:
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(tree),
+                state=ocp.args.PyTreeSave(tree),
                 data=ocp.args.JsonSave(data_state),
                 meta=ocp.args.JsonSave(meta),
             ),
@@ -180,11 +204,12 @@ class Checkpointer:
             abstract,
             _to_saveable_shardings(shardings),
         )
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
         try:
             got = self.manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(target),
+                    state=ocp.args.PyTreeRestore(target, restore_args=restore_args),
                     data=ocp.args.JsonRestore(),
                     meta=ocp.args.JsonRestore(),
                 ),

@@ -27,7 +27,12 @@ def hunt(cfg: Config, work: Path, log=print) -> tuple[int, dict | None]:
     """Returns (exit code, candidate-origin record or None)."""
     from detjax.compare import first_divergence, load_fingerprints
 
-    base = replace(cfg, run=replace(cfg.run, progress=False, log_every=0, save_final_params=False), trace=TraceConfig())
+    base = replace(
+        cfg,
+        run=replace(cfg.run, progress=False, log_every=0, save_final_params=False),
+        trace=TraceConfig(),
+        ckpt=replace(cfg.ckpt, enabled=False, every=0, resume=False),  # the hunt's runs are thrown away
+    )
     log(f"[1/4] two runs of {cfg.train.steps} steps with fingerprints ...")
     a, b = _pair(base, work, "step")
     d = first_divergence(load_fingerprints(a), load_fingerprints(b))
