@@ -68,14 +68,18 @@ def tensor_digest(x: jax.Array) -> jax.Array:
     """uint32[2] digest of the whole tensor (bits, positions, shape, dtype)."""
     bits = as_u32(x)  # element shape kept (8-byte dtypes add a trailing 2): positions as if flattened
     h1, h2 = _element_hashes(bits, _meta_salt(x))
-    return jnp.stack([jnp.sum(h1, dtype=jnp.uint32), jnp.sum(h2, dtype=jnp.uint32)])
+    # One reduction over both hash lanes (the same two sums as reducing h1 and h2 apart; integer adds do not
+    # depend on order): half the reduction kernels and one elementwise kernel per tensor, which matters
+    # because every step digests every parameter, gradient and optimizer leaf.
+    h = jnp.stack([h1, h2], axis=-1)
+    return jnp.sum(h, axis=tuple(range(h.ndim - 1)), dtype=jnp.uint32)
 
 
 def row_digest(x: jax.Array) -> jax.Array:
     """uint32[rows, 2]: one digest per slice along axis 0, positions counted within the row."""
     bits = as_u32(x).reshape(x.shape[0], -1)
     h1, h2 = jax.vmap(lambda r: _element_hashes(r, _meta_salt(x)))(bits)
-    return jnp.stack([jnp.sum(h1, axis=1, dtype=jnp.uint32), jnp.sum(h2, axis=1, dtype=jnp.uint32)], axis=1)
+    return jnp.sum(jnp.stack([h1, h2], axis=-1), axis=1, dtype=jnp.uint32)
 
 
 def tree_digest(tree: Any) -> jax.Array:

@@ -33,7 +33,18 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
 
 
+# The README runs two xdist workers with --dist loadfile: each takes whole files, in collection order, as it
+# frees up. Longest files first (measured order), so that no heavy file starts last and runs alone.
+HEAVY_FIRST = ("test_mesh_cells", "test_trace", "test_ckpt", "test_mesh_pipeline", "test_mesh", "test_train")
+
+
+def _file_rank(item) -> int:
+    stem = Path(str(item.fspath)).stem
+    return HEAVY_FIRST.index(stem) if stem in HEAVY_FIRST else len(HEAVY_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_file_rank)  # stable: the order inside each file is kept
     on_gpu = any(d.platform == "gpu" for d in jax.devices())
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with DETJAX_TEST_GPU=1 on a GPU machine)")
     for item in items:

@@ -39,7 +39,7 @@ def small(tiny_path):
         ("-*", "layer_1/mixer$", "layer_1/mixer"),  # the attention block
         ("-E", "layer_1/mixer/experts$", "layer_1/mixer/experts"),  # the MoE experts' grouped matmul output
         ("-M", "layer_1/mixer/ssd$", "layer_1/mixer/ssd"),  # the SSD scan
-        ("-", "optimizer", "optimizer"),  # the optimizer update
+        ("'-'", "optimizer", "optimizer"),  # the optimizer update (quoted: a bare - is a YAML list)
     ],
     ids=["attention", "moe-expert", "ssd-scan", "optimizer"],
 )
