@@ -59,6 +59,8 @@ def test_digest_values_are_pinned():
     assert digest_hex(row_digest(i32)) == "408d334f4728c6b734e970797dcdd7c9"
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    if len(jax.devices()) < 4:  # a one-GPU run (DETJAX_TEST_GPU=1) checks the values above only
+        return
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
     big = jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6) / 3
     split = jax.device_put(big, NamedSharding(mesh, PartitionSpec("a", "b")))
