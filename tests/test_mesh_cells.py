@@ -27,14 +27,15 @@ def test_tensor_parallel_step_gathers_no_vocab_and_no_float_tensors():
     from _cells import cell_overrides, cfg_for
 
     from detjax.sharding.mesh import build_layout
-    from detjax.step import Trainer
+    from detjax.step import Trainer, compile_train_step
 
     cfg = cfg_for(*cell_overrides("tp4"))
     tr = Trainer(cfg, layout=build_layout(cfg, jax.devices()[:8]))
     ss, bs = tr.state_shardings(), tr.batch_sharding()
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32)
-    hlo = jax.jit(tr.train_step, in_shardings=(ss, bs), out_shardings=(ss, None)).lower(tr.abstract_state(), batch)
-    text = hlo.compile().as_text()
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32, sharding=bs)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tr.abstract_state(), ss)
+    # The step the training loop runs (the tp4 cell above compiled it in this process: reused, not rebuilt).
+    text = compile_train_step(tr, ss, bs).lower(state, batch).compile().as_text()
     gathers = [line for line in text.splitlines() if re.search(r"= \S+\[[^\]]*\][^=]*all-gather(-start)?\(", line)]
     vocab = str(cfg.model.vocab_size)
     assert not [g for g in gathers if re.search(rf"\[[^\]]*\b{vocab}\b", g.split("all-gather")[0])], gathers
