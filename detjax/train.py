@@ -286,7 +286,7 @@ def train(
                 saved_at = done
             if sig.received is not None:
                 stopped_by = "signal"
-                what = f"saved step {done}" if ckptr else f"stopped after step {done} (ckpt.enabled=false: not saved)"
+                what = f"saved step {done}" if ckptr is not None else f"stopped after step {done} (not saved)"
                 print(f"received signal {sig.received}: {what}, exiting", file=sys.stderr)
                 break
         if pending is not None:

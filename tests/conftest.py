@@ -11,7 +11,7 @@ _FLAGS = [
 ]
 if os.environ.get("DETJAX_TEST_GPU") != "1":
     # CPU codegen at LLVM -O0: the tests' shapes are tiny, so compiling dominates and running is cheap
-    # (a mesh cell: 102 s -> 71 s). Every test compares runs made under these same flags (subprocesses
+    # (-O0 cuts a mesh cell by about a third). Every test compares runs made under these same flags (subprocesses
     # inherit them), so no bitwise comparison mixes programs built with different codegen settings.
     _FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 _have = os.environ.get("XLA_FLAGS", "").split()
