@@ -246,14 +246,11 @@ class DeterminismConfig:
     mode: Literal["off", "strict"] = "strict"
     # How strict mode gets deterministic kernels:
     #   "xla_flags": XLA's --xla_gpu_deterministic_ops (deterministic scatter, no run-time autotuning);
-    #   "kernels":   detjax's fixed-order Pallas kernels (needs model.kernels=pallas), no XLA deterministic
-    #                flag; XLA's GEMM/fusion autotuning is pinned through a persistent per-fusion cache
-    #                (the first run writes the choices, later runs read them); the lowered step is checked
-    #                for ops with no deterministic path (scatter, select-and-scatter) and refused if any.
+    #   "kernels":   detjax's fixed-order Pallas kernels (needs model.kernels=pallas), every GEMM included,
+    #                with tiles pinned in code; no XLA deterministic flag and XLA autotuning off; the step
+    #                is checked for ops with no deterministic path (scatter, select-and-scatter) and for
+    #                GEMMs left to XLA (only tiny ones pass), and refused otherwise.
     strategy: Literal["xla_flags", "kernels"] = "xla_flags"
-    # strategy=kernels: the pinned autotuning cache; "" = <run.out_dir>/autotune_cache. Copy it with the
-    # run to reproduce the same kernel choices on another machine of the same kind.
-    autotune_cache: str = ""
 
 
 @dataclass(frozen=True)

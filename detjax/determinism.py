@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import re
@@ -25,11 +26,14 @@ STRICT_XLA_FLAGS: tuple[str, ...] = (
     "--xla_gpu_deterministic_ops=true",
     "--xla_gpu_exclude_nondeterministic_ops=true",
 )
-# The "kernels" strategy: no deterministic-ops flag (its cost is what the Pallas kernels avoid). XLA still
-# autotunes GEMMs and fusions, and a timing race could pick a different algorithm in another run; the
-# per-fusion autotune cache pins the choice: the first run writes it, every later run reads it.
-# (Turning autotuning off instead, --xla_gpu_autotune_level=0, cost +156 % on the H200: docs/BENCHMARKS.md.)
-AUTOTUNE_CACHE_FLAG = "--xla_gpu_per_fusion_autotune_cache_dir="
+# The "kernels" strategy: no deterministic-ops flag (its cost is what the Pallas kernels avoid). Every GEMM of
+# the step is a detjax kernel with tiles pinned in code (detjax/pallas_kernels/matmul, gmm), so no run-time
+# choice can change the bits on a fresh machine; XLA's autotuner is switched off so that nothing it would
+# still pick (a leftover tiny dot, a fusion config) depends on a timing race or on a cache file.
+KERNELS_XLA_FLAGS: tuple[str, ...] = ("--xla_gpu_autotune_level=0",)
+# A dot left to XLA in the kernels strategy must be at most this many FLOPs (microseconds on a GPU). Larger
+# ones are refused: they belong in detjax.pallas_kernels.matmul. Each one left is listed in the error/report.
+TINY_DOT_FLOPS = 1 << 22
 # Ops that XLA runs with atomics (or an arrival-order-dependent combine) unless the deterministic flag is on.
 NONDETERMINISTIC_HLO_OPS: tuple[str, ...] = ("scatter", "select_and_scatter")
 
@@ -106,16 +110,77 @@ def nondeterministic_ops(lowered_text: str) -> dict[str, int]:
     return found
 
 
-def check_step(cfg: Config, step_fn: Any, *args: Any) -> None:
-    """Lower the jitted train step (tracing only, no compile) and check it, when strategy=kernels asks."""
-    if cfg.determinism.mode == "strict" and cfg.determinism.strategy == "kernels":
-        check_lowered_step(cfg, step_fn.lower(*args).as_text())
+def check_step(cfg: Config, step_fn: Any, *args: Any) -> list[dict[str, Any]]:
+    """Trace and lower the jitted train step (no compile) and check it, when strategy=kernels asks.
+
+    Returns the XLA dots left in the step (each tiny, with its reason); raises DeterminismError otherwise."""
+    if cfg.determinism.mode != "strict" or cfg.determinism.strategy != "kernels":
+        return []
+    traced = step_fn.trace(*args)
+    check_lowered_step(cfg, traced.lower().as_text())
+    return check_xla_dots(xla_dots(traced.jaxpr))
 
 
 def apply_config_environment(cfg: Config) -> None:
-    """apply_environment for a config: its mode, strategy and autotune cache."""
-    d = cfg.determinism
-    apply_environment(d.mode, d.strategy, autotune_cache_dir(cfg))
+    """apply_environment for a config: its mode and strategy."""
+    apply_environment(cfg.determinism.mode, cfg.determinism.strategy)
+
+
+# Primitives that reach a GEMM/convolution library (cuBLAS, cuDNN, XLA's autotuned Triton GEMMs).
+XLA_GEMM_PRIMITIVES = ("dot_general", "ragged_dot_general", "conv_general_dilated")
+
+
+def _sub_jaxprs(params: dict[str, Any]):
+    for v in params.values():
+        for item in v if isinstance(v, (tuple, list)) else (v,):
+            if hasattr(item, "eqns"):
+                yield item
+            elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
+                yield item.jaxpr
+
+
+def xla_dots(jaxpr: Any) -> list[dict[str, Any]]:
+    """Every GEMM-like op of a (closed) jaxpr that XLA would run, outside Pallas kernels: primitive, name
+    scope, operand shapes and FLOPs. Pallas kernel bodies are not entered: their dots are detjax's own."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    found: list[dict[str, Any]] = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "pallas_call":
+            continue
+        if name in XLA_GEMM_PRIMITIVES:
+            shapes = [tuple(v.aval.shape) for v in eqn.invars[:2]]
+            out = tuple(eqn.outvars[0].aval.shape)
+            if name == "dot_general":
+                (lc, _), _ = eqn.params["dimension_numbers"]
+                k = math.prod(shapes[0][d] for d in lc)
+            else:  # ragged / conv: bound by the full lhs times the output's last dim
+                k = shapes[0][-1]
+            flops = 2 * math.prod(out) * k
+            scope = str(eqn.source_info.name_stack)
+            found.append({"primitive": name, "scope": scope, "shapes": shapes, "out": out, "flops": flops})
+        for sub in _sub_jaxprs(eqn.params):
+            found.extend(xla_dots(sub))
+    return found
+
+
+def check_xla_dots(dots: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """strategy=kernels: every dot left to XLA must be tiny; returns them, each with its reason."""
+    big = [d for d in dots if d["flops"] > TINY_DOT_FLOPS]
+    if big:
+        lines = [
+            f"- {d['primitive']} {d['shapes']} -> {d['out']} ({d['flops']:.2e} FLOPs) at '{d['scope']}'" for d in big
+        ]
+        raise DeterminismError(
+            f"determinism.strategy=kernels: {len(big)} GEMM(s) in the train step would run in XLA (cuBLAS/cuDNN/"
+            "autotuned Triton), whose algorithm choice is not detjax's:\n" + "\n".join(lines) + "\nFix: route "
+            "them through detjax.pallas_kernels.matmul (model code: layers.proj with kernels=pallas), or use "
+            "determinism.strategy=xla_flags"
+        )
+    return [
+        {**d, "reason": f"tiny (<= {TINY_DOT_FLOPS} FLOPs); XLA autotuning is off, so its algorithm is fixed"}
+        for d in dots
+    ]
 
 
 def check_lowered_step(cfg: Config, lowered_text: str) -> None:
@@ -137,25 +202,16 @@ def _flags_in(env_value: str) -> set[str]:
     return set(env_value.split())
 
 
-def autotune_cache_dir(cfg: Config) -> str:
-    d = cfg.determinism.autotune_cache or os.path.join(cfg.run.out_dir, "autotune_cache")
-    return os.path.abspath(d)
-
-
-def required_flags(mode: str, strategy: str = "xla_flags", autotune_cache: str = "") -> tuple[str, ...]:
+def required_flags(mode: str, strategy: str = "xla_flags") -> tuple[str, ...]:
     if mode != "strict":
         return ()
-    if strategy == "kernels":
-        return (AUTOTUNE_CACHE_FLAG + os.path.abspath(autotune_cache or "autotune_cache"),)
-    return STRICT_XLA_FLAGS
+    return KERNELS_XLA_FLAGS if strategy == "kernels" else STRICT_XLA_FLAGS
 
 
-def missing_flags(
-    env: dict[str, str] | None = None, mode: str = "strict", strategy: str = "xla_flags", autotune_cache: str = ""
-) -> list[str]:
+def missing_flags(env: dict[str, str] | None = None, mode: str = "strict", strategy: str = "xla_flags") -> list[str]:
     env = dict(os.environ) if env is None else env
     have = _flags_in(env.get("XLA_FLAGS", ""))
-    return [f for f in required_flags(mode, strategy, autotune_cache) if f not in have]
+    return [f for f in required_flags(mode, strategy) if f not in have]
 
 
 def _jax_initialised() -> bool:
@@ -166,21 +222,19 @@ def _jax_initialised() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def apply_environment(mode: str, strategy: str = "xla_flags", autotune_cache: str = "") -> None:
+def apply_environment(mode: str, strategy: str = "xla_flags") -> None:
     """Set the canonical environment for `mode`; must run before JAX initialises its backends."""
     if mode != "strict":
         return
-    missing = missing_flags(mode=mode, strategy=strategy, autotune_cache=autotune_cache)
+    missing = missing_flags(mode=mode, strategy=strategy)
     if missing and _jax_initialised():
         raise DeterminismError(
             "determinism.mode=strict needs XLA flags "
             f"{missing} but JAX was already initialised with XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
             "XLA reads its flags once. Fix: start through `python -m detjax.train` (it sets them first), or "
-            f"export XLA_FLAGS='{' '.join(required_flags(mode, strategy, autotune_cache))}' before anything "
+            f"export XLA_FLAGS='{' '.join(required_flags(mode, strategy))}' before anything "
             "imports jax"
         )
-    if strategy == "kernels":
-        os.makedirs(autotune_cache or "autotune_cache", exist_ok=True)
     if missing:
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *missing]).strip()
     for k, v in STRICT_ENV.items():
@@ -204,9 +258,7 @@ def policy_record(cfg: Config) -> dict[str, Any]:
         "config_hash": cfg.hash(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "strategy": cfg.determinism.strategy,
-        "required_xla_flags": list(
-            required_flags(cfg.determinism.mode, cfg.determinism.strategy, autotune_cache_dir(cfg))
-        ),
+        "required_xla_flags": list(required_flags(cfg.determinism.mode, cfg.determinism.strategy)),
         "env": {k: os.environ.get(k) for k in STRICT_ENV},
         "refusals_checked": [r.key for r in REFUSALS],
         "versions": {

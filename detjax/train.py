@@ -207,14 +207,17 @@ def train(
     if after_restore is not None:
         state, batches = after_restore(state, batches)
 
+    step_fn = compile_train_step(trainer, state_shardings, batch_sharding)
+    batch_spec = jax.ShapeDtypeStruct((g, width), np.int32, sharding=batch_sharding)
+    left = determinism.check_step(cfg, step_fn, state, batch_spec)
+    if left:  # strategy=kernels: the (tiny) dots XLA still runs, each with its reason
+        policy["xla_dots_left"] = [{k: str(v) for k, v in d.items()} for d in left]
     if primary:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         (run_dir / "config_hash").write_text(cfg.hash() + "\n")
         with open(run_dir / "determinism.json", "w") as f:
             json.dump(policy, f, indent=2, sort_keys=True)
 
-    step_fn = compile_train_step(trainer, state_shardings, batch_sharding)
-    determinism.check_step(cfg, step_fn, state, jax.ShapeDtypeStruct((g, width), np.int32, sharding=batch_sharding))
     tracer = _Tracer(cfg, trainer, run_dir, state_shardings, batch_sharding)
     t = cfg.train
     start = int(jax.device_get(state.step))

@@ -40,7 +40,7 @@ def rel_err(a, b) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--kernels", default="rmsnorm,segment_sum,flash_attention,ssd,gmm")
+    ap.add_argument("--kernels", default="rmsnorm,segment_sum,flash_attention,ssd,gmm,matmul")
     a = ap.parse_args()
     which = a.kernels.split(",")
     from detjax.pallas_kernels.harness import count_differing_replays, matmul_contention
@@ -130,6 +130,19 @@ def main() -> int:
 
         rd = gmm_fb(lambda x, w, gs: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32))
         measure("gmm + tgmm (fwd+bwd)", gmm_fb(grouped_matmul), rd, (xr, wr), "jax.lax.ragged_dot fwd+bwd")
+    if "matmul" in which:  # the gpu_medium MLP up-projection: 4 x 2048 tokens, 1024 -> 4096, fwd + dx + dw
+        from detjax.pallas_kernels.matmul.ops import matmul
+
+        km = jax.random.split(jax.random.key(11), 3)
+        xm = jax.random.normal(km[0], (8192, 1024), jnp.bfloat16)
+        wm = jax.random.normal(km[1], (1024, 4096)) * 0.03
+        gm = jax.random.normal(km[2], (8192, 4096), jnp.bfloat16)
+
+        def mm_fb(f):
+            return jax.jit(lambda x, w: jax.vjp(f, x, w)[1](gm))
+
+        xla_mm = mm_fb(lambda x, w: jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype))
+        measure("matmul fwd+dx+dw", mm_fb(lambda x, w: matmul(x, w)), xla_mm, (xm, wm), "XLA dot (autotuned) fwd+bwd")
     neg = count_differing_replays(scat, (ids, g), a.replays)
     print(f"\nnegative control: XLA scatter-add (atomics), {neg} of {a.replays - 1} replays differ from the first")
     n = a.replays - 1

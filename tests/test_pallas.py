@@ -229,6 +229,9 @@ KERNEL_NAMES = {
     "flash_attention_dq",
     "gmm",
     "tgmm",
+    "matmul_fwd",
+    "matmul_dx",
+    "matmul_dw",
     "rmsnorm_fwd",
     "rmsnorm_bwd",
     "rmsnorm_wgrad_ordered_sum",
@@ -240,7 +243,7 @@ KERNEL_NAMES = {
 
 def test_model_uses_pallas_kernels_through_one_switch(tiny_path):
     """model.kernels=pallas puts every kernel (forward and backward) into the train step of the hybrid
-    M*E- model, and the step's loss and gradient norm match the reference path's."""
+    M*E- model, every GEMM included, and the step's loss and gradient norm match the reference path's."""
     import re
 
     from detjax.config import load_config
@@ -248,15 +251,25 @@ def test_model_uses_pallas_kernels_through_one_switch(tiny_path):
 
     over = ["model.pattern=M*E-", "model.mtp.depth=0", "model.dropout=0.0"]
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (16, 65)), jnp.int32)
-    out = {}
+    out, dots = {}, {}
     for kernels in ("pallas", "reference"):
         tr = Trainer(load_config(tiny_path, [f"model.kernels={kernels}", *over]))
         state = jax.jit(tr.init_state)(jax.random.key(0))
-        names = set(re.findall(r"name=(\w+)", str(jax.make_jaxpr(tr.train_step)(state, batch))))
+        jaxpr = jax.make_jaxpr(tr.train_step)(state, batch)
+        names = set(re.findall(r"name=(\w+)", str(jaxpr)))
         step = jax.jit(tr.train_step)
         out[kernels] = (names & KERNEL_NAMES, step(state, batch)[1], step.lower(state, batch).as_text())
+        dots[kernels] = determinism.xla_dots(jaxpr)
     assert out["pallas"][0] == KERNEL_NAMES
     assert out["reference"][0] == set()
+    # every GEMM of the Pallas step is detjax's own: no dot is left to XLA (what strategy=kernels checks) ...
+    assert dots["pallas"] == [] and determinism.check_xla_dots(dots["pallas"]) == []
+    # ... while the reference step's projections are XLA dots, which the check refuses by name
+    assert {d["scope"].rsplit("/", 1)[-1] for d in dots["reference"]} >= {"bld,df->blf", "bld,dv->blv", "td,de->te"}
+    with pytest.raises(
+        determinism.DeterminismError, match=r"(?s)GEMM\(s\) in the train step would run in XLA.*layer_3"
+    ):
+        determinism.check_xla_dots(dots["reference"])
     # nothing in the Pallas step needs XLA's deterministic flag (what determinism.strategy=kernels checks)
     assert determinism.nondeterministic_ops(out["pallas"][2]) == {}
     (_, mp, _), (_, mr, _) = out["pallas"], out["reference"]

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from detjax.model.layers import normal_init, param, proj
+from detjax.model.layers import normal_init, param, proj, proj_many
 from detjax.sharding import rules as ax
 from detjax.sharding.rules import constrain
 
@@ -61,13 +61,16 @@ class Attention(nn.Module):
             (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, None),
             (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, None),
         )
-        q_BLHQ = constrain(
-            rope(proj("bld,dhq->blhq", x_BLD, w_q_DHQ, self.dtype), self.rope_theta), lay, q_names, "attn_q"
+        q_BLHQ, k_BLKQ, v_BLKQ = proj_many(
+            ["bld,dhq->blhq", "bld,dkq->blkq", "bld,dkq->blkq"],
+            x_BLD,
+            [w_q_DHQ, w_k_DKQ, w_v_DKQ],
+            self.dtype,
+            self.kernels,
         )
-        k_BLKQ = constrain(
-            rope(proj("bld,dkq->blkq", x_BLD, w_k_DKQ, self.dtype), self.rope_theta), lay, kv_names, "attn_k"
-        )
-        v_BLKQ = constrain(proj("bld,dkq->blkq", x_BLD, w_v_DKQ, self.dtype), lay, kv_names)
+        q_BLHQ = constrain(rope(q_BLHQ, self.rope_theta), lay, q_names, "attn_q")
+        k_BLKQ = constrain(rope(k_BLKQ, self.rope_theta), lay, kv_names, "attn_k")
+        v_BLKQ = constrain(v_BLKQ, lay, kv_names)
         if self.impl == "xla":
             o_BLHQ = jax.nn.dot_product_attention(q_BLHQ, k_BLKQ, v_BLKQ, is_causal=True)
         elif self.kernels == "pallas" and x_BLD.shape[1] % 16 == 0:  # (MTP blocks see L-1 rows: reference)
@@ -77,4 +80,4 @@ class Attention(nn.Module):
         else:
             o_BLHQ = attention_reference(q_BLHQ, k_BLKQ, v_BLKQ)
         o_BLHQ = constrain(o_BLHQ, lay, q_names, "attn_out")
-        return proj("blhq,hqd->bld", o_BLHQ, w_o_HQD, self.dtype)
+        return proj("blhq,hqd->bld", o_BLHQ, w_o_HQD, self.dtype, self.kernels)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from detjax.pallas_kernels.matmul.ops import dense, dense_many
 from detjax.sharding import rules as ax
 from detjax.sharding.rules import constrain
 
@@ -24,9 +25,20 @@ def param(module: nn.Module, name: str, init: nn.initializers.Initializer, shape
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
-def proj(spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Einsum in the compute dtype with fp32 accumulation; fp32 masters are cast at use."""
+def proj(spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype, kernels: str = "reference") -> jax.Array:
+    """Einsum in the compute dtype with fp32 accumulation; fp32 masters are cast at use. With
+    kernels=pallas it is detjax's pinned-tile Pallas matmul (forward and both backward products)."""
+    if kernels == "pallas":
+        return dense(spec, x, w, dtype)
     return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+
+def proj_many(specs: list[str], x: jax.Array, ws: list[jax.Array], dtype: jnp.dtype, kernels: str) -> list[jax.Array]:
+    """Several projections of one input (q/k/v, Mamba2's in-projections, SwiGLU gate/up). With
+    kernels=pallas they are one matmul over the concatenated weights, bit-identical to separate ones."""
+    if kernels == "pallas":
+        return dense_many(specs, x, ws, dtype)
+    return [proj(s, x, w, dtype) for s, w in zip(specs, ws, strict=True)]
 
 
 class RMSNorm(nn.Module):
@@ -121,15 +133,17 @@ class MLP(nn.Module):
     init_std: float
     dtype: jnp.dtype
     layout: ax.Layout | None = None
+    kernels: str = "reference"
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         init = normal_init(self.init_std)
-        d, f = self.d_model, self.ffn_dim
+        d, f, kern = self.d_model, self.ffn_dim, self.kernels
         w_gate_DF = param(self, "w_gate", init, (d, f), (ax.EMBED, ax.MLP))
         w_up_DF = param(self, "w_up", init, (d, f), (ax.EMBED, ax.MLP))
         w_down_FD = param(self, "w_down", init, (f, d), (ax.MLP, ax.EMBED))
         names = (ax.BATCH, ax.LENGTH, ax.ACT_MLP)
-        gate_BLF = constrain(proj("bld,df->blf", x_BLD, w_gate_DF, self.dtype), self.layout, names, "mlp_hidden")
-        up_BLF = constrain(proj("bld,df->blf", x_BLD, w_up_DF, self.dtype), self.layout, names)
-        return proj("blf,fd->bld", nn.silu(gate_BLF) * up_BLF, w_down_FD, self.dtype)
+        gate_BLF, up_BLF = proj_many(["bld,df->blf"] * 2, x_BLD, [w_gate_DF, w_up_DF], self.dtype, kern)
+        gate_BLF = constrain(gate_BLF, self.layout, names, "mlp_hidden")
+        up_BLF = constrain(up_BLF, self.layout, names)
+        return proj("blf,fd->bld", nn.silu(gate_BLF) * up_BLF, w_down_FD, self.dtype, kern)

@@ -52,7 +52,7 @@ class Block(nn.Module):
         elif self.letter == "E":
             y, aux = MoE(c.d_model, c.moe, c.init_std, dtype, lay, c.kernels, name="mixer")(x_BLD)
         elif self.letter == "-":
-            y = MLP(c.d_model, c.ffn_dim, c.init_std, dtype, lay, name="mixer")(x_BLD)
+            y = MLP(c.d_model, c.ffn_dim, c.init_std, dtype, lay, c.kernels, name="mixer")(x_BLD)
         else:
             raise ValueError(f"unknown block letter {self.letter!r}")
         if train and c.dropout > 0.0:
@@ -94,7 +94,9 @@ class HybridLM(nn.Module):
             self.mtp_final_norm = RMSNorm(c.norm_eps, c.kernels)
 
     def head(self, h_BLD: jax.Array) -> jax.Array:
-        logits = proj("bld,dv->blv", h_BLD, self.w_head_DV, DTYPES[self.cfg.compute_dtype]).astype(jnp.float32)
+        logits = proj("bld,dv->blv", h_BLD, self.w_head_DV, DTYPES[self.cfg.compute_dtype], self.cfg.kernels).astype(
+            jnp.float32
+        )
         return constrain(logits, self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB), "logits")
 
     def embed_ids(self, ids_BL: jax.Array) -> jax.Array:
@@ -112,7 +114,8 @@ class HybridLM(nn.Module):
             hn, en = self.mtp_norm_h(h_BLD[:, :-1]), self.mtp_norm_e(e_BLD)
             dtype = DTYPES[c.compute_dtype]
             m_BLD = (
-                proj("bld,de->ble", hn, self.w_mtp_2DD[0], dtype) + proj("bld,de->ble", en, self.w_mtp_2DD[1], dtype)
+                proj("bld,de->ble", hn, self.w_mtp_2DD[0], dtype, c.kernels)
+                + proj("bld,de->ble", en, self.w_mtp_2DD[1], dtype, c.kernels)
             ).astype(jnp.float32)
             for i, layer in enumerate(self.mtp_layers):
                 m_BLD, a = layer(m_BLD, train, layer_key(key, len(c.pattern) + i))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.config import MambaConfig
-from detjax.model.layers import normal_init, param, proj
+from detjax.model.layers import normal_init, param, proj, proj_many
 from detjax.model.ssd import ssd_chunked
 from detjax.sharding import rules as ax
 from detjax.sharding.rules import constrain
@@ -89,10 +89,15 @@ class Mamba2(nn.Module):
         w_out_HPD = param(self, "w_out", init, (heads, p, d), (*hp, ax.EMBED))
 
         lay, names = self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, None)
-        z_BLHP = constrain(proj("bld,dhp->blhp", x_BLD, w_z_DHP, self.dtype), lay, names, "ssm_z")
-        x_BLHP = constrain(proj("bld,dhp->blhp", x_BLD, w_x_DHP, self.dtype), lay, names)
-        bc_BL2N = proj("bld,dgn->blgn", x_BLD, w_bc_D2N, self.dtype)
-        dt_BLH = proj("bld,dh->blh", x_BLD, w_dt_DH, self.dtype)
+        z_BLHP, x_BLHP, bc_BL2N, dt_BLH = proj_many(
+            ["bld,dhp->blhp", "bld,dhp->blhp", "bld,dgn->blgn", "bld,dh->blh"],
+            x_BLD,
+            [w_z_DHP, w_x_DHP, w_bc_D2N, w_dt_DH],
+            self.dtype,
+            self.kernels,
+        )
+        z_BLHP = constrain(z_BLHP, lay, names, "ssm_z")
+        x_BLHP = constrain(x_BLHP, lay, names)
         x_BLHP = nn.silu(causal_conv(x_BLHP.astype(jnp.float32), w_conv_x_WHP, b_conv_x_HP))
         bc_BL2N = nn.silu(causal_conv(bc_BL2N.astype(jnp.float32), w_conv_bc_W2N, b_conv_bc_2N))
         b_BLN, c_BLN = bc_BL2N[:, :, 0], bc_BL2N[:, :, 1]
@@ -105,4 +110,4 @@ class Mamba2(nn.Module):
         # gated RMSNorm over the whole inner width (all heads)
         ms_BL11 = jnp.mean(y_BLHP * y_BLHP, axis=(-2, -1), keepdims=True)
         y_BLHP = y_BLHP * jax.lax.rsqrt(ms_BL11 + self.norm_eps) * norm_HP[None, None]
-        return proj("blhp,hpd->bld", y_BLHP, w_out_HPD, self.dtype)
+        return proj("blhp,hpd->bld", y_BLHP, w_out_HPD, self.dtype, self.kernels)

@@ -23,7 +23,8 @@ def route(logits_TE: jax.Array, top_k: int, router: str) -> tuple[jax.Array, jax
     # stable sort on -p: equal scores keep ascending expert order (an explicit, platform-free tie-break)
     idx_TX = jnp.argsort(-jax.lax.stop_gradient(probs_TE), axis=-1, stable=True)[:, :top_k]
     onehot_TXE = jax.nn.one_hot(idx_TX, probs_TE.shape[-1], dtype=probs_TE.dtype)
-    gate_TX = jnp.einsum("te,txe->tx", probs_TE, onehot_TXE)  # a gather written as a contraction
+    # a gather written as a masked sum (one nonzero term: exact), not a dot: nothing for a GEMM library to pick
+    gate_TX = jnp.sum(probs_TE[:, None, :] * onehot_TXE, axis=-1)
     gate_TX = gate_TX / jnp.sum(gate_TX, axis=-1, keepdims=True)
     return idx_TX, gate_TX, probs_TE
 
@@ -128,14 +129,14 @@ class MoE(nn.Module):
 
         bsz, length, _ = x_BLD.shape
         x_TD = x_BLD.reshape(bsz * length, d).astype(self.dtype)
-        logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), w_router_DE)
+        logits_TE = proj("td,de->te", x_TD, w_router_DE, jnp.float32, self.kernels)  # float32 router
         idx_TX, gate_TX, probs_TE = route(logits_TE, k, c.router)
         aux = load_balance_loss(idx_TX, probs_TE)
         tap_rows(self, "routing", idx_TX)  # row-wise: a swapped pair of rows is caught
         experts = Experts(e, d, f, self.init_std, self.dtype, c.combine, self.layout, self.kernels, name="experts")
         y_BLD = experts(x_TD, idx_TX, gate_TX).reshape(bsz, length, d)
         if c.shared_expert:
-            y_BLD = y_BLD + MLP(d, f, self.init_std, self.dtype, self.layout, name="shared")(x_BLD)
+            y_BLD = y_BLD + MLP(d, f, self.init_std, self.dtype, self.layout, self.kernels, name="shared")(x_BLD)
         return y_BLD, aux
 
 

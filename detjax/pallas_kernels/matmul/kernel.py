@@ -1,0 +1,122 @@
+"""Dense matmul in Pallas with pinned tiles: one kernel for y = x @ w and both backward products.
+
+out[i, j] = sum over the reduction dim R of a[i, r] * b[r, j], where a and b may be read transposed:
+- "fwd": y  = x  @ w     a = x  (M, K),           b = w  (K, N)
+- "dx":  dx = dy @ w^T   a = dy (M, N),           b = w  (K, N) read transposed
+- "dw":  dw = x^T @ dy   a = x  (M, K) read transposed, b = dy (M, N)
+One program per (bm x bn) output tile. Inside it R is reduced by ONE ascending loop over blocks of
+block_r, accumulating in float32: no split-K, no stream-K, no atomics, one writer per output tile.
+
+Batch invariance by construction: the tile set of every call comes from `tile_set(kind, dtype, weight
+shape)` -- never from the row count M or a run-time measurement --, every set of one dtype reduces in the
+same order, and every operand is zero-padded to whole tiles. An output element therefore sees the same
+reduction order whatever the rows or columns around it and wherever it sits: rows of x[:m] @ w equal the
+same rows of x @ w bit for bit, and zero rows appended to the reduction (masked tokens) add exact zeros.
+tests/test_matmul.py checks both properties, on CPU and on the GPU.
+
+The tile sets and shape classes were chosen offline by scripts/gemm_bench.py --sweep on the H200 (table
+and command in docs/BENCHMARKS.md), never at run time. float32 operands (the MoE router) are multiplied as
+IEEE float32 (no TF32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+# Named tile sets: bm x bn output tile, block_r reduction block, Triton warps and pipeline stages. Every
+# bfloat16 set reduces in blocks of 64 and every float32 set in IEEE float32 FMAs, so the tile set changes
+# speed, never bits (checked on the H200 for every set: scripts/gemm_bench.py --tile-bits and
+# tests/test_matmul.py::test_tile_sets_give_the_same_bits_on_gpu).
+TILE_SETS: dict[str, dict[str, int]] = {
+    "128x256": {"bm": 128, "bn": 256, "block_r": 64, "num_warps": 8, "num_stages": 3},
+    "128x128w8": {"bm": 128, "bn": 128, "block_r": 64, "num_warps": 8, "num_stages": 3},
+    "128x128w4": {"bm": 128, "bn": 128, "block_r": 64, "num_warps": 4, "num_stages": 4},
+    "64x128": {"bm": 64, "bn": 128, "block_r": 64, "num_warps": 4, "num_stages": 4},
+    "64x64": {"bm": 64, "bn": 64, "block_r": 64, "num_warps": 4, "num_stages": 4},
+    "f32_16x16": {"bm": 16, "bn": 16, "block_r": 64, "num_warps": 2, "num_stages": 3},
+    "f32_64x64": {"bm": 64, "bn": 64, "block_r": 16, "num_warps": 4, "num_stages": 2},
+}
+
+
+def tile_set(kind: str, dtype, k: int, n: int) -> str:
+    """The pinned tile set for a product with weight shape (k, n). The shape class depends on the weight
+    alone -- never on the number of rows M -- and follows the offline sweep (docs/BENCHMARKS.md)."""
+    name = jnp.dtype(dtype).name
+    if name == "float32":
+        return "f32_64x64" if kind == "dx" else "f32_16x16"
+    if name != "bfloat16":
+        raise ValueError(f"no pinned matmul tiles for {name} operands; use bfloat16 or float32")
+    if kind == "fwd":
+        return "128x256" if n >= 16384 else "64x128" if n <= 128 else "128x128w8"
+    if kind == "dx":
+        return "128x128w8" if n <= 128 else "128x256"
+    return "128x256" if k * n >= 1 << 22 else "128x128w4" if k * n >= 1 << 21 else "64x64"  # dw: K x N output
+
+
+def _mm_kernel(a_ref, b_ref, o_ref, *, br: int, nr: int, trans_a: bool, trans_b: bool, precision):
+    dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
+
+    def body(r, acc):
+        blk = pl.ds(pl.multiple_of(r * br, br), br)
+        a = a_ref[blk, :] if trans_a else a_ref[:, blk]
+        b = b_ref[:, blk] if trans_b else b_ref[blk, :]
+        return acc + jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, nr, body, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _pad_to(x: jax.Array, mult: tuple[int, int]) -> jax.Array:
+    pads = [(0, -d % m) for d, m in zip(x.shape, mult, strict=True)]
+    return jnp.pad(x, pads) if any(p for _, p in pads) else x
+
+
+def _compiler_params(t: dict[str, int], interpret: bool):
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=t["num_warps"], num_stages=t["num_stages"])
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "out_dtype", "interpret", "sweep_tiles"))
+def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: tuple | None = None):
+    """The product named by `kind` (see the module docstring); a and b share one dtype.
+
+    `sweep_tiles` (sorted (name, value) pairs) replaces the pinned tiles: for the offline sweep in
+    scripts/gemm_bench.py only; the model never passes it."""
+    if a.dtype != b.dtype:
+        raise ValueError(f"matmul operands must share a dtype, got {a.dtype} and {b.dtype}")
+    trans_a, trans_b = kind == "dw", kind == "dx"
+    k_w, n_w = {"fwd": (b.shape[0], b.shape[1]), "dx": b.shape, "dw": (a.shape[1], b.shape[1])}[kind]
+    t = dict(sweep_tiles) if sweep_tiles else TILE_SETS[tile_set(kind, a.dtype, k_w, n_w)]
+    bm, bn, br = t["bm"], t["bn"], t["block_r"]
+    m = a.shape[1] if trans_a else a.shape[0]
+    n = b.shape[0] if trans_b else b.shape[1]
+    a = _pad_to(a, (br, bm) if trans_a else (bm, br))
+    b = _pad_to(b, (bn, br) if trans_b else (br, bn))
+    r = a.shape[0] if trans_a else a.shape[1]
+    mp = a.shape[1] if trans_a else a.shape[0]
+    np_ = b.shape[0] if trans_b else b.shape[1]
+    # float32 operands: IEEE products (HIGHEST), unless the tile set asks for TF32 (Triton's default, HIGH)
+    precision = (
+        None if a.dtype != jnp.float32 else (jax.lax.Precision.HIGH if t.get("tf32") else jax.lax.Precision.HIGHEST)
+    )
+    out = pl.pallas_call(
+        functools.partial(_mm_kernel, br=br, nr=r // br, trans_a=trans_a, trans_b=trans_b, precision=precision),
+        grid=(mp // bm, np_ // bn),
+        in_specs=[
+            pl.BlockSpec((r, bm), lambda i, j: (0, i)) if trans_a else pl.BlockSpec((bm, r), lambda i, j: (i, 0)),
+            pl.BlockSpec((bn, r), lambda i, j: (j, 0)) if trans_b else pl.BlockSpec((r, bn), lambda i, j: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        name=f"matmul_{kind}",
+        interpret=interpret,
+        compiler_params=_compiler_params(t, interpret),
+    )(a, b)
+    return out[:m, :n] if (mp, np_) != (m, n) else out

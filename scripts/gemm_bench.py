@@ -1,0 +1,190 @@
+"""GEMM table: detjax's pinned-tile Pallas matmul against XLA's autotuned dot, for every projection shape
+of gpu_medium and gpu_dense (forward, dx and dw), plus the offline tile sweep that chose the matmul tile
+sets and shape classes (detjax/pallas_kernels/matmul/kernel.py: TILE_SETS, tile_set).
+
+    python3 scripts/gemm_bench.py                   # the table with the pinned tile sets
+    python3 scripts/gemm_bench.py --sweep           # time every candidate tile set per product and shape
+    python3 scripts/gemm_bench.py --tile-bits       # do the output bits depend on the tile set? (same block_r)
+
+Run with XLA's default flags (autotuning on): the XLA column is the GEMM XLA picks for the shape. Times: one
+jitted call runs the product on 8 different input sets (so no launch or host sync is timed per product);
+median of --reps calls, divided by 8. The aggregate weights each shape by how often one step uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# (name, K, N, dtype, count per forward) at M = 4 x 2048 tokens (one microbatch of both configs); projections
+# of one input run as one product over the concatenated weights (layers.proj_many), as in the model.
+SHAPES = {
+    "gpu_dense": [
+        ("attn q+k+v", 1024, 1536, "bfloat16", 16),
+        ("attn o", 1024, 1024, "bfloat16", 16),
+        ("mlp gate+up", 1024, 8192, "bfloat16", 16),
+        ("mlp down", 4096, 1024, "bfloat16", 16),
+        ("lm head", 1024, 32768, "bfloat16", 1),
+    ],
+    "gpu_medium": [
+        ("mamba z+x+B,C+dt", 1024, 4256, "bfloat16", 4),
+        ("mamba out", 2048, 1024, "bfloat16", 4),
+        ("attn q+k+v", 1024, 1536, "bfloat16", 4),
+        ("attn o, shared down, mtp proj", 1024, 1024, "bfloat16", 10),
+        ("shared expert gate+up", 1024, 2048, "bfloat16", 4),
+        ("mlp gate+up (+ mtp)", 1024, 8192, "bfloat16", 3),
+        ("mlp down (+ mtp)", 4096, 1024, "bfloat16", 3),
+        ("moe router (fp32)", 1024, 8, "float32", 4),
+        ("lm head (+ mtp)", 1024, 32768, "bfloat16", 2),
+    ],
+}
+M = 8192
+SETS = 8
+EXTRA_BF16 = [
+    {"bm": 256, "bn": 128, "block_r": 64, "num_warps": 8, "num_stages": 3},
+    {"bm": 128, "bn": 64, "block_r": 64, "num_warps": 4, "num_stages": 4},
+]
+
+
+def candidates(dtype: str) -> list[dict[str, int]]:
+    from detjax.pallas_kernels.matmul.kernel import TILE_SETS
+
+    mine = [t for name, t in TILE_SETS.items() if name.startswith("f32_") == (dtype == "float32")]
+    return mine + (EXTRA_BF16 if dtype == "bfloat16" else [])
+
+
+KINDS = ("fwd", "dx", "dw")
+
+
+def _shapes(kind, k, n):
+    return {"fwd": ((M, k), (k, n)), "dx": ((M, n), (k, n)), "dw": ((M, k), (M, n))}[kind]
+
+
+def inputs(kind, k, n, dtype):
+    dt = jnp.dtype(dtype)
+    out = []
+    for s in range(SETS):
+        ks = jax.random.split(jax.random.key(s), 2)
+        out.append(
+            tuple(
+                jax.random.normal(kk, sh, jnp.float32).astype(dt)
+                for kk, sh in zip(ks, _shapes(kind, k, n), strict=True)
+            )
+        )
+    return out
+
+
+def pallas_fn(kind, dtype, tiles=None):
+    from detjax.pallas_kernels.matmul.kernel import matmul_kernel
+
+    out_dtype = jnp.float32 if kind == "dw" else jnp.dtype(dtype)
+    st = tuple(sorted(tiles.items())) if tiles else None
+    one = lambda a, b: matmul_kernel(a, b, kind=kind, out_dtype=out_dtype, interpret=False, sweep_tiles=st)  # noqa: E731
+    return jax.jit(lambda sets: [one(a, b) for a, b in sets])
+
+
+def xla_fn(kind, dtype):
+    dt = jnp.dtype(dtype)
+    hi = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
+    one = {
+        "fwd": lambda a, b: jnp.dot(a, b, precision=hi, preferred_element_type=jnp.float32).astype(dt),
+        "dx": lambda a, b: jnp.dot(a, b.T, precision=hi, preferred_element_type=jnp.float32).astype(dt),
+        "dw": lambda a, b: jnp.dot(a.T, b, precision=hi, preferred_element_type=jnp.float32),
+    }[kind]
+    return jax.jit(lambda sets: [one(a, b) for a, b in sets])
+
+
+def timed(fn, sets, reps: int) -> float:
+    """Milliseconds per product."""
+    jax.block_until_ready(fn(sets))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(sets))
+        ts.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(ts) / SETS
+
+
+def all_shapes():
+    seen = {}
+    for cfg, rows in SHAPES.items():
+        for name, k, n, dtype, count in rows:
+            seen.setdefault((k, n, dtype), []).append((cfg, name, count))
+    return seen
+
+
+def table(reps: int) -> None:
+    print(
+        "| config | projection | M x K x N | product | Pallas ms | XLA ms | XLA/Pallas | Pallas TFLOP/s | XLA TFLOP/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    agg = {}
+    for (k, n, dtype), users in all_shapes().items():
+        for kind in KINDS:
+            sets = inputs(kind, k, n, dtype)
+            tp, tx = timed(pallas_fn(kind, dtype), sets, reps), timed(xla_fn(kind, dtype), sets, reps)
+            fl = 2 * M * k * n
+            for cfg, name, count in users:
+                p, x = agg.get(cfg, (0.0, 0.0))
+                agg[cfg] = (p + count * tp, x + count * tx)
+                print(
+                    f"| {cfg} | {name} | {M}x{k}x{n} {dtype} | {kind} | {tp:.4f} | {tx:.4f} | {tx / tp:.2f} | "
+                    f"{fl / tp / 1e9:.0f} | {fl / tx / 1e9:.0f} |",
+                    flush=True,
+                )
+    for cfg, (p, x) in agg.items():
+        print(
+            f"aggregate {cfg} (count-weighted, fwd + dx + dw): Pallas {p:.3f} ms, XLA {x:.3f} ms, "
+            f"XLA/Pallas {x / p:.3f}"
+        )
+
+
+def sweep(reps: int) -> None:
+    for (k, n, dtype), _users in all_shapes().items():
+        cands = candidates(dtype)
+        for kind in KINDS:
+            sets = inputs(kind, k, n, dtype)
+            times = [timed(pallas_fn(kind, dtype, c), sets, reps) for c in cands]
+            best = min(range(len(cands)), key=times.__getitem__)
+            cells = " ".join(f"{t:.4f}" for t in times)
+            print(f"sweep {kind} {M}x{k}x{n} {dtype}: {cells}  best #{best} {cands[best]}", flush=True)
+
+
+def tile_bits() -> None:
+    """Same product, every candidate tile set with the same block_r: are the output bits identical?"""
+    for kind in KINDS:
+        for k, n, dtype in ((1024, 1024, "bfloat16"), (1024, 8, "float32")):
+            cands = candidates(dtype)
+            a, b = inputs(kind, k, n, dtype)[0]
+            ref = None
+            for c in cands:
+                out = np.asarray(pallas_fn(kind, dtype, c)([(a, b)])[0]).view(
+                    np.uint32 if kind == "dw" or dtype == "float32" else np.uint16
+                )
+                ref = out if ref is None else ref
+                print(f"tile-bits {kind} {dtype} {c}: {'same' if np.array_equal(out, ref) else 'DIFFERENT'} as #0")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--tile-bits", action="store_true")
+    a = ap.parse_args()
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, M = {M} rows", flush=True)
+    if a.tile_bits:
+        tile_bits()
+    if a.sweep:
+        sweep(a.reps)
+    table(a.reps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
