@@ -33,7 +33,7 @@ SHAPES = {
         ("lm head", 1024, 32768, "bfloat16", 1),
     ],
     "gpu_medium": [
-        ("mamba z+x+B,C+dt", 1024, 4256, "bfloat16", 4),
+        ("mamba z+x+B,C+dt (+96 zero columns)", 1024, 4352, "bfloat16", 4),
         ("mamba out", 2048, 1024, "bfloat16", 4),
         ("attn q+k+v", 1024, 1536, "bfloat16", 4),
         ("attn o, shared down, mtp proj", 1024, 1024, "bfloat16", 10),

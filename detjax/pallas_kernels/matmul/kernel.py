@@ -51,7 +51,7 @@ def tile_set(kind: str, dtype, k: int, n: int) -> str:
     if name != "bfloat16":
         raise ValueError(f"no pinned matmul tiles for {name} operands; use bfloat16 or float32")
     if kind == "fwd":
-        return "128x256" if n >= 16384 else "64x128" if n <= 128 else "128x128w8"
+        return "128x256" if n >= 8192 else "64x128" if n <= 128 else "128x128w8"
     if kind == "dx":
         return "128x128w8" if n <= 128 else "128x256"
     return "128x256" if k * n >= 1 << 22 else "128x128w4" if k * n >= 1 << 21 else "64x64"  # dw: K x N output

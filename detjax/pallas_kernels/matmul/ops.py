@@ -41,6 +41,11 @@ def _bwd(out_dtype, res, dy_MN):
 matmul.defvjp(_fwd, _bwd)
 
 
+# Fused weights are padded with zero columns to a whole number of the widest output tile (no effect on the
+# other columns' bits: the kernel is column-invariant).
+FUSED_COLUMN_MULTIPLE = 256
+
+
 def _fold(spec: str) -> int:
     """Number of contracted dims of a '<free x><contracted>,<contracted><free w>-><free x><free w>' spec."""
     ins, out = spec.split("->")
@@ -69,9 +74,10 @@ def dense_many(specs: list[str], x: jax.Array, ws: list[jax.Array], dtype, out_d
     lead = x.shape[: x.ndim - c]
     k = math.prod(x.shape[x.ndim - c :])
     w2 = [w.reshape(k, -1) for w in ws]
-    y = matmul(
-        x.astype(dtype).reshape(-1, k), w2[0] if len(w2) == 1 else jnp.concatenate(w2, axis=1), out_dtype or dtype
-    )
+    pad = -sum(w.shape[1] for w in w2) % FUSED_COLUMN_MULTIPLE if len(w2) > 1 else 0
+    # zero columns inside the concatenation (a copy anyway) spare the kernel a padded copy of the activations
+    w_cat = w2[0] if len(w2) == 1 else jnp.concatenate(w2 + [jnp.zeros((k, pad), w2[0].dtype)] * bool(pad), axis=1)
+    y = matmul(x.astype(dtype).reshape(-1, k), w_cat, out_dtype or dtype)
     outs, start = [], 0
     for w, w2d in zip(ws, w2, strict=True):
         outs.append(y[:, start : start + w2d.shape[1]].reshape(*lead, *w.shape[c:]))
