@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 import yaml
 
+from detjax.pallas_kernels import support_problems
+from detjax.sharding.checks import layout_problems
+
 BLOCK_LETTERS = {"M": "mamba2", "*": "attention", "E": "moe", "-": "mlp"}
 
 
@@ -143,41 +146,9 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             _fail("model.head_dim", self.head_dim, "RoPE needs an even head_dim", "use an even head_dim")
-        if self.kernels == "pallas" and (self.d_model & (self.d_model - 1) or self.d_model % 32):
-            _fail(
-                "model.d_model",
-                self.d_model,
-                "the Pallas kernels need a power-of-two d_model >= 32",
-                "use e.g. 64 or 512, or model.kernels=reference",
-            )
-        if self.kernels == "pallas" and (self.head_dim & (self.head_dim - 1) or self.head_dim < 16):
-            _fail(
-                "model.head_dim",
-                self.head_dim,
-                "the Pallas flash attention needs a power-of-two head_dim >= 16",
-                "use e.g. 16, 64 or 128, or model.kernels=reference",
-            )
-        if self.kernels == "pallas":
-            m = self.mamba
-            for key, v in (
-                ("model.mamba.d_state", m.d_state),
-                ("model.mamba.chunk_size", m.chunk_size),
-                ("model.mamba head dim (expand*d_model/n_heads)", m.expand * self.d_model // max(m.n_heads, 1)),
-            ):
-                if v & (v - 1) or v < 16:
-                    _fail(
-                        key,
-                        v,
-                        "the Pallas SSD kernel needs a power of two >= 16",
-                        "use e.g. 16, 64 or 128, or model.kernels=reference",
-                    )
-            if self.moe.ffn_dim % 16:
-                _fail(
-                    "model.moe.ffn_dim",
-                    self.moe.ffn_dim,
-                    "the Pallas grouped matmul needs a multiple of 16",
-                    "use e.g. 64 or 768, or model.kernels=reference",
-                )
+        if self.kernels == "pallas":  # what each Pallas kernel takes lives beside the kernel (supports())
+            for problem in support_problems(self):
+                _fail(*problem)
         if not 0.0 <= self.dropout < 1.0:
             _fail("model.dropout", self.dropout, "must be in [0, 1)", "use e.g. 0.0 or 0.1")
         self.mamba.validate(self.d_model)
@@ -453,95 +424,8 @@ class Config:
             )
         if m.mtp.depth and t.seq_len < 3:
             _fail("train.seq_len", t.seq_len, "the MTP head needs seq_len >= 3", "raise seq_len or mtp.depth=0")
-        self._check_layout()
-
-    def _check_layout(self) -> None:
-        """Mesh degrees against the model: what each axis splits must divide (the device count is checked
-        when the mesh is built)."""
-        m, t, mesh = self.model, self.train, self.mesh
-        tp = mesh.tensor
-        if tp > 1:
-            splits = {
-                "model.n_heads": m.n_heads,
-                "model.mamba.n_heads": m.mamba.n_heads if "M" in m.pattern + m.mtp.pattern else tp,
-                "model.ffn_dim": m.ffn_dim,
-                "model.moe.ffn_dim": m.moe.ffn_dim,
-                "model.vocab_size": m.vocab_size,
-            }
-            for key, n in splits.items():
-                if n % tp:
-                    _fail(key, n, f"is not divisible by mesh.tensor = {tp}", f"make {key} a multiple of {tp}")
-            if m.n_kv_heads % tp and tp % m.n_kv_heads:
-                _fail(
-                    "model.n_kv_heads",
-                    m.n_kv_heads,
-                    f"neither divides nor is divided by mesh.tensor = {tp} (kv heads are split, or replicated "
-                    "when fewer than the tensor degree)",
-                    "choose n_kv_heads dividing n_heads and dividing or divisible by the tensor degree",
-                )
-            if mesh.sequence_parallel and t.seq_len % tp:
-                _fail("train.seq_len", t.seq_len, f"sequence parallel needs it divisible by tensor = {tp}", "")
-        elif mesh.sequence_parallel:
-            _fail("mesh.sequence_parallel", True, "needs mesh.tensor > 1", "set mesh.tensor >= 2 or turn it off")
-        if mesh.expert > 1:
-            has_moe = "E" in m.pattern + (m.mtp.pattern if m.mtp.depth else "")
-            if not has_moe:
-                _fail("mesh.expert", mesh.expert, "the pattern has no MoE block (E)", "set mesh.expert=1")
-            if m.moe.n_experts % mesh.expert:
-                _fail(
-                    "model.moe.n_experts",
-                    m.moe.n_experts,
-                    f"is not divisible by mesh.expert = {mesh.expert}",
-                    f"use a multiple of {mesh.expert} experts",
-                )
-            if m.moe.combine != "gather":
-                _fail("model.moe.combine", m.moe.combine, "expert parallel uses the ordered combine", "use gather")
-        if mesh.fsdp > 1 and m.d_model % mesh.fsdp:
-            _fail("model.d_model", m.d_model, f"is not divisible by mesh.fsdp = {mesh.fsdp}", "change fsdp or d_model")
-        if mesh.pipeline > 1:
-            self._check_pipeline()
-
-    def _check_pipeline(self) -> None:
-        m, t, mesh = self.model, self.train, self.mesh
-        chunks = mesh.pipeline * mesh.pipeline_virtual
-        if len(m.pattern) % chunks:
-            _fail(
-                "model.pattern",
-                m.pattern,
-                f"{len(m.pattern)} layers cannot be split into pipeline x pipeline_virtual = {chunks} stages",
-                f"use a layer count that is a multiple of {chunks}",
-            )
-        n = len(m.pattern) // chunks
-        parts = [m.pattern[i * n : (i + 1) * n] for i in range(chunks)]
-        if len(set(parts)) > 1:
-            _fail(
-                "model.pattern",
-                m.pattern,
-                f"pipeline stages must hold the same block sequence (stacked over the pipeline axis), got {parts}",
-                f"repeat one sub-pattern {chunks} times, e.g. '{parts[0] * chunks}'",
-            )
-        if mesh.expert > 1:
-            _fail(
-                "mesh.expert",
-                mesh.expert,
-                "expert parallel inside pipeline stages is not supported yet",
-                "use mesh.pipeline=1 or mesh.expert=1",
-            )
-        if mesh.pipeline_virtual > 1 and t.n_micro % mesh.pipeline:
-            _fail(
-                "train.global_batch",
-                t.global_batch,
-                f"the interleaved schedule needs the microbatch count ({t.n_micro}) divisible by "
-                f"mesh.pipeline = {mesh.pipeline}",
-                "change global_batch or micro_batch",
-            )
-        if self.trace.level != "none" or self.debug.inject_nondeterminism.scope:
-            _fail(
-                "trace.level",
-                self.trace.level,
-                "phase/module/op capture and fault injection do not run inside pipeline stages yet",
-                "trace with mesh.pipeline=1 (fingerprints still run), or trace.level=none",
-            )
+        for problem in layout_problems(self):
+            _fail(*problem)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from detjax.config import Config
+from detjax.jaxprs import iter_eqns
 
 # `xla_gpu_deterministic_ops` makes XLA pick deterministic implementations (e.g. sorted scatter instead of
 # atomics) and also disables run-time autotuning, so kernel choice is pinned; the cost is measured in
@@ -130,37 +131,25 @@ def apply_config_environment(cfg: Config) -> None:
 XLA_GEMM_PRIMITIVES = ("dot_general", "ragged_dot_general", "conv_general_dilated")
 
 
-def _sub_jaxprs(params: dict[str, Any]):
-    for v in params.values():
-        for item in v if isinstance(v, (tuple, list)) else (v,):
-            if hasattr(item, "eqns"):
-                yield item
-            elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
-                yield item.jaxpr
-
-
 def xla_dots(jaxpr: Any) -> list[dict[str, Any]]:
     """Every GEMM-like op of a (closed) jaxpr that XLA would run, outside Pallas kernels: primitive, name
     scope, operand shapes and FLOPs. Pallas kernel bodies are not entered: their dots are detjax's own."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     found: list[dict[str, Any]] = []
-    for eqn in jaxpr.eqns:
+    for eqn in iter_eqns(jaxpr, skip=("pallas_call",)):
         name = eqn.primitive.name
-        if name == "pallas_call":
+        if name not in XLA_GEMM_PRIMITIVES:
             continue
-        if name in XLA_GEMM_PRIMITIVES:
-            shapes = [tuple(v.aval.shape) for v in eqn.invars[:2]]
-            out = tuple(eqn.outvars[0].aval.shape)
-            if name == "dot_general":
-                (lc, _), _ = eqn.params["dimension_numbers"]
-                k = math.prod(shapes[0][d] for d in lc)
-            else:  # ragged / conv: bound by the full lhs times the output's last dim
-                k = shapes[0][-1]
-            flops = 2 * math.prod(out) * k
-            scope = str(eqn.source_info.name_stack)
-            found.append({"primitive": name, "scope": scope, "shapes": shapes, "out": out, "flops": flops})
-        for sub in _sub_jaxprs(eqn.params):
-            found.extend(xla_dots(sub))
+        shapes = [tuple(v.aval.shape) for v in eqn.invars[:2]]
+        out = tuple(eqn.outvars[0].aval.shape)
+        if name == "dot_general":
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            k = math.prod(shapes[0][d] for d in lc)
+        else:  # ragged / conv: bound by the full lhs times the output's last dim
+            k = shapes[0][-1]
+        flops = 2 * math.prod(out) * k
+        found.append(
+            {"primitive": name, "scope": str(eqn.source_info.name_stack), "shapes": shapes, "out": out, "flops": flops}
+        )
     return found
 
 

@@ -1,8 +1,9 @@
-"""State construction and the pure train step, jitted in exactly one place (`compile_train_step`)."""
+"""State construction and the pure train step. `compile_train_step` is the one jit of the train step; the
+tracer (detjax.trace) compiles its own instrumented variants, built from the same pieces."""
 
 from __future__ import annotations
 
-import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -13,13 +14,12 @@ from flax import struct
 
 from detjax import fingerprint as fp
 from detjax.config import Config
-from detjax.model import HybridLM
+from detjax.loss import Objective
+from detjax.model.lm import Block, HybridLM, layer_key
 from detjax.optim import lr_schedule, make_optimizer
 from detjax.sharding import pipeline
 from detjax.sharding import rules as ax
 from detjax.sharding.rules import Layout, constrain, tree_shardings
-from detjax.trace import capture as cap
-from detjax.trace.inject import perturb
 
 # Purposes for key derivation: every key is fold_in(seed key, step, purpose, logical index).
 PURPOSE_INIT, PURPOSE_DROPOUT = 0, 1
@@ -30,15 +30,8 @@ class TrainState(struct.PyTreeNode):
     params: Any
     opt_state: Any
     rng: jax.Array  # typed key of the run seed; per-step keys are derived, never stored
-    # Extra state collections (low-precision copies, fp8 scales, amax histories): checkpointed as they are.
+    # Extra state collections, checkpointed as they are; empty until a feature needs one.
     collections: Any = struct.field(default_factory=dict)
-
-
-def token_ce_sum(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
-    """Sum of token cross-entropies; the label logit is a one-hot contraction (no gather, no scatter)."""
-    logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-    onehot_BLV = jax.nn.one_hot(targets_BL, logits_BLV.shape[-1], dtype=logits_BLV.dtype)
-    return jnp.sum(logz_BL - jnp.sum(logits_BLV * onehot_BLV, axis=-1))
 
 
 def _dict_path(path: tuple) -> tuple[str, ...]:
@@ -54,23 +47,18 @@ def global_norm(tree: Any) -> jax.Array:
 
 
 class Trainer:
-    """Model, optimizer and the step function for one config.
+    """Model, optimizer, objective and the pieces of the train step for one config and layout."""
 
-    `capture` = "phase" or "module" adds on-device digests of phase / module inputs and outputs to the
-    step's metrics under "trace"; their static description is in `trace_meta` once the step is traced.
-    """
-
-    def __init__(self, cfg: Config, capture: str = "none", scope: str = "", layout: Layout | None = None) -> None:
+    def __init__(self, cfg: Config, layout: Layout | None = None) -> None:
         self.cfg = cfg
         self.layout = layout
         self.pipelined = layout is not None and layout.degrees["pipeline"] > 1
         self.model = HybridLM(cfg.model, layout)
         self.tx = make_optimizer(cfg.train)
         self.schedule = lr_schedule(cfg.train)
-        self.capture = capture
-        self.scope = scope
-        self.trace_meta: dict[str, list[dict[str, Any]]] = {}
+        self.objective = Objective.from_config(cfg)
 
+    # ------------------------------------------------------------------------------------------ state
     def _boxed_params(self, seed_key: jax.Array) -> Any:
         t = self.cfg.train
         ids = jnp.zeros((t.micro_batch, t.seq_len), jnp.int32)
@@ -96,9 +84,9 @@ class Trainer:
         """Explicit shardings for every state leaf: parameters by the rules table, optimizer moments like
         their parameter, scalars and keys replicated."""
         layout = self.layout
-        abstract = self.abstract_state()
         if layout is None:
             raise ValueError("state_shardings needs a Trainer built with a layout")
+        abstract = self.abstract_state()
         param_sh = tree_shardings(layout, self.param_logical_specs())
         by_path = {
             _dict_path(p): (sh, leaf.shape)
@@ -122,162 +110,145 @@ class Trainer:
     def batch_sharding(self) -> Any:
         return self.layout.sharding((ax.BATCH, None))
 
-    def loss_terms(self, params, tokens_BL1: jax.Array, key: jax.Array, hooks: Any = None):
-        """Per-microbatch sums: (lm CE sum, MTP CE sum, aux loss)."""
-        ids_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
-        if hooks is None:
-            logits, mtp_logits, aux = self.model.apply({"params": params}, ids_BL, train=True, key=key)
-        else:
-            with nn.intercept_methods(hooks):
-                logits, mtp_logits, aux = self.model.apply({"params": params}, ids_BL, train=True, key=key)
-        lm_sum = token_ce_sum(logits, targets_BL)
-        mtp_sum = token_ce_sum(mtp_logits, targets_BL[:, 1:]) if mtp_logits is not None else jnp.zeros(())
-        if self.capture == "phase":  # the forward phase's outputs: losses *and* logits (far more sensitive)
-            self._fwd_digests = [fp.tensor_digest(logits)] + (
-                [fp.tensor_digest(mtp_logits)] if mtp_logits is not None else []
-            )
-        return lm_sum, mtp_sum, aux
+    # ------------------------------------------------------------------------------------------ pieces
+    def step_key(self, state: TrainState) -> jax.Array:
+        return jax.random.fold_in(jax.random.fold_in(state.rng, state.step), PURPOSE_DROPOUT)
 
-    def train_step(self, state: TrainState, batch_GL1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
-        cfg = self.cfg
-        t, m = cfg.train, cfg.model
-        n_micro = t.n_micro
-        n_tok = t.global_batch * t.seq_len
-        n_mtp = t.global_batch * (t.seq_len - 1)
-        step_key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), PURPOSE_DROPOUT)
+    def micro_tokens(self, batch_GL1: jax.Array) -> jax.Array:
+        t = self.cfg.train
+        return constrain(batch_GL1.reshape(t.n_micro, t.micro_batch, -1), self.layout, (None, ax.BATCH, None))
 
-        inj = cfg.debug.inject_nondeterminism
-        inject_modules = inj.scope if inj.scope and not re.search(inj.scope, "optimizer") else ""
-        capture = self.capture
+    def apply_model(self, params: Any, ids_BL: jax.Array, key: jax.Array):
+        return self.model.apply({"params": params}, ids_BL, train=True, key=key)
 
-        def objective(params, tokens, key):
-            rec = cap.Recorder("module", self.scope) if capture == "module" else None
-            hooks = cap.ModuleHooks(rec, inject_modules, inj.step, state.step) if (rec or inject_modules) else None
-            token = cap.activate(rec)
-            try:
-                lm_sum, mtp_sum, aux = self.loss_terms(params, tokens, key, hooks)
-            finally:
-                cap.deactivate(token)
-            if rec is not None:
-                self.trace_meta["micro"] = rec.meta
-            fwd = getattr(self, "_fwd_digests", []) if capture == "phase" else []
-            # Gradients are of token-loss *sums*; the division by the token count happens once, at the end.
-            j = lm_sum + m.mtp.loss_coef * mtp_sum * (n_tok / n_mtp) + m.moe.aux_loss_coef * aux * (n_tok / n_micro)
-            return j, ((lm_sum, mtp_sum, aux), rec.values if rec else fwd)
+    def micro_objective(self, params: Any, tokens_BL1: jax.Array, key: jax.Array):
+        """(j, (lm sum, MTP sum, aux)) of one microbatch; the gradient is taken of j."""
+        outs = self.apply_model(params, tokens_BL1[:, :-1], key)
+        terms = self.objective.terms(*outs, tokens_BL1)
+        return self.objective.total(terms), terms
 
-        def micro(carry, xs):
+    def accumulate(self, params: Any, micro_tokens: jax.Array, step_key: jax.Array, micro_fn: Callable | None = None):
+        """Gradient sums and loss-term sums over the microbatches, in index order (a fixed sequential order).
+
+        micro_fn(params, tokens, key, accumulated grads) -> (grads, terms, extras) per microbatch (default:
+        the gradient of micro_objective, no extras); extras come back stacked along the microbatch axis."""
+
+        def plain(params, tokens, key, g_acc):
+            g, terms = jax.grad(self.micro_objective, has_aux=True)(params, tokens, key)
+            return g, terms, ()
+
+        fn = micro_fn or plain
+
+        def body(carry, xs):
             g_acc, sums = carry
             tokens, i = xs
-            key = jax.random.fold_in(step_key, i)
-            g, (terms, values) = jax.grad(objective, has_aux=True)(state.params, tokens, key)
-            fwd_out = list(terms) + (list(values) if capture == "phase" else [])
+            g, terms, extras = fn(params, tokens, jax.random.fold_in(step_key, i), g_acc)
             with jax.named_scope("grad_accumulate"):
                 new_acc = jax.tree.map(jnp.add, g_acc, g)
-            if capture == "phase":
-                rec = cap.Recorder("phase")
-                fwd_in = [fp.tree_digest(state.params), tokens, key]
-                rec.add("phase", "forward", fwd_in, fwd_out)
-                rec.add("phase", "backward", fwd_in, [fp.tree_digest(g)])
-                rec.add(
-                    "phase", "grad_accumulate", [fp.tree_digest(g_acc), fp.tree_digest(g)], [fp.tree_digest(new_acc)]
-                )
-                self.trace_meta["micro"] = rec.meta
-                values = rec.values
-            return (new_acc, jax.tree.map(jnp.add, sums, terms)), values
+            return (new_acc, jax.tree.map(jnp.add, sums, terms)), extras
 
-        micro_tokens = constrain(batch_GL1.reshape(n_micro, t.micro_batch, -1), self.layout, (None, ax.BATCH, None))
+        zeros = (jax.tree.map(jnp.zeros_like, params), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())))
+        n = micro_tokens.shape[0]
+        return jax.lax.scan(body, zeros, (micro_tokens, jnp.arange(n)))
+
+    def pipeline_fns(self) -> pipeline.StageFns:
+        """The model pieces a pipeline stage runs (detjax.sharding.pipeline takes functions, not models)."""
+        m_cfg = self.cfg.model
+        n_per = len(m_cfg.pattern) // (self.cfg.mesh.pipeline * self.cfg.mesh.pipeline_virtual)
+        model = HybridLM(m_cfg)  # no layout inside the stage body: the auto axes follow the parameter shardings
+        blocks = [Block(m_cfg, letter) for letter in m_cfg.pattern[:n_per]]
+
+        def chunk(chunk_params, h, key, chunk_idx):
+            aux = jnp.zeros((), jnp.float32)
+            for j, blk in enumerate(blocks):
+                h, a = blk.apply({"params": chunk_params[f"block_{j}"]}, h, True, layer_key(key, chunk_idx * n_per + j))
+                aux = aux + a
+            return h, aux
+
+        def embed(outer, ids):
+            return model.apply({"params": outer}, ids, method=HybridLM.embed_ids)
+
+        def head(outer, h, tokens, key):
+            outs = model.apply({"params": outer}, h, tokens[:, :-1], True, key, method=HybridLM.outputs)
+            terms = self.objective.terms(*outs, tokens)
+            return self.objective.total(terms), terms
+
+        return pipeline.StageFns(chunk, embed, head, self.objective.aux_weight, m_cfg.d_model)
+
+    def grad_sums(self, state: TrainState, micro_tokens: jax.Array, step_key: jax.Array):
         if self.pipelined:
-            g_sum, (lm_sum, mtp_sum, aux_sum) = pipeline.pipeline_grads(self, state.params, micro_tokens, step_key)
-            micro_values = []
-        else:
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            zero_terms = (jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
-            # Microbatches accumulate in index order (a fixed sequential order).
-            (g_sum, (lm_sum, mtp_sum, aux_sum)), micro_values = jax.lax.scan(
-                micro, (zeros, zero_terms), (micro_tokens, jnp.arange(n_micro))
+            return pipeline.pipeline_grads(
+                self.pipeline_fns(), self.cfg, self.layout, state.params, micro_tokens, step_key
             )
+        (g_sum, sums), _ = self.accumulate(state.params, micro_tokens, step_key)
+        return g_sum, sums
+
+    def finish(self, state: TrainState, g_sum: Any, sums: Any, update_fn: Callable | None = None):
+        """Scale the gradient sums, apply the optimizer; -> (new state, grads, updates, losses).
+
+        update_fn(updates) -> updates may transform the optimizer's updates (fault injection only)."""
         with jax.named_scope("grad_scale"):
-            grads = jax.tree.map(lambda g: g / n_tok, g_sum)
+            grads = jax.tree.map(lambda g: g / self.objective.n_tok, g_sum)
         with jax.named_scope("optimizer"):
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-            if inj.scope and re.search(inj.scope, "optimizer"):
-                leaves, tree = jax.tree.flatten(updates)
-                updates = jax.tree.unflatten(tree, [perturb(leaves[0], state.step, inj.step), *leaves[1:]])
+            if update_fn is not None:
+                updates = update_fn(updates)
             params = optax.apply_updates(state.params, updates)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        metrics: dict[str, Any] = {
-            "lm_loss": lm_sum / n_tok,
-            "mtp_loss": mtp_sum / n_mtp,
-            "aux_loss": aux_sum / n_micro,
-            "grad_norm": global_norm(grads),
-            "lr": self.schedule(state.step),
-        }
-        if capture == "phase":
-            rec = cap.Recorder("phase")
-            rec.add("phase", "grad_scale", [fp.tree_digest(g_sum)], [fp.tree_digest(grads)])
-            rec.add(
-                "phase",
-                "optimizer",
-                [fp.tree_digest(grads), fp.tree_digest(state.opt_state), fp.tree_digest(state.params)],
-                [fp.tree_digest(updates), fp.tree_digest(opt_state), fp.tree_digest(params)],
-            )
-            self.trace_meta["step"] = rec.meta
-            metrics["trace"] = {"micro": micro_values, "step": rec.values}
-        elif capture == "module":
-            self.trace_meta["step"] = []
-            metrics["trace"] = {"micro": micro_values, "step": []}
-        if cfg.run.fingerprints:
-            metrics["digest"] = {
-                "params": fp.tree_digest(params),
+        return new_state, grads, updates, self.objective.losses(sums)
+
+    def metrics(self, state: TrainState, new_state: TrainState, grads: Any, losses: dict, batch, step_key) -> dict:
+        out = dict(losses, grad_norm=global_norm(grads), lr=self.schedule(state.step))
+        if self.cfg.run.fingerprints:
+            out["digest"] = {
+                "params": fp.tree_digest(new_state.params),
                 "grads": fp.tree_digest(grads),
-                "opt_state": fp.tree_digest(opt_state),
-                "batch": fp.tensor_digest(batch_GL1),
+                "opt_state": fp.tree_digest(new_state.opt_state),
+                "batch": fp.tensor_digest(batch),
                 "rng": fp.tensor_digest(step_key),
             }
-        return new_state, metrics
+        return out
+
+    # ------------------------------------------------------------------------------------------ step
+    def train_step(self, state: TrainState, batch_GL1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
+        step_key = self.step_key(state)
+        g_sum, sums = self.grad_sums(state, self.micro_tokens(batch_GL1), step_key)
+        new_state, grads, _, losses = self.finish(state, g_sum, sums)
+        return new_state, self.metrics(state, new_state, grads, losses, batch_GL1, step_key)
 
 
-# One compiled function per (trajectory config, shardings): in-process reruns and resumes reuse it.
+def cache_key(trainer: Trainer, kind: str, *shardings: Any) -> Any:
+    """What a compiled variant of the step depends on: the trajectory config and the shardings."""
+    c = trainer.cfg
+    shardings = tuple((jax.tree.structure(s), tuple(jax.tree.leaves(s))) for s in shardings)
+    return (kind, c.model, c.train, c.determinism, c.debug, c.run.fingerprints, c.mesh, trainer.layout, *shardings)
+
+
+# One compiled function per cache key: in-process reruns and resumes reuse it.
 _COMPILED: dict[Any, Any] = {}
 
 
-def _cache_key(trainer: Trainer, kind: str, *shardings: Any) -> Any:
-    c = trainer.cfg
-    shardings = tuple((jax.tree.structure(s), tuple(jax.tree.leaves(s))) for s in shardings)
-    return (
-        kind,
-        c.model,
-        c.train,
-        c.determinism,
-        c.debug,
-        c.run.fingerprints,
-        c.mesh,
-        trainer.layout,
-        trainer.capture,
-        trainer.scope,
-        *shardings,
-    )
+def compile_cached(key: Any, build: Callable[[], Any]) -> Any:
+    if key not in _COMPILED:
+        _COMPILED[key] = build()
+    return _COMPILED[key]
 
 
 def compile_train_step(trainer: Trainer, state_sharding: Any, batch_sharding: Any):
     """The one jit of the train step: explicit shardings, state donated."""
-    key = _cache_key(trainer, "step", state_sharding, batch_sharding)
-    if key not in _COMPILED:
-        _COMPILED[key] = (
-            jax.jit(
-                trainer.train_step,
-                in_shardings=(state_sharding, batch_sharding),
-                out_shardings=(state_sharding, None),
-                donate_argnums=(0,),
-            ),
-            trainer.trace_meta,
-        )
-    fn, trainer.trace_meta = _COMPILED[key]  # share the trace description filled when fn is traced
-    return fn
+    return compile_cached(
+        cache_key(trainer, "step", state_sharding, batch_sharding),
+        lambda: jax.jit(
+            trainer.train_step,
+            in_shardings=(state_sharding, batch_sharding),
+            out_shardings=(state_sharding, None),
+            donate_argnums=(0,),
+        ),
+    )
 
 
 def compile_init(trainer: Trainer, state_sharding: Any):
-    key = _cache_key(trainer, "init", state_sharding)
-    if key not in _COMPILED:
-        _COMPILED[key] = jax.jit(trainer.init_state, out_shardings=state_sharding)
-    return _COMPILED[key]
+    return compile_cached(
+        cache_key(trainer, "init", state_sharding),
+        lambda: jax.jit(trainer.init_state, out_shardings=state_sharding),
+    )

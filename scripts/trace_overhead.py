@@ -32,6 +32,7 @@ def main() -> int:
     from detjax.sharding.mesh import replicated, single_device_mesh
     from detjax.step import Trainer, compile_init, compile_train_step
     from detjax.trace import streams
+    from detjax.trace.capture import instrumented_step
     from detjax.trace.opcapture import traced_step_fn
 
     rep = replicated(single_device_mesh())
@@ -64,15 +65,12 @@ def main() -> int:
             (_, _), values = out
             streams.op_records(op_rec.meta, values, 0)
         else:
-            _, metrics = out
-            tr = metrics["trace"]
-            meta = mod_tr.trace_meta
-            streams.capture_records(meta["micro"], tr["micro"], meta["step"], tr["step"], 0, "module")
+            streams.capture_records(out[2], 0, "module")
 
     plain = compile_train_step(plain_tr, rep, rep)
     res = {"plain": bench("tracing off (plain)", plain)}
-    mod_tr = Trainer(cfg, capture="module")
-    res["module"] = bench("module capture", compile_train_step(mod_tr, rep, rep), post="module")
+    module_step = jax.jit(instrumented_step(plain_tr, "module"), donate_argnums=(0,))
+    res["module"] = bench("module capture", module_step, post="module")
     st = init(jax.random.key(0))
     op_fn, op_rec = traced_step_fn(plain_tr.train_step, (st, batches[0]), a.op_scope)
     res["op"] = bench(f"op capture /{a.op_scope}/", op_fn, post="op")

@@ -12,11 +12,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from detjax.ckpt import Checkpointer, CheckpointError
-from detjax.ckpt.manager import host_bytes
+from detjax.ckpt.manager import KILL_DURING_SAVE_ENV, host_bytes
 from detjax.config import load_config
 from detjax.sharding.mesh import MESH_AXES, replicated, single_device_mesh
 from detjax.step import Trainer
-from detjax.train import KILL_DURING_SAVE_ENV, train
+from detjax.train import train
 
 STEPS = 12
 BASE = [f"train.steps={STEPS}", "train.warmup_steps=4", "run.progress=false", "run.log_every=0"]

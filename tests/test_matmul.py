@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from detjax.pallas_kernels import interpret_mode
+from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.harness import assert_replays_bit_exact, matmul_contention
 from detjax.pallas_kernels.matmul.kernel import matmul_kernel
 from detjax.pallas_kernels.matmul.ops import dense, matmul

@@ -14,8 +14,9 @@ from flax import linen as nn
 
 from detjax.config import ConfigError
 from detjax.sharding.mesh import build_layout
-from detjax.sharding.pipeline import BWD, FWD, IDLE, build_schedule, stack_params, unstack_params
-from detjax.sharding.rules import spec_json
+from detjax.sharding.pipeline import stack_params, unstack_params
+from detjax.sharding.rules import activation_specs, spec_json
+from detjax.sharding.schedule import BWD, FWD, IDLE, build_schedule
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "shardings"
 
@@ -35,11 +36,11 @@ def sharding_record(cell: str) -> dict:
         for p, s in jax.tree_util.tree_flatten_with_path(ss.params)[0]
     }
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32)
-    jax.eval_shape(tr.train_step, tr.abstract_state(), batch)  # tracing records the pinned activations
+    jaxpr = jax.make_jaxpr(tr.train_step)(tr.abstract_state(), batch)
     return {
         "mesh": dict(layout.mesh.shape),
         "params": params,
-        "activations": dict(sorted(layout.activations.items())),
+        "activations": dict(sorted(activation_specs(jaxpr).items())),
     }
 
 
@@ -158,7 +159,7 @@ def test_schedule_runs_every_action_once_after_its_inputs(kind, stages, virtual,
 
 def test_stack_params_roundtrip():
     cfg = cfg_for("mesh.pipeline=2", "mesh.pipeline_virtual=2", "model.pattern=" + BASE * 4)
-    from detjax.model import HybridLM
+    from detjax.model.lm import HybridLM
 
     params = nn.unbox(HybridLM(cfg.model).init(jax.random.key(0), jnp.zeros((2, 16), jnp.int32))["params"])
     stacked = stack_params(params, cfg)

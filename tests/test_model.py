@@ -9,9 +9,10 @@ import pytest
 from flax import linen as nn
 
 from detjax.config import ModelConfig, MoEConfig
-from detjax.model import HybridLM
 from detjax.model.attention import attention_reference
-from detjax.model.layers import embed_lookup, permute_rows
+from detjax.model.dispatch import permute_rows
+from detjax.model.layers import embed_lookup
+from detjax.model.lm import HybridLM
 from detjax.model.moe import MoE, moe_dense_reference, route
 
 

@@ -1,15 +1,23 @@
 """End to end: two tiny runs give identical fingerprints and byte-identical final params; another seed
-is caught by compare at step 0; the loss falls."""
+is caught by compare at step 0; the loss falls; the first steps equal the pinned golden fingerprints."""
 
 import json
+import os
 import subprocess
+from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 from detjax.compare import main as compare_main
 
 STEPS = 24
+# The tiny config's first steps, pinned: fingerprints.jsonl lines (exact float hex and digests) as the suite
+# computes them (tests/conftest.py's XLA flags, CPU). A change that is meant to change numerics regenerates
+# it in its own commit, with the reason: DETJAX_UPDATE_GOLDEN=1 pytest tests/test_train.py.
+GOLDEN = Path(__file__).resolve().parent / "golden" / "fingerprints_tiny.jsonl"
+GOLDEN_STEPS = 3
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +74,23 @@ def test_loss_falls_and_run_dir_contents(runs):
     rec = json.loads((runs / "a" / "fingerprints.jsonl").read_text().splitlines()[0])
     assert float.fromhex(rec["lm_loss"]["hex"]) == rec["lm_loss"]["value"]
     assert set(rec["digest"]) == {"params", "grads", "opt_state", "batch", "rng"}
+
+
+def _first_lines(run_dir, n: int = GOLDEN_STEPS) -> bytes:
+    return b"".join((run_dir / "fingerprints.jsonl").read_bytes().splitlines(keepends=True)[:n])
+
+
+def test_first_steps_match_the_golden_fingerprints(runs):
+    got = _first_lines(runs / "a")
+    stamp = f"jax {jax.__version__}\n".encode()
+    if os.environ.get("DETJAX_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_bytes(stamp + got)
+    pinned = GOLDEN.read_bytes()
+    version, want = pinned.split(b"\n", 1)
+    if version + b"\n" != stamp:
+        pytest.skip(
+            f"golden fingerprints pinned under {version.decode()}, running jax {jax.__version__}: "
+            "numerics across library versions are outside the promise; re-pin with DETJAX_UPDATE_GOLDEN=1"
+        )
+    assert got == want, f"the tiny config's first {GOLDEN_STEPS} steps drifted from {GOLDEN} (numerics changed)"
+    assert _first_lines(runs / "seed1") != want  # negative control: another trajectory does not match

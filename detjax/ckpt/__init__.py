@@ -1,5 +1,5 @@
 """Orbax checkpoints that restore every tracked bit: state, data iterator, RNG, fingerprints, config."""
 
-from detjax.ckpt.manager import Checkpointer, CheckpointError
+from detjax.ckpt.manager import Checkpointer, CheckpointError, StopSignals
 
-__all__ = ["CheckpointError", "Checkpointer"]
+__all__ = ["CheckpointError", "Checkpointer", "StopSignals"]

@@ -16,6 +16,9 @@ checked against the one written at save time.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +86,32 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
+# Test hook: SIGKILL this process right after the async save of this step has started (tests/test_ckpt.py).
+KILL_DURING_SAVE_ENV = "DETJAX_DEBUG_KILL_DURING_SAVE"
+
+
+class StopSignals:
+    """SIGTERM/SIGINT set a flag; the loop then saves a checkpoint (if enabled) and stops after the current
+    step. Installed only in the main thread (signal handlers cannot be set elsewhere)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, cfg: Config) -> None:
         self.directory = Path(directory).absolute()
@@ -106,8 +135,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------- save
 
-    def should_save(self, step: int) -> bool:
-        return self.cfg.ckpt.every > 0 and step % self.cfg.ckpt.every == 0
+    def due(self, step: int, signalled: bool = False) -> bool:
+        """Whether the state after `step` steps is saved now: every ckpt.every steps, and on a stop signal."""
+        return signalled or (self.cfg.ckpt.every > 0 and step % self.cfg.ckpt.every == 0)
 
     def save(
         self, state: Any, data_state: dict[str, Any], history: list[dict[str, Any]], policy: dict[str, Any]
@@ -139,6 +169,8 @@ class Checkpointer:
             ),
             force=True,
         )
+        if step == int(os.environ.get(KILL_DURING_SAVE_ENV, "-1")):
+            os.kill(os.getpid(), signal.SIGKILL)
         return step
 
     def wait(self) -> None:

@@ -1,8 +1,8 @@
 """Grain pipeline: the batch for step s is a pure function of (seed, s).
 
 Windows of seq_len+1 tokens are cut from one token stream; Grain shuffles window indices with the
-seed (a new permutation each epoch) and batches them. `batch_at(s)` and the iterator (whose state is
-checkpointed) give the same batches.
+seed (a new permutation each epoch) and batches them. Indexing the dataset at s (`make_dataset(cfg)[s]`)
+and the iterator (whose state is checkpointed) give the same batches.
 """
 
 from __future__ import annotations

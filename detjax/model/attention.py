@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.model.layers import normal_init, param, proj, proj_many
+from detjax.pallas_kernels.flash_attention.ops import flash_attention
 from detjax.sharding import rules as ax
 from detjax.sharding.rules import constrain
 
@@ -37,6 +38,10 @@ def attention_reference(q_BLHQ, k_BSKQ, v_BSKQ) -> jax.Array:
 
 
 class Attention(nn.Module):
+    """Causal GQA with RoPE. `impl` is the one switch: "reference" (jnp), "xla"
+    (jax.nn.dot_product_attention: may be cuDNN; refused in strict mode) or "pallas" (the fixed-order flash
+    attention kernel, and the Pallas matmul for the projections)."""
+
     d_model: int
     n_heads: int
     n_kv_heads: int
@@ -45,7 +50,6 @@ class Attention(nn.Module):
     init_std: float
     dtype: jnp.dtype
     impl: str = "reference"
-    kernels: str = "reference"
     layout: ax.Layout | None = None
 
     @nn.compact
@@ -56,6 +60,7 @@ class Attention(nn.Module):
         w_k_DKQ = param(self, "w_k", init, (d, k, q), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
         w_v_DKQ = param(self, "w_v", init, (d, k, q), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
         w_o_HQD = param(self, "w_o", init, (h, q, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED))
+        kernels = "pallas" if self.impl == "pallas" else "reference"  # the projections' matmul
         lay, q_names, kv_names = (
             self.layout,
             (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, None),
@@ -66,18 +71,16 @@ class Attention(nn.Module):
             x_BLD,
             [w_q_DHQ, w_k_DKQ, w_v_DKQ],
             self.dtype,
-            self.kernels,
+            kernels,
         )
         q_BLHQ = constrain(rope(q_BLHQ, self.rope_theta), lay, q_names, "attn_q")
         k_BLKQ = constrain(rope(k_BLKQ, self.rope_theta), lay, kv_names, "attn_k")
         v_BLKQ = constrain(v_BLKQ, lay, kv_names)
         if self.impl == "xla":
             o_BLHQ = jax.nn.dot_product_attention(q_BLHQ, k_BLKQ, v_BLKQ, is_causal=True)
-        elif self.kernels == "pallas" and x_BLD.shape[1] % 16 == 0:  # (MTP blocks see L-1 rows: reference)
-            from detjax.pallas_kernels.flash_attention.ops import flash_attention
-
+        elif self.impl == "pallas" and x_BLD.shape[1] % 16 == 0:  # (MTP blocks see L-1 rows: reference)
             o_BLHQ = flash_attention(q_BLHQ, k_BLKQ, v_BLKQ)
         else:
             o_BLHQ = attention_reference(q_BLHQ, k_BLKQ, v_BLKQ)
         o_BLHQ = constrain(o_BLHQ, lay, q_names, "attn_out")
-        return proj("blhq,hqd->bld", o_BLHQ, w_o_HQD, self.dtype, self.kernels)
+        return proj("blhq,hqd->bld", o_BLHQ, w_o_HQD, self.dtype, kernels)

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.pallas_kernels.matmul.ops import dense, dense_many
+from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
+from detjax.pallas_kernels.segment_sum.ops import segment_sum
 from detjax.sharding import rules as ax
 from detjax.sharding.rules import constrain
 
@@ -49,8 +51,6 @@ class RMSNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         w_D = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (ax.NORM,))
         if self.kernels == "pallas" and x.size // x.shape[-1] % 16 == 0:
-            from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
-
             d = x.shape[-1]
             return rmsnorm(x.astype(jnp.float32).reshape(-1, d), w_D, self.eps).reshape(x.shape)
         x32 = x.astype(jnp.float32)
@@ -59,9 +59,9 @@ class RMSNorm(nn.Module):
 
 
 # --------------------------------------------------------------------------- gathers without scatter-add
-# The transpose of a gather is a scatter-add, whose GPU result depends on atomic arrival order. Both
-# gathers below therefore carry their own backward: a one-hot contraction for the embedding and the
-# inverse permutation for row permutations.
+# The transpose of a gather is a scatter-add, whose GPU result depends on atomic arrival order. The
+# embedding gather therefore carries its own backward, a one-hot contraction (row permutations, with the
+# inverse permutation as backward, are in detjax.model.dispatch).
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -75,8 +75,6 @@ def _embed_fwd(table_VD, ids_BL, vocab, kernels):
 
 def _embed_bwd(vocab, kernels, ids_BL, g_BLD):
     if kernels == "pallas":
-        from detjax.pallas_kernels.segment_sum.ops import segment_sum
-
         d = g_BLD.shape[-1]
         return segment_sum(ids_BL.reshape(-1), g_BLD.reshape(-1, d), vocab), None
     onehot_BLV = jax.nn.one_hot(ids_BL, vocab, dtype=g_BLD.dtype)
@@ -89,24 +87,6 @@ _embed_lookup.defvjp(_embed_fwd, _embed_bwd)
 def embed_lookup(table_VD: jax.Array, ids_BL: jax.Array, kernels: str = "reference") -> jax.Array:
     """table[ids]; the table gradient is a one-hot contraction (or the Pallas segment sum), not a scatter-add."""
     return _embed_lookup(table_VD, ids_BL, table_VD.shape[0], kernels)
-
-
-@jax.custom_vjp
-def permute_rows(x_TD: jax.Array, perm_T: jax.Array, inv_T: jax.Array) -> jax.Array:
-    """x[perm] where perm is a permutation and inv its inverse; the backward is g[inv]."""
-    return jnp.take(x_TD, perm_T, axis=0)
-
-
-def _perm_fwd(x_TD, perm_T, inv_T):
-    return permute_rows(x_TD, perm_T, inv_T), (perm_T, inv_T)
-
-
-def _perm_bwd(res, g_TD):
-    perm_T, inv_T = res
-    return permute_rows(g_TD, inv_T, perm_T), None, None
-
-
-permute_rows.defvjp(_perm_fwd, _perm_bwd)
 
 
 class Embed(nn.Module):

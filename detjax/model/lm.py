@@ -37,16 +37,15 @@ class Block(nn.Module):
             y = Mamba2(c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, lay, c.kernels, name="mixer")(x_BLD)
         elif self.letter == "*":
             y = Attention(
-                c.d_model,
-                c.n_heads,
-                c.n_kv_heads,
-                c.head_dim,
-                c.rope_theta,
-                c.init_std,
-                dtype,
-                c.attention_impl,
-                c.kernels,
-                lay,
+                d_model=c.d_model,
+                n_heads=c.n_heads,
+                n_kv_heads=c.n_kv_heads,
+                head_dim=c.head_dim,
+                rope_theta=c.rope_theta,
+                init_std=c.init_std,
+                dtype=dtype,
+                impl="xla" if c.attention_impl == "xla" else c.kernels,
+                layout=lay,
                 name="mixer",
             )(x_BLD)
         elif self.letter == "E":

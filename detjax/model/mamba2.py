@@ -11,6 +11,7 @@ from flax import linen as nn
 from detjax.config import MambaConfig
 from detjax.model.layers import normal_init, param, proj, proj_many
 from detjax.model.ssd import ssd_chunked
+from detjax.pallas_kernels.ssd.ops import ssd
 from detjax.sharding import rules as ax
 from detjax.sharding.rules import constrain
 
@@ -48,8 +49,6 @@ class SSD(nn.Module):
     @nn.compact
     def __call__(self, x_BLHP, a_BLH, b_BLN, c_BLN) -> jax.Array:
         if self.kernels == "pallas":
-            from detjax.pallas_kernels.ssd.ops import ssd
-
             return ssd(x_BLHP, a_BLH, b_BLN, c_BLN, self.chunk)
         return ssd_chunked(x_BLHP, a_BLH, b_BLN, c_BLN, self.chunk)
 
@@ -76,12 +75,12 @@ class Mamba2(nn.Module):
         hp = (ax.SSM_HEADS, ax.HEAD_DIM)
         w_z_DHP = param(self, "w_in_z", init, (d, heads, p), (ax.EMBED, *hp))
         w_x_DHP = param(self, "w_in_x", init, (d, heads, p), (ax.EMBED, *hp))
-        w_bc_D2N = param(self, "w_in_bc", init, (d, 2, n), (ax.EMBED, None, ax.SSM_STATE))
+        w_bc_DJN = param(self, "w_in_bc", init, (d, 2, n), (ax.EMBED, None, ax.SSM_STATE))
         w_dt_DH = param(self, "w_in_dt", init, (d, heads), (ax.EMBED, ax.SSM_HEADS))
         w_conv_x_WHP = param(self, "w_conv_x", conv_init, (w, heads, p), (ax.CONV, *hp))
         b_conv_x_HP = param(self, "b_conv_x", nn.initializers.zeros, (heads, p), hp)
-        w_conv_bc_W2N = param(self, "w_conv_bc", conv_init, (w, 2, n), (ax.CONV, None, ax.SSM_STATE))
-        b_conv_bc_2N = param(self, "b_conv_bc", nn.initializers.zeros, (2, n), (None, ax.SSM_STATE))
+        w_conv_bc_WJN = param(self, "w_conv_bc", conv_init, (w, 2, n), (ax.CONV, None, ax.SSM_STATE))
+        b_conv_bc_JN = param(self, "b_conv_bc", nn.initializers.zeros, (2, n), (None, ax.SSM_STATE))
         dt_bias_H = param(self, "dt_bias", _dt_bias_init, (heads,), (ax.SSM_HEADS,))
         a_log_H = param(self, "a_log", _a_log_init, (heads,), (ax.SSM_HEADS,))
         d_skip_H = param(self, "d_skip", nn.initializers.ones, (heads,), (ax.SSM_HEADS,))
@@ -89,18 +88,18 @@ class Mamba2(nn.Module):
         w_out_HPD = param(self, "w_out", init, (heads, p, d), (*hp, ax.EMBED))
 
         lay, names = self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, None)
-        z_BLHP, x_BLHP, bc_BL2N, dt_BLH = proj_many(
-            ["bld,dhp->blhp", "bld,dhp->blhp", "bld,dgn->blgn", "bld,dh->blh"],
+        z_BLHP, x_BLHP, bc_BLJN, dt_BLH = proj_many(
+            ["bld,dhp->blhp", "bld,dhp->blhp", "bld,djn->bljn", "bld,dh->blh"],
             x_BLD,
-            [w_z_DHP, w_x_DHP, w_bc_D2N, w_dt_DH],
+            [w_z_DHP, w_x_DHP, w_bc_DJN, w_dt_DH],
             self.dtype,
             self.kernels,
         )
         z_BLHP = constrain(z_BLHP, lay, names, "ssm_z")
         x_BLHP = constrain(x_BLHP, lay, names)
         x_BLHP = nn.silu(causal_conv(x_BLHP.astype(jnp.float32), w_conv_x_WHP, b_conv_x_HP))
-        bc_BL2N = nn.silu(causal_conv(bc_BL2N.astype(jnp.float32), w_conv_bc_W2N, b_conv_bc_2N))
-        b_BLN, c_BLN = bc_BL2N[:, :, 0], bc_BL2N[:, :, 1]
+        bc_BLJN = nn.silu(causal_conv(bc_BLJN.astype(jnp.float32), w_conv_bc_WJN, b_conv_bc_JN))
+        b_BLN, c_BLN = bc_BLJN[:, :, 0], bc_BLJN[:, :, 1]
 
         dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + dt_bias_H[None, None, :])
         a_11H = -jnp.exp(a_log_H)[None, None, :]

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.config import MoEConfig
-from detjax.model.layers import MLP, normal_init, param, permute_rows, proj
+from detjax.model.dispatch import combine_slots, expert_ffn, permute_rows, sort_by_expert
+from detjax.model.layers import MLP, normal_init, param, proj
 from detjax.sharding import rules as ax
-from detjax.trace.capture import tap_rows
+from detjax.sharding.expert import expert_parallel_moe
 
 
 def route(logits_TE: jax.Array, top_k: int, router: str) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -36,31 +37,6 @@ def load_balance_loss(idx_TX: jax.Array, probs_TE: jax.Array) -> jax.Array:
     f_E = jax.lax.stop_gradient(counts_E / idx_TX.size)
     p_E = jnp.mean(probs_TE / jnp.sum(probs_TE, axis=-1, keepdims=True), axis=0)
     return n_exp * jnp.sum(f_E * p_E)
-
-
-def expert_ffn(
-    xs_RD: jax.Array, gs_E: jax.Array, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, kernels: str = "reference"
-) -> jax.Array:
-    """SwiGLU per expert over rows sorted by expert (group sizes gs_E): grouped matmuls (XLA's ragged_dot,
-    or with kernels=pallas the fixed-order Pallas gmm/tgmm)."""
-
-    def gmm(a, w):
-        if kernels == "pallas":
-            from detjax.pallas_kernels.gmm.ops import grouped_matmul
-
-            return grouped_matmul(a.astype(dtype), w.astype(dtype), gs_E)
-        return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)
-
-    h_RF = nn.silu(gmm(xs_RD, w_gate_EDF)) * gmm(xs_RD, w_up_EDF)
-    return gmm(h_RF.astype(dtype), w_down_EFD)
-
-
-def combine_slots(y_TXD: jax.Array, gate_TX: jax.Array) -> jax.Array:
-    """Weighted sum over the k slots in a fixed order (slot 0 first)."""
-    y_TD = y_TXD[:, 0] * gate_TX[:, 0:1]
-    for slot in range(1, y_TXD.shape[1]):
-        y_TD = y_TD + y_TXD[:, slot] * gate_TX[:, slot : slot + 1]
-    return y_TD
 
 
 class Experts(nn.Module):
@@ -88,18 +64,11 @@ class Experts(nn.Module):
         w_down_EFD = param(self, "w_down", init, (e, f, d), (ax.EXPERTS, ax.EXPERT_MLP, ax.EXPERT_EMBED))
         weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
         if self.layout is not None and self.layout.degrees["expert"] > 1:
-            from detjax.sharding.expert import expert_parallel_moe
-
             return expert_parallel_moe(x_TD, idx_TX, gate_TX, weights, self.layout, dtype)
 
         t, k = idx_TX.shape
-        # Sort the T*X (token, slot) rows by expert; the stable sort keeps global token order inside
-        # each expert group, so an expert's rows (and its weight-gradient sum) are in token order.
-        expert_R = idx_TX.reshape(-1)
-        order_R = jnp.argsort(expert_R, stable=True)
-        inv_R = jnp.argsort(order_R)
-        gs_E = jnp.sum(jax.nn.one_hot(expert_R, e, dtype=jnp.int32), axis=0)
-        tap_rows(self, "dispatch_order", order_R)
+        _, order_R, inv_R, gs_E = sort_by_expert(idx_TX, e)
+        self.sow("intermediates", "dispatch_order", order_R)  # row-wise trace tap (detjax.trace)
         x_RD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d)).reshape(-1, d)
         xs_RD = permute_rows(x_RD, order_R, inv_R)
         ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype, self.kernels).astype(dtype)
@@ -132,7 +101,7 @@ class MoE(nn.Module):
         logits_TE = proj("td,de->te", x_TD, w_router_DE, jnp.float32, self.kernels)  # float32 router
         idx_TX, gate_TX, probs_TE = route(logits_TE, k, c.router)
         aux = load_balance_loss(idx_TX, probs_TE)
-        tap_rows(self, "routing", idx_TX)  # row-wise: a swapped pair of rows is caught
+        self.sow("intermediates", "routing", idx_TX)  # row-wise trace tap: a swapped pair of rows is caught
         experts = Experts(e, d, f, self.init_std, self.dtype, c.combine, self.layout, self.kernels, name="experts")
         y_BLD = experts(x_TD, idx_TX, gate_TX).reshape(bsz, length, d)
         if c.shared_expert:

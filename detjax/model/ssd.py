@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 
 
-def segsum(a_ZT: jax.Array) -> jax.Array:
-    """out[..., i, j] = sum_{k=j+1..i} a[..., k] for i >= j, -inf above the diagonal."""
-    t = a_ZT.shape[-1]
-    rep = jnp.broadcast_to(a_ZT[..., :, None], (*a_ZT.shape, t))
+def segsum(a_L: jax.Array) -> jax.Array:
+    """out[..., i, j] = sum_{k=j+1..i} a[..., k] for i >= j, -inf above the diagonal (a: (..., L))."""
+    t = a_L.shape[-1]
+    rep = jnp.broadcast_to(a_L[..., :, None], (*a_L.shape, t))
     strict_lower = jnp.tril(jnp.ones((t, t), dtype=bool), -1)
     cs = jnp.cumsum(jnp.where(strict_lower, rep, 0.0), axis=-2)
     return jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool), 0), cs, -jnp.inf)

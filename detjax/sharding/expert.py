@@ -8,6 +8,8 @@ function of the routing only:
           source-device order, then token order, and reduces its weight gradient over them in that order.
 Packing rows into the send buffer and unpacking them again are gathers whose backward is the other gather
 (each real row has exactly one slot), so neither direction needs a scatter-add.
+Letters beyond the model legend (detjax/model/__init__.py): A expert-parallel peers, U send-buffer slots
+(A x R).
 """
 
 from __future__ import annotations
@@ -18,44 +20,44 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from detjax.model.layers import permute_rows
+from detjax.model.dispatch import combine_slots, expert_ffn, permute_rows, sort_by_expert
 from detjax.sharding import rules as ax
 
 
-def _take_padded(x_RD: jax.Array, idx_S: jax.Array) -> jax.Array:
+def _take_padded(x_RD: jax.Array, idx_U: jax.Array) -> jax.Array:
     """x[idx] with idx == len(x) meaning a zero row."""
     xp = jnp.concatenate([x_RD, jnp.zeros((1,) + x_RD.shape[1:], x_RD.dtype)], axis=0)
-    return jnp.take(xp, idx_S, axis=0)
+    return jnp.take(xp, idx_U, axis=0)
 
 
 @jax.custom_vjp
-def pack_rows(x_RD: jax.Array, idx_S: jax.Array, inv_R: jax.Array) -> jax.Array:
+def pack_rows(x_RD: jax.Array, idx_U: jax.Array, inv_R: jax.Array) -> jax.Array:
     """out[s] = x[idx[s]] (a zero row where idx[s] == R); inv[r] = the one slot s holding row r."""
-    return _take_padded(x_RD, idx_S)
+    return _take_padded(x_RD, idx_U)
 
 
-def _pack_fwd(x_RD, idx_S, inv_R):
-    return pack_rows(x_RD, idx_S, inv_R), (idx_S, inv_R)
+def _pack_fwd(x_RD, idx_U, inv_R):
+    return pack_rows(x_RD, idx_U, inv_R), (idx_U, inv_R)
 
 
-def _pack_bwd(res, g_SD):
-    idx_S, inv_R = res
-    return unpack_rows(g_SD, inv_R, idx_S), None, None
+def _pack_bwd(res, g_UD):
+    idx_U, inv_R = res
+    return unpack_rows(g_UD, inv_R, idx_U), None, None
 
 
 @jax.custom_vjp
-def unpack_rows(y_SD: jax.Array, inv_R: jax.Array, idx_S: jax.Array) -> jax.Array:
+def unpack_rows(y_UD: jax.Array, inv_R: jax.Array, idx_U: jax.Array) -> jax.Array:
     """The inverse of pack_rows: row r comes from slot inv[r]."""
-    return jnp.take(y_SD, inv_R, axis=0)
+    return jnp.take(y_UD, inv_R, axis=0)
 
 
-def _unpack_fwd(y_SD, inv_R, idx_S):
-    return unpack_rows(y_SD, inv_R, idx_S), (inv_R, idx_S)
+def _unpack_fwd(y_UD, inv_R, idx_U):
+    return unpack_rows(y_UD, inv_R, idx_U), (inv_R, idx_U)
 
 
 def _unpack_bwd(res, g_RD):
-    inv_R, idx_S = res
-    return pack_rows(g_RD, idx_S, inv_R), None, None
+    inv_R, idx_U = res
+    return pack_rows(g_RD, idx_U, inv_R), None, None
 
 
 pack_rows.defvjp(_pack_fwd, _pack_bwd)
@@ -63,42 +65,37 @@ unpack_rows.defvjp(_unpack_fwd, _unpack_bwd)
 
 
 def _local(x_TD, idx_TX, gate_TX, w_gate, w_up, w_down, *, n_ep: int, n_experts: int, tensor: bool, dtype):
-    from detjax.model.moe import combine_slots, expert_ffn
-
     t, k = idx_TX.shape
     d = x_TD.shape[-1]
     r = t * k
     e_loc = n_experts // n_ep
     # ---- source side: sort rows by expert, one contiguous run per destination device
-    expert_R = idx_TX.reshape(-1)
-    order_R = jnp.argsort(expert_R, stable=True)
-    inv_R = jnp.argsort(order_R)
+    expert_R, order_R, inv_R, gs_E = sort_by_expert(idx_TX, n_experts)
     x_RD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d)).reshape(r, d)
     xs_RD = permute_rows(x_RD, order_R, inv_R)
-    gs_E = jnp.sum(jax.nn.one_hot(expert_R, n_experts, dtype=jnp.int32), axis=0)
-    cnt_N = jnp.sum(gs_E.reshape(n_ep, e_loc), axis=1)
-    start_N = jnp.cumsum(cnt_N) - cnt_N
+    cnt_A = jnp.sum(gs_E.reshape(n_ep, e_loc), axis=1)
+    start_A = jnp.cumsum(cnt_A) - cnt_A
     j_R = jnp.arange(r)
-    slot_NR = jnp.where(j_R[None, :] < cnt_N[:, None], start_N[:, None] + j_R[None, :], r).reshape(-1)
+    slot_AR = jnp.where(j_R[None, :] < cnt_A[:, None], start_A[:, None] + j_R[None, :], r).reshape(-1)
     dest_R = jnp.take(expert_R, order_R) // e_loc
-    slot_of_R = dest_R * r + (j_R - jnp.take(start_N, dest_R))
-    send_NRD = pack_rows(xs_RD, slot_NR, slot_of_R).reshape(n_ep, r, d)
-    recv_NRD = jax.lax.all_to_all(send_NRD, "expert", 0, 0)
-    recv_cnt_NE = jax.lax.all_to_all(gs_E.reshape(n_ep, e_loc), "expert", 0, 0)
+    slot_of_R = dest_R * r + (j_R - jnp.take(start_A, dest_R))
+    send_ARD = pack_rows(xs_RD, slot_AR, slot_of_R).reshape(n_ep, r, d)
+    recv_ARD = jax.lax.all_to_all(send_ARD, "expert", 0, 0)
+    recv_cnt_AE = jax.lax.all_to_all(gs_E.reshape(n_ep, e_loc), "expert", 0, 0)
     # ---- owner side: regroup by (local expert, source, position); unused slots go last
-    cum_NE = jnp.cumsum(recv_cnt_NE, axis=1)
-    e_NR = jnp.sum(j_R[None, :, None] >= cum_NE[:, None, :], axis=-1)  # == e_loc for unused slots
-    key_S = (e_NR * (n_ep * r) + jnp.arange(n_ep * r).reshape(n_ep, r)).reshape(-1)
-    order_S = jnp.argsort(key_S)
-    inv_S = jnp.argsort(order_S)
-    xg_SD = permute_rows(recv_NRD.reshape(n_ep * r, d), order_S, inv_S)
-    gs_loc = jnp.sum(recv_cnt_NE, axis=0)
-    y_SD = expert_ffn(xg_SD, gs_loc, w_gate, w_up, w_down, dtype)
+    cum_AE = jnp.cumsum(recv_cnt_AE, axis=1)
+    e_AR = jnp.sum(j_R[None, :, None] >= cum_AE[:, None, :], axis=-1)  # == e_loc for unused slots
+    key_U = (e_AR * (n_ep * r) + jnp.arange(n_ep * r).reshape(n_ep, r)).reshape(-1)
+    order_U = jnp.argsort(key_U)
+    inv_U = jnp.argsort(order_U)
+    xg_UD = permute_rows(recv_ARD.reshape(n_ep * r, d), order_U, inv_U)
+    gs_loc = jnp.sum(recv_cnt_AE, axis=0)
+    y_UD = expert_ffn(xg_UD, gs_loc, w_gate, w_up, w_down, dtype)
     if tensor:  # expert ffn width split over `tensor`: partial sums of the down projection
-        y_SD = jax.lax.psum(y_SD, "tensor")
-    y_SD = y_SD.astype(dtype)
-    back_NRD = jax.lax.all_to_all(permute_rows(y_SD, inv_S, order_S).reshape(n_ep, r, d), "expert", 0, 0)
-    ys_RD = unpack_rows(back_NRD.reshape(n_ep * r, d), slot_of_R, slot_NR)
+        y_UD = jax.lax.psum(y_UD, "tensor")
+    y_UD = y_UD.astype(dtype)
+    back_ARD = jax.lax.all_to_all(permute_rows(y_UD, inv_U, order_U).reshape(n_ep, r, d), "expert", 0, 0)
+    ys_RD = unpack_rows(back_ARD.reshape(n_ep * r, d), slot_of_R, slot_AR)
     y_TXD = permute_rows(ys_RD, inv_R, order_R).reshape(t, k, d)
     return combine_slots(y_TXD, gate_TX.astype(dtype))
 

@@ -10,10 +10,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from detjax.config import Config, ConfigError
+from detjax.config import Config, ConfigError, MeshConfig
 from detjax.sharding.rules import Layout
 
-MESH_AXES = ("data", "fsdp", "tensor", "pipeline", "expert")
+MESH_AXES = MeshConfig.AXES  # the one list of mesh axes, in mesh order
 
 
 def resolve_degrees(cfg: Config, n_devices: int) -> dict[str, int]:
@@ -68,8 +68,9 @@ def build_layout(cfg: Config, devices: Sequence[jax.Device] | None = None) -> La
             f"this mesh has {len(devices)} devices. Fix: set mesh.devices=1 or model.kernels=reference"
         )
     deg = resolve_degrees(cfg, len(devices))
-    # Row-major over (data, fsdp, tensor, pipeline, expert): tensor and expert neighbours are adjacent
-    # device ids (the fast links), and each process's devices form a contiguous block of the data axis.
+    # Row-major over (data, fsdp, tensor, pipeline, expert): the last axis varies fastest, so expert
+    # neighbours are adjacent device ids, pipeline neighbours are `expert` ids apart and tensor neighbours
+    # `pipeline * expert` ids apart; a process's contiguous block of device ids covers whole trailing axes.
     grid = np.array(devices, dtype=object).reshape([deg[a] for a in MESH_AXES])
     mesh = Mesh(grid, MESH_AXES)
     mesh_cfg = dataclasses.replace(cfg.mesh, **deg)

@@ -7,12 +7,13 @@ c // S (Megatron's interleaving). Chunk parameters are stacked: every leaf of `p
 head) is replicated over `pipeline`. The first chunk embeds the tokens; the last computes the LM head, the
 MTP head and the losses.
 
-Schedule. A Python simulator turns the per-rank action order of GPipe (all forwards, then all backwards)
-or 1F1B (warm-up forwards, then one forward / one backward, then cool-down; Megatron's interleaved order
-when V > 1) into a table of ticks: at each tick every rank runs one action — forward F(v, m), backward
-B(v, m) or nothing — then sends its forward output to the next rank and its input gradient to the
-previous rank (two ppermutes). A backward recomputes its chunk's forward from the stored chunk input
-(jax.vjp), so a rank stores one input and one output-gradient per (virtual stage, microbatch).
+Schedule. A Python simulator (detjax.sharding.schedule) turns the per-rank action order of GPipe (all
+forwards, then all backwards) or 1F1B (warm-up forwards, then one forward / one backward, then cool-down;
+Megatron's interleaved order when V > 1) into a table of ticks: at each tick every rank runs one action —
+forward F(v, m), backward B(v, m) or nothing — then sends its forward output to the next rank and its
+input gradient to the previous rank (two ppermutes). A backward recomputes its chunk's forward from the
+stored chunk input (jax.vjp), so a rank stores one input and one output-gradient per (virtual stage,
+microbatch).
 
 Order. Every rank accumulates a chunk's parameter gradient over microbatches in ascending microbatch
 order, as the single-device step does; the replicated parameters' partial gradients (embedding on the
@@ -21,18 +22,17 @@ first rank, heads on the last) and the loss sums are summed over `pipeline` once
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from detjax.config import Config
 from detjax.sharding import rules as ax
-
-IDLE, FWD, BWD = 0, 1, 2
+from detjax.sharding.schedule import build_schedule
 
 
 def _chunking(cfg: Config) -> tuple[int, int, int]:
@@ -76,97 +76,6 @@ def stack_specs(specs: dict[str, Any], cfg: Config) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------- schedule
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Per tick and rank: action (IDLE/FWD/BWD), its virtual stage and microbatch, and what the rank
-    receives at the end of the tick (forward activation / input gradient: valid flag, virtual stage, micro)."""
-
-    action: np.ndarray  # (T, S, 3) int32: kind, v, m
-    recv_f: np.ndarray  # (T, S, 3) int32: valid, v, m
-    recv_b: np.ndarray  # (T, S, 3) int32: valid, v, m
-
-    @property
-    def ticks(self) -> int:
-        return self.action.shape[0]
-
-    def bubble(self) -> float:
-        """Fraction of rank-ticks spent idle."""
-        return float(np.mean(self.action[:, :, 0] == IDLE))
-
-
-def _rank_order(kind: str, s: int, n_stages: int, n_virtual: int, n_micro: int) -> list[tuple[int, int, int]]:
-    groups = n_micro // n_stages if n_virtual > 1 else 1
-    if n_virtual > 1:  # Megatron's interleaved order: groups of S microbatches per virtual stage
-        fwd = [(FWD, v, g * n_stages + i) for g in range(groups) for v in range(n_virtual) for i in range(n_stages)]
-        bwd = [
-            (BWD, v, g * n_stages + i)
-            for g in range(groups)
-            for v in reversed(range(n_virtual))
-            for i in range(n_stages)
-        ]
-    else:
-        fwd = [(FWD, 0, m) for m in range(n_micro)]
-        bwd = [(BWD, 0, m) for m in range(n_micro)]
-    if kind == "gpipe":
-        return fwd + bwd
-    total = len(fwd)
-    if n_virtual > 1:
-        warm = min((n_stages - s - 1) * 2 + (n_virtual - 1) * n_stages, total)
-    else:
-        warm = min(n_stages - s - 1, total)
-    order = fwd[:warm]
-    fi, bi = warm, 0
-    while fi < total:
-        order += [fwd[fi], bwd[bi]]
-        fi, bi = fi + 1, bi + 1
-    return order + bwd[bi:]
-
-
-def build_schedule(kind: str, n_stages: int, n_virtual: int, n_micro: int) -> Schedule:
-    """Simulate the per-rank orders tick by tick; an action runs once its input arrived at an earlier tick."""
-    n_chunks = n_stages * n_virtual
-    orders = [_rank_order(kind, s, n_stages, n_virtual, n_micro) for s in range(n_stages)]
-    pos = [0] * n_stages
-    done_f: dict[tuple[int, int], int] = {}  # (chunk, micro) -> tick
-    done_b: dict[tuple[int, int], int] = {}
-    ticks: list[list[tuple[int, int, int]]] = []
-    while any(pos[s] < len(orders[s]) for s in range(n_stages)):
-        t = len(ticks)
-        row = []
-        for s in range(n_stages):
-            if pos[s] == len(orders[s]):
-                row.append((IDLE, 0, 0))
-                continue
-            kind_, v, m = orders[s][pos[s]]
-            c = v * n_stages + s
-            if kind_ == FWD:
-                ready = c == 0 or done_f.get((c - 1, m), t) < t
-            else:
-                ready = done_b.get((c + 1, m), t) < t if c < n_chunks - 1 else done_f.get((c, m), t) < t
-            row.append((kind_, v, m) if ready else (IDLE, 0, 0))
-        for s, (kind_, v, m) in enumerate(row):
-            if kind_ != IDLE:
-                (done_f if kind_ == FWD else done_b)[(v * n_stages + s, m)] = t
-                pos[s] += 1
-        ticks.append(row)
-        if t > 4 * (n_chunks + 1) * (n_micro + 1) * 2:
-            raise RuntimeError(f"pipeline schedule {kind} S={n_stages} V={n_virtual} M={n_micro} does not finish")
-    action = np.array(ticks, np.int32)
-    recv_f = np.zeros_like(action)
-    recv_b = np.zeros_like(action)
-    for t, row in enumerate(ticks):
-        for s, (kind_, v, m) in enumerate(row):
-            c = v * n_stages + s
-            if kind_ == FWD and c < n_chunks - 1:
-                recv_f[t, (s + 1) % n_stages] = (1, (c + 1) // n_stages, m)
-            if kind_ == BWD and c > 0:
-                recv_b[t, (s - 1) % n_stages] = (1, (c - 1) // n_stages, m)
-    return Schedule(action, recv_f, recv_b)
-
-
 # ---------------------------------------------------------------------------------------------- executor
 
 
@@ -192,40 +101,25 @@ def _tree_add_at(tree: Any, delta: Any, v: jax.Array) -> Any:
     return jax.tree.map(f, tree, delta)
 
 
-def pipeline_grads(trainer: Any, params: dict[str, Any], micro_tokens: jax.Array, step_key: jax.Array):
+@dataclass(frozen=True)
+class StageFns:
+    """What a pipeline runs, as functions (the model stays in detjax.model; the Trainer builds these):
+    chunk(chunk_params, h, key, chunk_index) -> (h, aux); embed(outer_params, ids) -> h;
+    head(outer_params, h, tokens, key) -> (objective j, (lm sum, MTP sum, aux)); aux_weight = d j / d aux."""
+
+    chunk: Callable[..., tuple[jax.Array, jax.Array]]
+    embed: Callable[..., jax.Array]
+    head: Callable[..., tuple[jax.Array, Any]]
+    aux_weight: float
+    d_model: int
+
+
+def pipeline_grads(fns: StageFns, cfg: Config, layout: ax.Layout, params: dict[str, Any], micro_tokens, step_key):
     """Gradient sums of the step objective and the (lm, mtp, aux) sums, like the single-device scan."""
-    from detjax.model.lm import Block, HybridLM, layer_key
-    from detjax.step import token_ce_sum
-
-    cfg = trainer.cfg
-    m_cfg, t_cfg = cfg.model, cfg.train
-    layout = trainer.layout
-    n_stages, n_virtual, n_per = _chunking(cfg)
-    n_micro = t_cfg.n_micro
+    n_stages, n_virtual, _ = _chunking(cfg)
+    n_micro = cfg.train.n_micro
     sched = build_schedule(cfg.mesh.schedule, n_stages, n_virtual, n_micro)
-    n_tok = t_cfg.global_batch * t_cfg.seq_len
-    n_mtp = t_cfg.global_batch * (t_cfg.seq_len - 1)
-    aux_w = m_cfg.moe.aux_loss_coef * n_tok / n_micro
-    model = HybridLM(m_cfg)  # no layout inside the stage body: the auto axes follow the parameter shardings
-    blocks = [Block(m_cfg, letter) for letter in m_cfg.pattern[:n_per]]
-
-    def chunk_fn(chunk_params, h, key, chunk_idx):
-        aux = jnp.zeros((), jnp.float32)
-        for j, blk in enumerate(blocks):
-            h, a = blk.apply({"params": chunk_params[f"block_{j}"]}, h, True, layer_key(key, chunk_idx * n_per + j))
-            aux = aux + a
-        return h, aux
-
-    def embed_fn(outer, ids):
-        return model.apply({"params": outer}, ids, method=HybridLM.embed_ids)
-
-    def head_objective(outer, h, tokens, key):
-        ids, targets = tokens[:, :-1], tokens[:, 1:]
-        logits, mtp_logits, aux = model.apply({"params": outer}, h, ids, True, key, method=HybridLM.outputs)
-        lm = token_ce_sum(logits, targets)
-        mtp = token_ce_sum(mtp_logits, targets[:, 1:]) if mtp_logits is not None else jnp.zeros(())
-        j = lm + m_cfg.mtp.loss_coef * mtp * (n_tok / n_mtp) + aux_w * aux
-        return j, (lm, mtp, aux)
+    chunk_fn, embed_fn, head_objective, aux_w = fns.chunk, fns.embed, fns.head, fns.aux_weight
 
     outer0 = {k: x for k, x in params.items() if k != "stages"}
 
@@ -233,7 +127,7 @@ def pipeline_grads(trainer: Any, params: dict[str, Any], micro_tokens: jax.Array
         s = jax.lax.axis_index("pipeline")
         stages = jax.tree.map(lambda x: x[:, 0], stages)  # (V, 1, ...) -> (V, ...)
         mb, length = tokens.shape[1], tokens.shape[2] - 1
-        h_shape = (mb, length, m_cfg.d_model)
+        h_shape = (mb, length, fns.d_model)
         zeros_h = jnp.zeros(h_shape, jnp.float32)
         carry = {
             "act": jnp.zeros((n_virtual, n_micro) + h_shape, jnp.float32),

@@ -8,13 +8,14 @@ keeps only `fsdp`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from detjax.config import MeshConfig
+from detjax.jaxprs import iter_eqns
 
 # ---- parameter dimensions
 VOCAB = "vocab"  # embedding rows / LM-head columns
@@ -73,14 +74,13 @@ RULES: dict[str, tuple[str, ...]] = {
 class Layout:
     """A mesh plus the switches that change the rules (sequence parallel, kv replication).
 
-    Passed explicitly to the model; `activations` collects the spec of every constrained activation while
-    a step is traced (for the golden files).
+    Passed explicitly to the model. Immutable in use: `activation_specs` reads the pinned activation
+    specs back from a traced step (for the golden files).
     """
 
     mesh: Mesh
     cfg: MeshConfig
     replicate_kv: bool = False  # fewer kv heads than the tensor degree: kv projections are replicated
-    activations: dict[str, list] = field(default_factory=dict, compare=False)
 
     def __hash__(self) -> int:
         return hash((self.mesh, self.cfg, self.replicate_kv))
@@ -127,9 +127,25 @@ def constrain(x: jax.Array, layout: Layout | None, names: tuple[str | None, ...]
     if len(names) != x.ndim:
         raise ValueError(f"constrain({what}): {len(names)} logical names for a rank-{x.ndim} array")
     spec = layout.spec(names)
-    if what:
-        layout.activations[what] = spec_json(spec)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+    with jax.named_scope(f"{CONSTRAIN_SCOPE}{what}" if what else "constrain"):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+
+
+CONSTRAIN_SCOPE = "constrain:"
+
+
+def activation_specs(jaxpr: Any) -> dict[str, list]:
+    """{name: spec} of every named activation constraint in a traced step (the first of each name: the
+    forward's), read from the jaxpr's name scopes."""
+    out: dict[str, list] = {}
+    for eqn in iter_eqns(jaxpr):
+        if eqn.primitive.name != "sharding_constraint":
+            continue
+        stack = str(eqn.source_info.name_stack)
+        if CONSTRAIN_SCOPE in stack:
+            what = stack.rsplit(CONSTRAIN_SCOPE, 1)[1].split("/")[0]
+            out.setdefault(what, spec_json(eqn.params["sharding"].spec))
+    return out
 
 
 def spec_json(spec: PartitionSpec) -> list:

@@ -6,13 +6,13 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+from detjax.compare import first_divergence, load_fingerprints
 from detjax.config import Config, TraceConfig
 from detjax.trace.analyze import StreamResult, compare_runs, phase_of, report
+from detjax.train import train
 
 
 def _pair(cfg: Config, work: Path, tag: str) -> tuple[Path, Path]:
-    from detjax.train import train
-
     dirs = (work / f"{tag}-a", work / f"{tag}-b")
     for d in dirs:
         train(cfg, d)
@@ -25,8 +25,6 @@ def _origin(results: list[StreamResult]) -> StreamResult | None:
 
 def hunt(cfg: Config, work: Path, log=print) -> tuple[int, dict | None]:
     """Returns (exit code, candidate-origin record or None)."""
-    from detjax.compare import first_divergence, load_fingerprints
-
     base = replace(
         cfg,
         run=replace(cfg.run, progress=False, log_every=0, save_final_params=False),

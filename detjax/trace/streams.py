@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from detjax import fingerprint as fp
+from detjax.trace.capture import meta_of
 
 
 def stream_path(run_dir: Path, device_id: int) -> Path:
@@ -35,17 +36,19 @@ def _split(meta: dict[str, Any], row: Any) -> tuple[list[str], list[str]]:
     return digs[: meta["n_in"]], digs[meta["n_in"] :]
 
 
-def capture_records(meta_micro, values_micro, meta_step, values_step, step: int, level: str) -> list[dict[str, Any]]:
-    """Phase/module capture: values of microbatch records are stacked along the microbatch axis."""
-    vm = jax.device_get(values_micro)
-    vs = jax.device_get(values_step)
+def capture_records(taps: dict[str, Any], step: int, level: str) -> list[dict[str, Any]]:
+    """Phase/module capture (detjax.trace.capture): taps["micro"] values are stacked along the microbatch
+    axis; each key is the record's identity (its static description)."""
+    vm, vs = jax.device_get(taps["micro"]), jax.device_get(taps["step"])
     out = []
-    n_micro = len(vm[0]) if vm else 0
+    n_micro = len(next(iter(vm.values()))) if vm else 0
     for mb in range(n_micro):
-        for m, v in zip(meta_micro, vm, strict=True):
+        for key, v in vm.items():
+            m = meta_of(key)
             ins, outs = _split(m, v[mb])
             out.append(dict(m, level=level, step=step, micro=mb, inputs=ins, outputs=outs))
-    for m, v in zip(meta_step, vs, strict=True):
+    for key, v in vs.items():
+        m = meta_of(key)
         ins, outs = _split(m, v)
         out.append(dict(m, level=level, step=step, inputs=ins, outputs=outs))
     return out

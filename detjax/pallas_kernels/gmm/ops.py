@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from detjax.pallas_kernels import interpret_mode
+from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.gmm.kernel import gmm, tgmm
 
 

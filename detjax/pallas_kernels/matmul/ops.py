@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from detjax.pallas_kernels import interpret_mode
+from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.matmul.kernel import matmul_kernel
 
 

@@ -6,7 +6,7 @@ import functools
 
 import jax
 
-from detjax.pallas_kernels import interpret_mode
+from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.rmsnorm.kernel import rmsnorm_bwd, rmsnorm_fwd
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from detjax.pallas_kernels import interpret_mode
+from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.segment_sum.kernel import segment_sum as _segment_sum
 
 

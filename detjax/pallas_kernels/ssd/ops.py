@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from detjax.pallas_kernels import interpret_mode
+from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.ssd.kernel import ssd_bwd, ssd_fwd
 
 

@@ -1,0 +1,62 @@
+"""MoE dispatch primitives shared by the local path (detjax.model.moe) and expert parallelism
+(detjax.sharding.expert): row permutations without scatter-add, the stable sort of (token, slot) rows by
+expert, the experts' grouped SwiGLU and the slot-ordered combine."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from detjax.pallas_kernels.gmm.ops import grouped_matmul
+
+
+@jax.custom_vjp
+def permute_rows(x_TD: jax.Array, perm_T: jax.Array, inv_T: jax.Array) -> jax.Array:
+    """x[perm] where perm is a permutation and inv its inverse; the backward is g[inv]."""
+    return jnp.take(x_TD, perm_T, axis=0)
+
+
+def _perm_fwd(x_TD, perm_T, inv_T):
+    return permute_rows(x_TD, perm_T, inv_T), (perm_T, inv_T)
+
+
+def _perm_bwd(res, g_TD):
+    perm_T, inv_T = res
+    return permute_rows(g_TD, inv_T, perm_T), None, None
+
+
+permute_rows.defvjp(_perm_fwd, _perm_bwd)
+
+
+def sort_by_expert(idx_TX: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(expert of each row R = T*X, sort order, its inverse, group sizes E). The sort is stable: inside an
+    expert's group the rows keep global token order, so its weight-gradient sum runs in token order."""
+    expert_R = idx_TX.reshape(-1)
+    order_R = jnp.argsort(expert_R, stable=True)
+    inv_R = jnp.argsort(order_R)
+    gs_E = jnp.sum(jax.nn.one_hot(expert_R, n_experts, dtype=jnp.int32), axis=0)
+    return expert_R, order_R, inv_R, gs_E
+
+
+def expert_ffn(
+    xs_RD: jax.Array, gs_E: jax.Array, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, kernels: str = "reference"
+) -> jax.Array:
+    """SwiGLU per expert over rows sorted by expert (group sizes gs_E): grouped matmuls (XLA's ragged_dot,
+    or with kernels=pallas the fixed-order Pallas gmm/tgmm)."""
+
+    def gmm(a, w):
+        if kernels == "pallas":
+            return grouped_matmul(a.astype(dtype), w.astype(dtype), gs_E)
+        return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)
+
+    h_RF = nn.silu(gmm(xs_RD, w_gate_EDF)) * gmm(xs_RD, w_up_EDF)
+    return gmm(h_RF.astype(dtype), w_down_EFD)
+
+
+def combine_slots(y_TXD: jax.Array, gate_TX: jax.Array) -> jax.Array:
+    """Weighted sum over the k slots in a fixed order (slot 0 first)."""
+    y_TD = y_TXD[:, 0] * gate_TX[:, 0:1]
+    for slot in range(1, y_TXD.shape[1]):
+        y_TD = y_TD + y_TXD[:, slot] * gate_TX[:, slot : slot + 1]
+    return y_TD

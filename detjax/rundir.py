@@ -1,0 +1,52 @@
+"""The run directory: which directory a run writes to, and the files that describe the run.
+
+<run>/config.yaml (resolved), config_hash, determinism.json (policy record) -- written by this module;
+fingerprints.jsonl and metrics.jsonl (detjax.runlog), checkpoints/ (detjax.ckpt), trace/ (detjax.trace),
+final_params.npz (detjax.train). An existing run is never overwritten: a fresh run gets a new suffix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from detjax.config import Config, ConfigError, dump_config
+
+
+def fresh_dir(cfg: Config) -> Path:
+    """A new directory under run.out_dir named run.name, or run.name-N when that exists."""
+    base = Path(cfg.run.out_dir) / cfg.run.name
+    path, i = base, 0
+    while path.exists():
+        i += 1
+        path = base.with_name(f"{base.name}-{i}")
+    path.mkdir(parents=True)
+    return path
+
+
+def choose(cfg: Config, run_dir: Path | None, resume: bool, process_count: int) -> Path:
+    """The run directory: the one given; when resuming, run.out_dir/run.name; with several processes (which
+    must agree without talking) run.out_dir/run.name, refused if it already holds a run; else a fresh one."""
+    if run_dir is not None:
+        path = Path(run_dir)
+    elif resume:
+        path = Path(cfg.run.out_dir) / cfg.run.name
+    elif process_count > 1:
+        path = Path(cfg.run.out_dir) / cfg.run.name
+        if (path / "fingerprints.jsonl").exists():
+            raise ConfigError(
+                f"run directory {path} already holds a run; a multi-process run does not pick a new name. "
+                "Fix: pass --run-dir, change run.name, or add --resume"
+            )
+    else:
+        return fresh_dir(cfg)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_description(path: Path, cfg: Config, policy: dict[str, Any]) -> None:
+    """config.yaml, config_hash and determinism.json (primary process only)."""
+    (path / "config.yaml").write_text(dump_config(cfg))
+    (path / "config_hash").write_text(cfg.hash() + "\n")
+    (path / "determinism.json").write_text(json.dumps(policy, indent=2, sort_keys=True))

@@ -1,0 +1,79 @@
+"""Per-step records of a run: fingerprints.jsonl, metrics.jsonl and the progress line.
+
+Reading a step's metrics is the loop's one host sync per step; the loop hands step N's metrics over only
+after dispatching step N+1 (`push`), so the device never waits for the host.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+from tqdm import tqdm
+
+from detjax import fingerprint as fp
+from detjax.config import Config
+
+
+class RunLog:
+    def __init__(self, cfg: Config, run_dir: Path, history: list[dict[str, Any]], start: int, end: int, primary: bool):
+        self.cfg = cfg
+        self.records = list(history)
+        self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        self._pending: tuple[int, Any] | None = None
+        self._fp = None
+        if cfg.run.fingerprints and primary:
+            # Rewritten from the checkpoint's history: steps after the checkpoint are redone, bit for bit.
+            self._fp = (run_dir / "fingerprints.jsonl").open("w")
+            for r in self.records:
+                self._fp.write(fp.dumps(r) + "\n")
+        self._metrics = (run_dir / "metrics.jsonl").open("a") if primary else None
+        show = cfg.run.progress and primary
+        self._bar = tqdm(total=end, initial=start, disable=not show, desc=cfg.run.name, dynamic_ncols=True)
+        self._primary = primary
+        self._t_last = time.perf_counter()
+
+    def push(self, step: int, metrics: Any) -> None:
+        """Record the previous step (its metrics are ready by now) and hold on to this one."""
+        self.flush()
+        self._pending = (step, metrics)
+
+    def flush(self) -> None:
+        """Record the held step now (before a checkpoint: the saved history must reach it)."""
+        if self._pending is not None:
+            self._emit(*self._pending)
+            self._pending = None
+
+    def _emit(self, step: int, metrics: Any) -> None:
+        # Host sync: reading step `step`'s metrics waits for that step only; the next step is already queued.
+        host = jax.device_get(metrics)
+        now = time.perf_counter()
+        tok_s = self.tokens_per_step / max(now - self._t_last, 1e-9)
+        self._t_last = now
+        line = {k: float(host[k]) for k in fp.FLOAT_FIELDS} | {"step": step, "tokens_per_s": tok_s}
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(line) + "\n")
+        if self.cfg.run.fingerprints:
+            rec = fp.record(step, host)
+            self.records.append(rec)
+            if self._fp is not None:
+                self._fp.write(fp.dumps(rec) + "\n")
+                self._fp.flush()
+        self._bar.set_postfix(loss=f"{line['lm_loss']:.4f}", tok_s=f"{tok_s:,.0f}")
+        self._bar.update(1)
+        every = self.cfg.run.log_every
+        if self._primary and every and (step % every == 0 or step == self.cfg.train.steps - 1):
+            self._bar.write(
+                f"step {step:5d}  lm_loss {line['lm_loss']:.4f}  mtp {line['mtp_loss']:.4f}  "
+                f"aux {line['aux_loss']:.4f}  gnorm {line['grad_norm']:.3f}  {tok_s:,.0f} tok/s"
+            )
+
+    def close(self) -> None:
+        self.flush()
+        self._bar.close()
+        for f in (self._metrics, self._fp):
+            if f is not None:
+                f.close()
