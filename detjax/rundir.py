@@ -2,7 +2,8 @@
 
 <run>/config.yaml (resolved), config_hash, determinism.json (policy record) -- written by this module;
 fingerprints.jsonl and metrics.jsonl (detjax.runlog), checkpoints/ (detjax.ckpt), trace/ (detjax.trace),
-final_params.npz (detjax.train). An existing run is never overwritten: a fresh run gets a new suffix.
+final_params.npz (here too). Imported after the XLA flags are set (it imports JAX). An existing run is
+never overwritten: a fresh run gets a new suffix.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from detjax.config import Config, ConfigError, dump_config
 
@@ -43,6 +48,18 @@ def choose(cfg: Config, run_dir: Path | None, resume: bool, process_count: int) 
         return fresh_dir(cfg)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def flat_params(params: Any) -> dict[str, Any]:
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def write_final_params(path: Path, params: Any, primary: bool) -> None:
+    """final_params.npz: every parameter by its tree path (gathered from all processes; process 0 writes)."""
+    if jax.process_count() > 1:  # every process takes part in the gather
+        params = multihost_utils.process_allgather(params, tiled=True)
+    if primary:
+        np.savez(path / "final_params.npz", **flat_params(params))
 
 
 def write_description(path: Path, cfg: Config, policy: dict[str, Any]) -> None:

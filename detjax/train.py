@@ -17,13 +17,6 @@ from detjax import determinism
 from detjax.config import Config, ConfigError, load_config
 
 
-def flat_params(params: Any) -> dict[str, Any]:
-    import jax
-    import numpy as np
-
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-
-
 @dataclass
 class RunResult:
     run_dir: Path
@@ -36,6 +29,18 @@ class RunResult:
 def _policy_drift(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     keys = ("xla_flags", "versions", "device_kind", "platform", "env")
     return [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
+
+
+def _restore(ckptr: Any, trainer: Any, state_sh: Any, batches: Any, policy: dict[str, Any]):
+    """The latest checkpoint's state (the data iterator is set in place) and fingerprint history."""
+    state, data_state, meta = ckptr.restore(trainer.abstract_state(), state_sh)
+    batches.set_state(data_state)
+    drift = _policy_drift(meta["policy"], policy)
+    if drift:
+        warn = "warning: resuming under a different environment (outside the determinism promise):\n  "
+        print(warn + "\n  ".join(drift), file=sys.stderr)
+    print(f"resumed from {ckptr.directory}/{meta['step']} (step {meta['step']})", file=sys.stderr)
+    return state, list(meta["fingerprints"])
 
 
 def train(
@@ -80,20 +85,12 @@ def train(
     state_sh, batch_sh = trainer.state_shardings(), trainer.batch_sharding()
     shape = (cfg.train.global_batch, cfg.train.seq_len + 1)
     batches = BatchIterator(make_dataset(cfg, rows=process_rows(batch_sh, shape)))
-    history: list[dict[str, Any]] = []
     if resume and ckptr is not None and ckptr.latest_step() is not None:
-        state, data_state, meta = ckptr.restore(trainer.abstract_state(), state_sh)
-        batches.set_state(data_state)
-        history = list(meta["fingerprints"])
-        drift = _policy_drift(meta["policy"], policy)
-        if drift:
-            warn = "warning: resuming under a different environment (outside the determinism promise):\n  "
-            print(warn + "\n  ".join(drift), file=sys.stderr)
-        print(f"resumed from {ckptr.directory}/{meta['step']} (step {meta['step']})", file=sys.stderr)
+        state, history = _restore(ckptr, trainer, state_sh, batches, policy)
     else:
         if resume:
             print(f"no checkpoint in {ckptr.directory}; starting from step 0", file=sys.stderr)
-        state = compile_init(trainer, state_sh)(jax.random.key(cfg.train.seed))
+        state, history = compile_init(trainer, state_sh)(jax.random.key(cfg.train.seed)), []
     if after_restore is not None:
         state, batches = after_restore(state, batches)
 
@@ -136,13 +133,7 @@ def train(
             ckptr.close()
     log.close()
     if cfg.run.save_final_params and stopped_by == "steps":
-        params = state.params
-        if jax.process_count() > 1:  # every process takes part in the gather; process 0 writes
-            from jax.experimental import multihost_utils
-
-            params = multihost_utils.process_allgather(params, tiled=True)
-        if primary:
-            np.savez(run_dir / "final_params.npz", **flat_params(params))
+        rundir.write_final_params(run_dir, state.params, primary)
     return RunResult(run_dir, state, log.records, stopped_by, batches.get_state())
 
 

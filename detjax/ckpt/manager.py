@@ -121,7 +121,7 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=c.keep,
-                save_interval_steps=1,  # detjax decides when to save; see should_save
+                save_interval_steps=1,  # detjax decides when to save; see Checkpointer.due
                 enable_async_checkpointing=c.async_save,
                 create=True,
             ),

@@ -15,12 +15,14 @@ from detjax.sharding.rules import constrain
 def rope(x_BLHQ: jax.Array, theta: float) -> jax.Array:
     """Rotary position embedding on the last dim (pairs: first half with second half)."""
     length, q = x_BLHQ.shape[1], x_BLHQ.shape[-1]
-    freq = 1.0 / (theta ** (jnp.arange(0, q, 2, dtype=jnp.float32) / q))
-    ang_LQ2 = jnp.arange(length, dtype=jnp.float32)[:, None] * freq[None, :]
-    cos, sin = jnp.cos(ang_LQ2)[None, :, None, :], jnp.sin(ang_LQ2)[None, :, None, :]
-    x32 = x_BLHQ.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHQ.dtype)
+    freq_Q = 1.0 / (theta ** (jnp.arange(0, q, 2, dtype=jnp.float32) / q))
+    ang_LQ2 = jnp.arange(length, dtype=jnp.float32)[:, None] * freq_Q[None, :]
+    cos_1L1Q2, sin_1L1Q2 = jnp.cos(ang_LQ2)[None, :, None, :], jnp.sin(ang_LQ2)[None, :, None, :]
+    x32_BLHQ = x_BLHQ.astype(jnp.float32)
+    x1_BLHQ2, x2_BLHQ2 = jnp.split(x32_BLHQ, 2, axis=-1)
+    return jnp.concatenate(
+        [x1_BLHQ2 * cos_1L1Q2 - x2_BLHQ2 * sin_1L1Q2, x2_BLHQ2 * cos_1L1Q2 + x1_BLHQ2 * sin_1L1Q2], axis=-1
+    ).astype(x_BLHQ.dtype)
 
 
 def attention_reference(q_BLHQ, k_BSKQ, v_BSKQ) -> jax.Array:
@@ -28,13 +30,13 @@ def attention_reference(q_BLHQ, k_BSKQ, v_BSKQ) -> jax.Array:
     bsz, length, heads, qd = q_BLHQ.shape
     kv = k_BSKQ.shape[2]
     q_BLKGQ = q_BLHQ.reshape(bsz, length, kv, heads // kv, qd)
-    scores = jnp.einsum("blkgq,bskq->bkgls", q_BLKGQ, k_BSKQ, preferred_element_type=jnp.float32)
-    scores = scores * (qd**-0.5)
+    scores_BKGLS = jnp.einsum("blkgq,bskq->bkgls", q_BLKGQ, k_BSKQ, preferred_element_type=jnp.float32)
+    scores_BKGLS = scores_BKGLS * (qd**-0.5)
     causal_LS = jnp.tril(jnp.ones((length, k_BSKQ.shape[1]), dtype=bool))
-    scores = jnp.where(causal_LS[None, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKQ.dtype)
-    out = jnp.einsum("bkgls,bskq->blkgq", probs, v_BSKQ, preferred_element_type=jnp.float32)
-    return out.reshape(bsz, length, heads, qd).astype(q_BLHQ.dtype)
+    scores_BKGLS = jnp.where(causal_LS[None, None, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
+    probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BSKQ.dtype)
+    out_BLKGQ = jnp.einsum("bkgls,bskq->blkgq", probs_BKGLS, v_BSKQ, preferred_element_type=jnp.float32)
+    return out_BLKGQ.reshape(bsz, length, heads, qd).astype(q_BLHQ.dtype)
 
 
 class Attention(nn.Module):

@@ -34,9 +34,9 @@ class Block(nn.Module):
         x_BLD = constrain(x_BLD, lay, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED), "block_in")
         aux = jnp.zeros((), jnp.float32)
         if self.letter == "M":
-            y = Mamba2(c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, lay, c.kernels, name="mixer")(x_BLD)
+            y_BLD = Mamba2(c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, lay, c.kernels, name="mixer")(x_BLD)
         elif self.letter == "*":
-            y = Attention(
+            y_BLD = Attention(
                 d_model=c.d_model,
                 n_heads=c.n_heads,
                 n_kv_heads=c.n_kv_heads,
@@ -49,16 +49,16 @@ class Block(nn.Module):
                 name="mixer",
             )(x_BLD)
         elif self.letter == "E":
-            y, aux = MoE(c.d_model, c.moe, c.init_std, dtype, lay, c.kernels, name="mixer")(x_BLD)
+            y_BLD, aux = MoE(c.d_model, c.moe, c.init_std, dtype, lay, c.kernels, name="mixer")(x_BLD)
         elif self.letter == "-":
-            y = MLP(c.d_model, c.ffn_dim, c.init_std, dtype, lay, c.kernels, name="mixer")(x_BLD)
+            y_BLD = MLP(c.d_model, c.ffn_dim, c.init_std, dtype, lay, c.kernels, name="mixer")(x_BLD)
         else:
             raise ValueError(f"unknown block letter {self.letter!r}")
         if train and c.dropout > 0.0:
             if key is None:
                 raise ValueError("training with dropout needs a dropout key")
-            y = nn.Dropout(c.dropout, deterministic=False)(y, rng=key)
-        h_BLD = h_BLD + y.astype(jnp.float32)
+            y_BLD = nn.Dropout(c.dropout, deterministic=False)(y_BLD, rng=key)
+        h_BLD = h_BLD + y_BLD.astype(jnp.float32)
         return constrain(h_BLD, lay, (ax.BATCH, ax.SEQ, ax.ACT_EMBED), "residual"), aux
 
 
@@ -93,10 +93,8 @@ class HybridLM(nn.Module):
             self.mtp_final_norm = RMSNorm(c.norm_eps, c.kernels)
 
     def head(self, h_BLD: jax.Array) -> jax.Array:
-        logits = proj("bld,dv->blv", h_BLD, self.w_head_DV, DTYPES[self.cfg.compute_dtype], self.cfg.kernels).astype(
-            jnp.float32
-        )
-        return constrain(logits, self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB), "logits")
+        logits_BLV = proj("bld,dv->blv", h_BLD, self.w_head_DV, DTYPES[self.cfg.compute_dtype], self.cfg.kernels)
+        return constrain(logits_BLV.astype(jnp.float32), self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB), "logits")
 
     def embed_ids(self, ids_BL: jax.Array) -> jax.Array:
         return self.embed(ids_BL)
@@ -106,7 +104,7 @@ class HybridLM(nn.Module):
         c = self.cfg
         aux = jnp.zeros((), jnp.float32)
         logits_BLV = self.head(self.final_norm(h_BLD))
-        mtp_logits = None
+        mtp_logits_BLV = None
         if c.mtp.depth:
             # depth-1 MTP: position t combines h_t with the embedding of token t+1 to predict token t+2
             e_BLD = self.embed(ids_BL[:, 1:])
@@ -119,8 +117,8 @@ class HybridLM(nn.Module):
             for i, layer in enumerate(self.mtp_layers):
                 m_BLD, a = layer(m_BLD, train, layer_key(key, len(c.pattern) + i))
                 aux = aux + a
-            mtp_logits = self.head(self.mtp_final_norm(m_BLD))
-        return logits_BLV, mtp_logits, aux
+            mtp_logits_BLV = self.head(self.mtp_final_norm(m_BLD))
+        return logits_BLV, mtp_logits_BLV, aux
 
     def __call__(self, ids_BL: jax.Array, train: bool = False, key: jax.Array | None = None):
         h_BLD = self.embed(ids_BL)
@@ -128,5 +126,5 @@ class HybridLM(nn.Module):
         for i, layer in enumerate(self.layers):
             h_BLD, a = layer(h_BLD, train, layer_key(key, i))
             aux = aux + a
-        logits_BLV, mtp_logits, mtp_aux = self.outputs(h_BLD, ids_BL, train, key)
-        return logits_BLV, mtp_logits, aux + mtp_aux
+        logits_BLV, mtp_logits_BLV, mtp_aux = self.outputs(h_BLD, ids_BL, train, key)
+        return logits_BLV, mtp_logits_BLV, aux + mtp_aux
