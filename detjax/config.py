@@ -118,8 +118,9 @@ class ModelConfig:
     init_std: float = 0.02
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     attention_impl: Literal["reference", "xla"] = "reference"
-    # "pallas": RMSNorm, embedding gradient, causal flash attention, the Mamba2 SSD scan and the MoE grouped
-    # matmuls run as fixed-order Pallas kernels (detjax/pallas_kernels); "reference": plain JAX/XLA
+    # "pallas": RMSNorm, embedding gradient, causal flash attention, the Mamba2 SSD scan, the MoE grouped
+    # matmuls and every dense projection (the pinned-tile matmul) run as fixed-order Pallas kernels
+    # (detjax/pallas_kernels); "reference": plain JAX/XLA
     kernels: Literal["reference", "pallas"] = "reference"
     mamba: MambaConfig = field(default_factory=MambaConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
