@@ -122,6 +122,10 @@ class ModelConfig:
     # matmuls and every dense projection (the pinned-tile matmul) run as fixed-order Pallas kernels
     # (detjax/pallas_kernels); "reference": plain JAX/XLA
     kernels: Literal["reference", "pallas"] = "reference"
+    # Activation checkpointing: "none" keeps every activation for the backward; "block" keeps only each
+    # block's input and recomputes the block in the backward (less memory, ~1/3 more compute). With
+    # kernels=pallas the bits equal "none" (tested); XLA's own kernels may fuse the recomputation differently
+    remat: Literal["none", "block"] = "none"
     mamba: MambaConfig = field(default_factory=MambaConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mtp: MTPConfig = field(default_factory=MTPConfig)

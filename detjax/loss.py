@@ -15,10 +15,13 @@ from detjax.config import Config
 
 
 def token_ce_sum(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
-    """Sum of token cross-entropies; the label logit is a one-hot contraction (no gather, no scatter)."""
+    """Sum of token cross-entropies. The label logit is picked by a masked sum over the vocabulary (no
+    gather, whose transpose would be a scatter-add; no tokens x vocab one-hot: XLA fuses the compare into
+    the reduction, and the backward is one elementwise select)."""
     logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-    onehot_BLV = jax.nn.one_hot(targets_BL, logits_BLV.shape[-1], dtype=logits_BLV.dtype)
-    return jnp.sum(logz_BL - jnp.sum(logits_BLV * onehot_BLV, axis=-1))
+    vocab_11V = jax.lax.broadcasted_iota(jnp.int32, (1, 1, logits_BLV.shape[-1]), 2)
+    label_BL = jnp.sum(jnp.where(vocab_11V == targets_BL[..., None], logits_BLV, 0.0), axis=-1)
+    return jnp.sum(logz_BL - label_BL)
 
 
 @dataclass(frozen=True)

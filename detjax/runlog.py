@@ -16,11 +16,31 @@ from tqdm import tqdm
 
 from detjax import fingerprint as fp
 from detjax.config import Config
+from detjax.flops import mfu
+
+
+def peak_memory_bytes(devices: list[Any]) -> int | None:
+    """The largest peak bytes in use over `devices` (None where the backend keeps no statistics, e.g. CPU)."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    peaks = [p for p in peaks if p is not None]
+    return max(peaks) if peaks else None
 
 
 class RunLog:
-    def __init__(self, cfg: Config, run_dir: Path, history: list[dict[str, Any]], start: int, end: int, primary: bool):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        history: list[dict[str, Any]],
+        start: int,
+        end: int,
+        primary: bool,
+        devices: list[Any] | None = None,
+    ):
+        """`devices`: the mesh's devices (MFU divides by their count; peak memory reads the local ones)."""
         self.cfg = cfg
+        self.devices = list(devices) if devices is not None else jax.devices()[:1]
+        self._local = [d for d in self.devices if d.process_index == jax.process_index()]
         self.records = list(history)
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         self._pending: tuple[int, Any] | None = None
@@ -51,9 +71,18 @@ class RunLog:
         # Host sync: reading step `step`'s metrics waits for that step only; the next step is already queued.
         host = jax.device_get(metrics)
         now = time.perf_counter()
-        tok_s = self.tokens_per_step / max(now - self._t_last, 1e-9)
+        # Wall time between two records: the device's step time once the queue is steady (the first record
+        # after a start or a checkpoint also holds compile or save time).
+        dt = max(now - self._t_last, 1e-9)
         self._t_last = now
-        line = {k: float(host[k]) for k in fp.FLOAT_FIELDS} | {"step": step, "tokens_per_s": tok_s}
+        tok_s = self.tokens_per_step / dt
+        line = {k: float(host[k]) for k in fp.FLOAT_FIELDS} | {
+            "step": step,
+            "step_time_s": dt,
+            "tokens_per_s": tok_s,
+            "mfu": mfu(self.cfg, dt, len(self.devices)),
+            "peak_mem_bytes": peak_memory_bytes(self._local),
+        }
         if self._metrics is not None:
             self._metrics.write(json.dumps(line) + "\n")
         if self.cfg.run.fingerprints:
@@ -68,7 +97,8 @@ class RunLog:
         if self._primary and every and (step % every == 0 or step == self.cfg.train.steps - 1):
             self._bar.write(
                 f"step {step:5d}  lm_loss {line['lm_loss']:.4f}  mtp {line['mtp_loss']:.4f}  "
-                f"aux {line['aux_loss']:.4f}  gnorm {line['grad_norm']:.3f}  {tok_s:,.0f} tok/s"
+                f"aux {line['aux_loss']:.4f}  gnorm {line['grad_norm']:.3f}  {1e3 * dt:.1f} ms  {tok_s:,.0f} tok/s  "
+                f"MFU {100 * line['mfu']:.1f} %" + _mem(line["peak_mem_bytes"])
             )
 
     def close(self) -> None:
@@ -77,3 +107,7 @@ class RunLog:
         for f in (self._metrics, self._fp):
             if f is not None:
                 f.close()
+
+
+def _mem(peak: int | None) -> str:
+    return "" if peak is None else f"  peak mem {peak / 2**30:.2f} GiB"

@@ -15,7 +15,7 @@ from flax import struct
 from detjax import fingerprint as fp
 from detjax.config import Config
 from detjax.loss import Objective
-from detjax.model.lm import Block, HybridLM, layer_key
+from detjax.model.lm import HybridLM, block_class, layer_key
 from detjax.optim import lr_schedule, make_optimizer
 from detjax.sharding import pipeline
 from detjax.sharding import rules as ax
@@ -156,7 +156,7 @@ class Trainer:
         m_cfg = self.cfg.model
         n_per = len(m_cfg.pattern) // (self.cfg.mesh.pipeline * self.cfg.mesh.pipeline_virtual)
         model = HybridLM(m_cfg)  # no layout inside the stage body: the auto axes follow the parameter shardings
-        blocks = [Block(m_cfg, letter) for letter in m_cfg.pattern[:n_per]]
+        blocks = [block_class(m_cfg)(m_cfg, letter) for letter in m_cfg.pattern[:n_per]]
 
         def chunk(chunk_params, h, key, chunk_idx):
             aux = jnp.zeros((), jnp.float32)

@@ -109,7 +109,7 @@ def train(
 
     start = int(jax.device_get(state.step))
     end = min(cfg.train.steps, cfg.run.stop_after) if cfg.run.stop_after else cfg.train.steps
-    log = RunLog(cfg, run_dir, history, start, end, primary)
+    log = RunLog(cfg, run_dir, history, start, end, primary, list(layout.mesh.devices.flat))
     stopped_by = "steps" if end == cfg.train.steps else "stop_after"
     saved_at = start
     with StopSignals() as sig:

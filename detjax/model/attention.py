@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.model.layers import normal_init, param, proj, proj_many
-from detjax.pallas_kernels.flash_attention.ops import flash_attention
+from detjax.pallas_kernels.flash_attention.ops import flash_attention, flash_fits
 from detjax.sharding import rules as ax
 from detjax.sharding.rules import constrain
 
@@ -80,7 +80,7 @@ class Attention(nn.Module):
         v_BLKQ = constrain(v_BLKQ, lay, kv_names)
         if self.impl == "xla":
             o_BLHQ = jax.nn.dot_product_attention(q_BLHQ, k_BLKQ, v_BLKQ, is_causal=True)
-        elif self.impl == "pallas" and x_BLD.shape[1] % 16 == 0:  # (MTP blocks see L-1 rows: reference)
+        elif self.impl == "pallas" and flash_fits(x_BLD.shape[1]):  # (MTP blocks see L-1 rows: reference)
             o_BLHQ = flash_attention(q_BLHQ, k_BLKQ, v_BLKQ)
         else:
             o_BLHQ = attention_reference(q_BLHQ, k_BLKQ, v_BLKQ)

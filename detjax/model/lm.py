@@ -62,6 +62,13 @@ class Block(nn.Module):
         return constrain(h_BLD, lay, (ax.BATCH, ax.SEQ, ax.ACT_EMBED), "residual"), aux
 
 
+def block_class(cfg: ModelConfig) -> type[Block]:
+    """Block, or Block under activation checkpointing (`model.remat`: "block" recomputes it in the backward)."""
+    if cfg.remat == "block":
+        return nn.remat(Block, static_argnums=(2,))  # (self, h, train, key): `train` is static
+    return Block
+
+
 def layer_key(key: jax.Array | None, index: int) -> jax.Array | None:
     """The dropout key of layer `index` (MTP layers follow the main stack's indices)."""
     return None if key is None else jax.random.fold_in(key, index)
@@ -80,7 +87,8 @@ class HybridLM(nn.Module):
     def setup(self) -> None:
         c, lay = self.cfg, self.layout
         self.embed = Embed(c.vocab_size, c.d_model, c.init_std, c.kernels, lay)
-        self.layers = [Block(c, letter, lay, name=f"layer_{i}") for i, letter in enumerate(c.pattern)]
+        block = block_class(c)
+        self.layers = [block(c, letter, lay, name=f"layer_{i}") for i, letter in enumerate(c.pattern)]
         self.final_norm = RMSNorm(c.norm_eps, c.kernels)
         self.w_head_DV = param(self, "w_head", normal_init(c.init_std), (c.d_model, c.vocab_size), (ax.EMBED, ax.VOCAB))
         if c.mtp.depth:
@@ -89,7 +97,7 @@ class HybridLM(nn.Module):
             self.w_mtp_2DD = param(
                 self, "w_mtp_proj", normal_init(c.init_std), (2, c.d_model, c.d_model), (None, ax.EMBED, None)
             )
-            self.mtp_layers = [Block(c, letter, lay, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)]
+            self.mtp_layers = [block(c, letter, lay, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)]
             self.mtp_final_norm = RMSNorm(c.norm_eps, c.kernels)
 
     def head(self, h_BLD: jax.Array) -> jax.Array:

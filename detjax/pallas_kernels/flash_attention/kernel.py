@@ -1,6 +1,8 @@
 """Causal GQA flash attention in Pallas: forward, and a backward with no atomics.
 
 Layout: q (B*H, L, Q), k and v (B*K, L, Q), G = H // K query heads per kv head. Tiles are pinned in TILES.
+Products take the inputs' dtype (bf16 in training; p and dS are rounded to it, as cuDNN and FlashAttention
+do) and accumulate in float32; float32 inputs multiply as IEEE float32.
 - forward: one program per (query head, query block); online softmax over kv blocks 0..i in order; writes
   o and the row log-sum-exp.
 - dK/dV: one program per (kv head, kv block) owns its dK/dV tile and loops, in a fixed order, over the G
@@ -17,8 +19,46 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-TILES = {"block_q": 16, "block_k": 16}
+from detjax.pallas_kernels.backend import triton_params
+
+# Pinned tiles (forward: 128 query rows x 64 keys, 8 warps; backward: 64 x 64, 4 warps), sized for Hopper
+# and chosen on the H200 (docs/BENCHMARKS.md). A sequence that is not a multiple of a tile uses the largest
+# power of two >= 16 that divides it (`blocks`): the tiles depend on the shape only, never on a measurement.
+TILES = {
+    "fwd": {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 2},
+    "bwd": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
+}
 _NEG = -1e30
+
+
+def _fit(tile: int, length: int) -> int | None:
+    b = tile
+    while b >= 16:
+        if length % b == 0:
+            return b
+        b //= 2
+    return None
+
+
+def blocks(length: int, which: str = "fwd") -> tuple[int, int] | None:
+    """(block_q, block_k) for a sequence of `length`, or None when no tile >= 16 divides it."""
+    t = TILES[which]
+    bq, bk = _fit(t["block_q"], length), _fit(t["block_k"], length)
+    return None if bq is None or bk is None else (bq, bk)
+
+
+def _dot(a, b, trans_b: bool = False):
+    """a @ b (or a @ b^T) in the operands' dtype with float32 accumulation; float32 operands multiply as
+    IEEE float32 (no TF32)."""
+    dims = (((1,), (1,) if trans_b else (0,)), ((), ()))
+    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _dot_t(a, b):
+    """a^T @ b with float32 accumulation."""
+    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
 def _causal(s, i, j, bq, bk):
@@ -29,44 +69,54 @@ def _causal(s, i, j, bq, bk):
 
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, bq, bk):
     i = pl.program_id(1)
-    q = q_ref[...].astype(jnp.float32)
+    q = q_ref[...]
     d = q.shape[-1]
 
-    def body(j, carry):
+    def body(j, carry, masked: bool):
         m, l, acc = carry
-        k = k_ref[pl.ds(j * bk, bk), :].astype(jnp.float32)
-        v = v_ref[pl.ds(j * bk, bk), :].astype(jnp.float32)
-        s = _causal(jnp.dot(q, k.T) * scale, i, j, bq, bk)
+        k = k_ref[pl.ds(pl.multiple_of(j * bk, bk), bk), :]
+        v = v_ref[pl.ds(pl.multiple_of(j * bk, bk), bk), :]
+        s = _dot(q, k, trans_b=True) * scale
+        if masked:
+            s = _causal(s, i, j, bq, bk)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         p = jnp.exp(s - m_new)
         alpha = jnp.exp(m - m_new)
-        return m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True), acc * alpha + jnp.dot(p, v)
+        return m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True), acc * alpha + _dot(p.astype(v.dtype), v)
 
-    n_kv = (i * bq + bq + bk - 1) // bk  # causal: blocks 0 .. the one holding the last query row
+    # kv blocks 0 .. n_full-1 are visible to every row of this query block; n_full .. n_kv-1 need the mask.
+    # The mask leaves visible scores unchanged, so the split does not change any bit.
+    n_full = (i * bq) // bk
+    n_kv = (i * bq + bq + bk - 1) // bk
     init = (jnp.full((bq, 1), _NEG, jnp.float32), jnp.zeros((bq, 1), jnp.float32), jnp.zeros((bq, d), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, n_kv, body, init)
+    carry = jax.lax.fori_loop(0, n_full, lambda j, c: body(j, c, False), init)
+    m, l, acc = jax.lax.fori_loop(n_full, n_kv, lambda j, c: body(j, c, True), carry)
     o_ref[...] = (acc / l).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, bq, bk, g, n_q):
     j = pl.program_id(1)
-    k = k_ref[...].astype(jnp.float32)
-    v = v_ref[...].astype(jnp.float32)
-    first_q = (j * bk) // bq
+    k, v = k_ref[...], v_ref[...]
+    first_q = (j * bk) // bq  # the first query block that sees this kv block
+    last_masked = (j * bk + bk - 1) // bq  # query blocks after it see the whole kv block
 
-    def per_block(h, i, carry):
+    def per_block(h, i, carry, masked: bool):
         dk, dv = carry
-        rows = pl.ds(i * bq, bq)
-        q = q_ref[h, rows, :].astype(jnp.float32)
-        do = do_ref[h, rows, :].astype(jnp.float32)
-        p = jnp.exp(_causal(jnp.dot(q, k.T) * scale, i, j, bq, bk) - lse_ref[h, rows, :])
-        dv = dv + jnp.dot(p.T, do)
-        ds = p * (jnp.dot(do, v.T) - delta_ref[h, rows, :])
-        return dk + jnp.dot(ds.T, q) * scale, dv
+        rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
+        q = q_ref[h, rows, :]
+        do = do_ref[h, rows, :]
+        s = _dot(q, k, trans_b=True) * scale
+        if masked:
+            s = _causal(s, i, j, bq, bk)
+        p = jnp.exp(s - lse_ref[h, rows, :])
+        dv = dv + _dot_t(p.astype(do.dtype), do)
+        ds = p * (_dot(do, v, trans_b=True) - delta_ref[h, rows, :])
+        return dk + _dot_t(ds.astype(q.dtype), q) * scale, dv
 
     def per_head(h, carry):  # fixed order: group heads ascending, then query blocks ascending
-        return jax.lax.fori_loop(first_q, n_q, lambda i, c: per_block(h, i, c), carry)
+        carry = jax.lax.fori_loop(first_q, last_masked + 1, lambda i, c: per_block(h, i, c, True), carry)
+        return jax.lax.fori_loop(last_masked + 1, n_q, lambda i, c: per_block(h, i, c, False), carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = jax.lax.fori_loop(0, g, per_head, (zeros, zeros))
@@ -76,37 +126,42 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, bq, bk):
     i = pl.program_id(1)
-    q = q_ref[...].astype(jnp.float32)
-    do = do_ref[...].astype(jnp.float32)
+    q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
 
-    def body(j, dq):
-        k = k_ref[pl.ds(j * bk, bk), :].astype(jnp.float32)
-        v = v_ref[pl.ds(j * bk, bk), :].astype(jnp.float32)
-        p = jnp.exp(_causal(jnp.dot(q, k.T) * scale, i, j, bq, bk) - lse)
-        ds = p * (jnp.dot(do, v.T) - delta)
-        return dq + jnp.dot(ds, k) * scale
+    def body(j, dq, masked: bool):
+        k = k_ref[pl.ds(pl.multiple_of(j * bk, bk), bk), :]
+        v = v_ref[pl.ds(pl.multiple_of(j * bk, bk), bk), :]
+        s = _dot(q, k, trans_b=True) * scale
+        if masked:
+            s = _causal(s, i, j, bq, bk)
+        p = jnp.exp(s - lse)
+        ds = p * (_dot(do, v, trans_b=True) - delta)
+        return dq + _dot(ds.astype(k.dtype), k) * scale
 
+    n_full = (i * bq) // bk
     n_kv = (i * bq + bq + bk - 1) // bk
-    dq = jax.lax.fori_loop(0, n_kv, body, jnp.zeros(q.shape, jnp.float32))
+    dq = jax.lax.fori_loop(0, n_full, lambda j, c: body(j, c, False), jnp.zeros(q.shape, jnp.float32))
+    dq = jax.lax.fori_loop(n_full, n_kv, lambda j, c: body(j, c, True), dq)
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _check(length: int, d: int) -> tuple[int, int]:
-    bq, bk = TILES["block_q"], TILES["block_k"]
-    if length % bq or length % bk or d & (d - 1) or d < 16:
+def _check(length: int, d: int, which: str) -> tuple[int, int]:
+    b = blocks(length, which)
+    if b is None or d & (d - 1) or d < 16:
         raise ValueError(
-            f"flash attention needs L % {bq} == 0 and a power-of-two head dim >= 16; got L={length}, d={d}"
+            f"flash attention needs L divisible by 16 and a power-of-two head dim >= 16; got L={length}, d={d}"
         )
-    return bq, bk
+    return b
 
 
 @functools.partial(jax.jit, static_argnames=("g", "interpret"))
 def flash_fwd(q, k, v, *, g: int, interpret: bool):
     """q (BH, L, Q), k/v (BK, L, Q) -> o (BH, L, Q), lse (BH, L, 1)."""
     bh, length, d = q.shape
-    bq, bk = _check(length, d)
+    bq, bk = _check(length, d, "fwd")
     scale = d**-0.5
+    t = TILES["fwd"]
     return pl.pallas_call(
         functools.partial(_fwd_kernel, scale=scale, bq=bq, bk=bk),
         grid=(bh, length // bq),
@@ -122,6 +177,7 @@ def flash_fwd(q, k, v, *, g: int, interpret: bool):
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((bh, length, 1), jnp.float32)],
         name="flash_attention_fwd",
         interpret=interpret,
+        compiler_params=triton_params(t["num_warps"], t["num_stages"], interpret),
     )(q, k, v)
 
 
@@ -129,8 +185,10 @@ def flash_fwd(q, k, v, *, g: int, interpret: bool):
 def flash_bwd(q, k, v, o, lse, do, *, g: int, interpret: bool):
     bh, length, d = q.shape
     bkv = k.shape[0]
-    bq, bk = _check(length, d)
+    bq, bk = _check(length, d, "bwd")
     scale = d**-0.5
+    t = TILES["bwd"]
+    params = triton_params(t["num_warps"], t["num_stages"], interpret)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     full_q = pl.BlockSpec((g, length, d), lambda c, j: (c, 0, 0))
     full_r = pl.BlockSpec((g, length, 1), lambda c, j: (c, 0, 0))
@@ -143,6 +201,7 @@ def flash_bwd(q, k, v, o, lse, do, *, g: int, interpret: bool):
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         name="flash_attention_dkv",
         interpret=interpret,
+        compiler_params=params,
     )(q, k, v, do, lse, delta)
     q_blk = pl.BlockSpec((None, bq, d), lambda h, i: (h, i, 0))
     r_blk = pl.BlockSpec((None, bq, 1), lambda h, i: (h, i, 0))
@@ -155,5 +214,6 @@ def flash_bwd(q, k, v, o, lse, do, *, g: int, interpret: bool):
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="flash_attention_dq",
         interpret=interpret,
+        compiler_params=params,
     )(q, k, v, do, lse, delta)
     return dq, dk, dv

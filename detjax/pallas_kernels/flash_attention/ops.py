@@ -5,7 +5,12 @@ from __future__ import annotations
 import jax
 
 from detjax.pallas_kernels.backend import interpret_mode
-from detjax.pallas_kernels.flash_attention.kernel import flash_bwd, flash_fwd
+from detjax.pallas_kernels.flash_attention.kernel import blocks, flash_bwd, flash_fwd
+
+
+def flash_fits(length: int) -> bool:
+    """Whether the kernel's tiles fit a sequence of `length` (a multiple of 16)."""
+    return blocks(length, "fwd") is not None and blocks(length, "bwd") is not None
 
 
 def _to_heads(x_BLHQ):

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from detjax.pallas_kernels.backend import triton_params
+
 # Named tile sets: bm x bn output tile, block_r reduction block, Triton warps and pipeline stages. Every
 # bfloat16 set reduces in blocks of 64 and every float32 set in IEEE float32 FMAs, so the tile set changes
 # speed, never bits (checked on the H200 for every set: scripts/gemm_bench.py --tile-bits and
@@ -80,14 +82,6 @@ def _pad_to(x: jax.Array, mult: tuple[int, int]) -> jax.Array:
     return jnp.pad(x, pads) if any(p for _, p in pads) else x
 
 
-def _compiler_params(t: dict[str, int], interpret: bool):
-    if interpret:
-        return None
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=t["num_warps"], num_stages=t["num_stages"])
-
-
 @functools.partial(jax.jit, static_argnames=("kind", "out_dtype", "interpret", "sweep_tiles"))
 def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: tuple | None = None):
     """The product named by `kind` (see the module docstring); a and b share one dtype.
@@ -122,6 +116,6 @@ def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: t
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         name=f"matmul_{kind}",
         interpret=interpret,
-        compiler_params=_compiler_params(t, interpret),
+        compiler_params=triton_params(t["num_warps"], t["num_stages"], interpret),
     )(a, b)
     return out[:m, :n] if (mp, np_) != (m, n) else out
