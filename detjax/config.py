@@ -63,6 +63,9 @@ class MoEConfig:
     # "gather" = permutation + gather + fixed-order sum (deterministic); "scatter_add" = the usual fast
     # combine through scatter-add, whose GPU result depends on atomic arrival order (refused in strict mode).
     combine: Literal["gather", "scatter_add"] = "gather"
+    # the experts' grouped matmuls: "auto" follows model.kernels (XLA's ragged_dot, or the Pallas gmm);
+    # "ragged_dot" / "pallas" pick one whatever model.kernels says
+    experts_impl: Literal["auto", "ragged_dot", "pallas"] = "auto"
 
     def validate(self) -> None:
         if self.n_experts < 1:
@@ -117,7 +120,9 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    attention_impl: Literal["reference", "xla"] = "reference"
+    # "reference": as model.kernels says; "xla" / "cudnn": jax.nn.dot_product_attention with that
+    # implementation (fast, nondeterministic backward; refused in strict mode)
+    attention_impl: Literal["reference", "xla", "cudnn"] = "reference"
     # "pallas": RMSNorm, embedding gradient, causal flash attention, the Mamba2 SSD scan, the MoE grouped
     # matmuls and every dense projection (the pinned-tile matmul) run as fixed-order Pallas kernels
     # (detjax/pallas_kernels); "reference": plain JAX/XLA

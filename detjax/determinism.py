@@ -76,9 +76,9 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "model.attention_impl",
-        lambda c: c.model.attention_impl == "xla",
-        "jax.nn.dot_product_attention may dispatch to a fused cuDNN kernel whose backward has no verified "
-        "deterministic path in detjax",
+        lambda c: c.model.attention_impl in ("xla", "cudnn"),
+        "jax.nn.dot_product_attention may dispatch to (or, with cudnn, is) a fused cuDNN kernel whose backward "
+        "has no verified deterministic path in detjax",
         "use model.attention_impl=reference, or determinism.mode=off",
     ),
 )

@@ -1,17 +1,24 @@
 """Determinism-tax benchmark: paired step-time runs of one config in several modes, one process per mode.
 
-    python scripts/det_tax.py --config configs/gpu_small.yaml --steps 30 --warmup 8 --rounds 2
+    python scripts/det_tax.py --config configs/gpu_medium.yaml --steps 30 --warmup 8 --rounds 2 \
+        --modes fastest,strict,strict-kernels
 
 Modes (each a separate process, since XLA reads its flags once):
-  fast        determinism.mode=off, scatter-add MoE combine, XLA/cuDNN attention: the fastest recipe
+  plain       scripts/plain_step.py: the plain-JAX step a user writes (jnp matmuls, cuDNN attention, optax
+              AdamW, lax.scan over microbatches); dense patterns only
+  fastest     per component the fastest nondeterministic option JAX offers: cuDNN attention, autotuned XLA
+              GEMMs, scatter-add MoE combine, the Pallas gmm for the experts; the baseline taxes are against
+  fast        determinism.mode=off, scatter-add MoE combine, XLA attention, ragged_dot experts (the old
+              baseline, kept for comparison with earlier figures)
   off         determinism.mode=off with the deterministic model path (no XLA determinism flags)
   strict      determinism.mode=strict: XLA deterministic ops + pinned autotuning + deterministic path
   pallas      determinism.mode=off + model.kernels=pallas (every Pallas kernel, XLA autotuning on)
   strict-kernels  determinism.mode=strict, strategy=kernels: the Pallas kernels (every GEMM included), no
               XLA deterministic flag, XLA autotuning off; the step is checked for scatter and XLA GEMMs
-Rounds alternate the modes (fast, off, strict, fast, off, strict, ...) so drift hits all alike. Reported:
-median steady-state step time per mode (warm-up steps dropped; each step synchronised) and the tax
-(mode / fast - 1) x 100 %.
+Rounds alternate the modes (fastest, strict, ..., fastest, strict, ...) so drift hits all alike. Reported:
+median steady-state step time per mode (warm-up steps dropped; each step synchronised), MFU (detjax.flops),
+peak device memory, and the tax (mode / baseline - 1) x 100 %, the baseline being `fastest` when it runs
+(else the first mode).
 """
 
 from __future__ import annotations
@@ -23,8 +30,16 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 MODES = {
+    "plain": [],
+    "fastest": [
+        "determinism.mode=off",
+        "model.attention_impl=cudnn",
+        "model.moe.combine=scatter_add",
+        "model.moe.experts_impl=pallas",
+    ],
     "fast": ["determinism.mode=off", "model.moe.combine=scatter_add", "model.attention_impl=xla"],
     "off": ["determinism.mode=off"],
     "strict": ["determinism.mode=strict"],
@@ -34,9 +49,15 @@ MODES = {
 }
 
 
-def worker(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
+def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
     from detjax import determinism
     from detjax.config import load_config
+
+    if mode == "plain":
+        import plain_step
+
+        return plain_step.measure(load_config(config, overrides + ["determinism.mode=off"]), steps, warmup)
+    overrides = MODES[mode] + overrides
 
     cfg = load_config(config, overrides + ["run.fingerprints=true"])
     determinism.apply_config_environment(cfg)
@@ -75,6 +96,7 @@ def worker(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
+        "peak_mem_bytes": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
     }
 
 
@@ -84,14 +106,18 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--modes", default="fast,off,strict")
+    ap.add_argument("--modes", default="fastest,strict,strict-kernels")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     if a.worker:
-        print("RESULT " + json.dumps(worker(a.config, MODES[a.worker] + a.overrides, a.steps, a.warmup)))
+        print("RESULT " + json.dumps(worker(a.config, a.worker, a.overrides, a.steps, a.warmup)))
         return 0
     modes = a.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        print(f"error: unknown mode(s) {unknown}; choose from {list(MODES)}", file=sys.stderr)
+        return 2
     results: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(a.rounds):
         for mode in modes:
@@ -121,18 +147,28 @@ def main() -> int:
                 f"max {res['max_ms']:.2f}; first step {res['first_step_s']:.1f} s)",
                 flush=True,
             )
-    base = statistics.median(x["median_ms"] for x in results[modes[0]])
+    base_mode = "fastest" if "fastest" in modes else modes[0]
+    base = statistics.median(x["median_ms"] for x in results[base_mode])
     any_res = results[modes[0]][0]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from detjax.config import load_config
+    from detjax.flops import PEAK_FLOPS_BF16, model_flops_per_step
+
+    flops = model_flops_per_step(load_config(a.config, a.overrides))
     print(
         f"\n{any_res['device']}, jax {any_res['jax']}, {any_res['tokens_per_step']} tokens/step, "
-        f"{a.rounds} rounds x {a.steps} timed steps"
+        f"{flops / 1e12:.2f} model TFLOP/step, {a.rounds} rounds x {a.steps} timed steps"
     )
-    print(f"| mode | median step (ms) | tokens/s | tax vs {modes[0]} |")
-    print("|---|---|---|---|")
+    print(f"| mode | median step (ms) | tokens/s | MFU | peak mem (GiB) | tax vs {base_mode} |")
+    print("|---|---|---|---|---|---|")
     for mode in modes:
         med = statistics.median(x["median_ms"] for x in results[mode])
         tok_s = any_res["tokens_per_step"] / (med / 1e3)
-        print(f"| {mode} | {med:.2f} | {tok_s:,.0f} | {100 * (med / base - 1):+.1f} % |")
+        mfu = flops / (med / 1e3) / PEAK_FLOPS_BF16
+        peak = max((x.get("peak_mem_bytes") or 0) for x in results[mode]) / 2**30
+        print(
+            f"| {mode} | {med:.2f} | {tok_s:,.0f} | {100 * mfu:.1f} % | {peak:.1f} | {100 * (med / base - 1):+.1f} % |"
+        )
     return 0
 
 

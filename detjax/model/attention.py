@@ -40,9 +40,9 @@ def attention_reference(q_BLHQ, k_BSKQ, v_BSKQ) -> jax.Array:
 
 
 class Attention(nn.Module):
-    """Causal GQA with RoPE. `impl` is the one switch: "reference" (jnp), "xla"
-    (jax.nn.dot_product_attention: may be cuDNN; refused in strict mode) or "pallas" (the fixed-order flash
-    attention kernel, and the Pallas matmul for the projections)."""
+    """Causal GQA with RoPE. `impl` is the one switch: "reference" (jnp), "xla" / "cudnn"
+    (jax.nn.dot_product_attention with that implementation; refused in strict mode) or "pallas" (the
+    fixed-order flash attention kernel, and the Pallas matmul for the projections)."""
 
     d_model: int
     n_heads: int
@@ -78,8 +78,8 @@ class Attention(nn.Module):
         q_BLHQ = constrain(rope(q_BLHQ, self.rope_theta), lay, q_names, "attn_q")
         k_BLKQ = constrain(rope(k_BLKQ, self.rope_theta), lay, kv_names, "attn_k")
         v_BLKQ = constrain(v_BLKQ, lay, kv_names)
-        if self.impl == "xla":
-            o_BLHQ = jax.nn.dot_product_attention(q_BLHQ, k_BLKQ, v_BLKQ, is_causal=True)
+        if self.impl in ("xla", "cudnn"):
+            o_BLHQ = jax.nn.dot_product_attention(q_BLHQ, k_BLKQ, v_BLKQ, is_causal=True, implementation=self.impl)
         elif self.impl == "pallas" and flash_fits(x_BLD.shape[1]):  # (MTP blocks see L-1 rows: reference)
             o_BLHQ = flash_attention(q_BLHQ, k_BLKQ, v_BLKQ)
         else:

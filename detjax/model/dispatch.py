@@ -43,7 +43,7 @@ def expert_ffn(
     xs_RD: jax.Array, gs_E: jax.Array, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, kernels: str = "reference"
 ) -> jax.Array:
     """SwiGLU per expert over rows sorted by expert (group sizes gs_E): grouped matmuls (XLA's ragged_dot,
-    or with kernels=pallas the fixed-order Pallas gmm/tgmm)."""
+    or with kernels=pallas the fixed-order Pallas gmm/tgmm; `kernels` here is the resolved experts_impl)."""
 
     def gmm(a, w):
         if kernels == "pallas":

@@ -44,7 +44,7 @@ class Block(nn.Module):
                 rope_theta=c.rope_theta,
                 init_std=c.init_std,
                 dtype=dtype,
-                impl="xla" if c.attention_impl == "xla" else c.kernels,
+                impl=c.kernels if c.attention_impl == "reference" else c.attention_impl,
                 layout=lay,
                 name="mixer",
             )(x_BLD)

@@ -1,0 +1,158 @@
+"""The baseline a user would write in an afternoon: a plain-JAX train step of a dense config's shape.
+
+    python scripts/plain_step.py --config configs/gpu_dense.yaml [--steps 20] [--warmup 5] [--attention cudnn]
+
+No detjax model code: fp32 master params in a dict, bf16 compute with jnp.einsum matmuls, RMSNorm, RoPE,
+SwiGLU, `jax.nn.dot_product_attention(implementation="cudnn")` (or "xla"), a logsumexp cross-entropy with
+take_along_axis, optax AdamW with global-norm clipping and warm-up + cosine, and `lax.scan` over the
+microbatches. Only dense patterns (`*` attention and `-` MLP blocks, MTP off) have a plain version.
+scripts/det_tax.py runs it as its `plain` mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def build(cfg, attention: str = "cudnn"):
+    """(init(key) -> (params, opt_state), step(params, opt_state, batch) -> (params, opt_state, loss))."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    m, t = cfg.model, cfg.train
+    if set(m.pattern) - {"*", "-"} or m.mtp.depth:
+        raise SystemExit("error: the plain step covers dense patterns only ('*' and '-', model.mtp.depth=0)")
+    d, h, kv, hd, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.ffn_dim, m.vocab_size
+    bf = jnp.bfloat16
+
+    def init(key):
+        keys = iter(jax.random.split(key, 4 * len(m.pattern) + 2))
+
+        def w(*shape):
+            return m.init_std * jax.random.normal(next(keys), shape, jnp.float32)
+
+        blocks = []
+        for letter in m.pattern:
+            if letter == "*":
+                blocks.append({"norm": jnp.ones(d), "q": w(d, h * hd), "kv": w(d, 2 * kv * hd), "o": w(h * hd, d)})
+            else:
+                blocks.append({"norm": jnp.ones(d), "gate_up": w(d, 2 * f), "down": w(f, d)})
+        return {"embed": w(v, d), "blocks": blocks, "final_norm": jnp.ones(d), "head": w(d, v)}
+
+    def rms(x, s):
+        x32 = x.astype(jnp.float32)
+        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + m.norm_eps) * s).astype(bf)
+
+    def rope(x):
+        length = x.shape[1]
+        inv = m.rope_theta ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+        ang = jnp.arange(length, dtype=jnp.float32)[:, None] * inv[None]
+        cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(bf)
+
+    def loss_fn(params, tokens):
+        ids, tgt = tokens[:, :-1], tokens[:, 1:]
+        b, length = ids.shape
+        x = params["embed"][ids]
+        for letter, p in zip(m.pattern, params["blocks"], strict=True):
+            y = rms(x, p["norm"])
+            if letter == "*":
+                q = (y @ p["q"].astype(bf)).reshape(b, length, h, hd)
+                k, vv = jnp.split((y @ p["kv"].astype(bf)).reshape(b, length, 2 * kv, hd), 2, axis=2)
+                o = jax.nn.dot_product_attention(rope(q), rope(k), vv, is_causal=True, implementation=attention)
+                x = x + (o.reshape(b, length, h * hd) @ p["o"].astype(bf)).astype(jnp.float32)
+            else:
+                gate, up = jnp.split(y @ p["gate_up"].astype(bf), 2, axis=-1)
+                x = x + ((jax.nn.silu(gate) * up) @ p["down"].astype(bf)).astype(jnp.float32)
+        logits = (rms(x, params["final_norm"]) @ params["head"].astype(bf)).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, -1)
+        return jnp.sum(lse - jnp.take_along_axis(logits, tgt[..., None], -1)[..., 0])
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup_steps, t.steps, t.lr * t.min_lr_ratio)
+    tx = optax.chain(
+        optax.clip_by_global_norm(t.clip_norm),
+        optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay),
+    )
+    n_tok = t.global_batch * t.seq_len
+
+    def step(params, opt_state, batch):
+        micro = batch.reshape(t.n_micro, t.micro_batch, -1)
+
+        def body(acc, tokens):
+            loss, g = jax.value_and_grad(loss_fn)(params, tokens)
+            return jax.tree.map(jnp.add, acc, (loss, g)), None
+
+        zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+        (loss, g), _ = jax.lax.scan(body, zeros, micro)
+        g = jax.tree.map(lambda x: x / n_tok, g)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss / n_tok
+
+    def init_all(key):
+        params = init(key)
+        return params, tx.init(params)
+
+    return jax.jit(init_all), jax.jit(step, donate_argnums=(0, 1))
+
+
+def measure(cfg, steps: int, warmup: int, attention: str = "cudnn") -> dict:
+    """Median step time of the plain step on one device (the same result fields as det_tax's workers)."""
+    import jax
+    import numpy as np
+
+    from detjax.data.pipeline import make_dataset
+
+    init, step = build(cfg, attention)
+    params, opt_state = init(jax.random.key(cfg.train.seed))
+    ds = make_dataset(cfg)
+    batches = [jax.device_put(np.asarray(ds[i])) for i in range(8)]
+    t0 = time.perf_counter()
+    params, opt_state, loss = step(params, opt_state, batches[0])
+    jax.block_until_ready(loss)
+    compile_s = time.perf_counter() - t0
+    times = []
+    for i in range(1, warmup + steps):
+        t0 = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, batches[i % len(batches)])
+        jax.block_until_ready((params, loss))
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "median_ms": 1e3 * statistics.median(times),
+        "min_ms": 1e3 * min(times),
+        "max_ms": 1e3 * max(times),
+        "first_step_s": compile_s,
+        "final_loss": float(loss),
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
+        "peak_mem_bytes": stats.get("peak_bytes_in_use"),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python scripts/plain_step.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--attention", default="cudnn", choices=["cudnn", "xla"])
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from detjax.config import load_config
+
+    cfg = load_config(a.config, a.overrides + ["determinism.mode=off"])
+    print(json.dumps(measure(cfg, a.steps, a.warmup, a.attention)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Where a train step's time goes: a jax.profiler trace of a few steps and a table of device time by scope.
+
+    python scripts/profile_step.py --config configs/gpu_dense.yaml [--steps 3] [--out DIR] [key=value ...]
+
+Runs the real train step of the config (the trainer's own compiled step, on the config's mesh), compiles and
+warms it up, then traces `--steps` steps with `jax.profiler.trace` (the xplane trace opens in TensorBoard /
+xprof; a Perfetto JSON trace is written beside it) and prints:
+- the wall-clock step time, the model's MFU (detjax.flops) and the device's peak memory;
+- device time grouped by model scope: each device op is mapped, through the compiled HLO's op_name metadata,
+  to the Flax/named scope that produced it; `layer_N` becomes `block[<letter>]` so that all blocks of one
+  type add up; forward and backward (ops under a transpose) are separate rows;
+- the top device ops by time, with their scope.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+_STRIP = re.compile(r"^(jit|pjit|jvp|transpose|vmap|remat|checkpoint|custom_jvp_call|custom_vjp_call)\(")
+_NOISE = {"while", "body", "cond", "main", "eval_jaxpr", "rematted_computation", "checkpoint"}
+
+
+def scope_of(op_name: str, pattern: str) -> tuple[str, str, str]:
+    """op_name metadata -> (pass "fwd"/"bwd", module scope, op). `layer_N` is renamed by its block letter."""
+    parts = [p for p in op_name.split("/") if p]
+    bwd = any(p.startswith("transpose(") for p in parts)
+    keep = [p for p in parts if not _STRIP.match(p) and p not in _NOISE]
+    if not keep:
+        return ("bwd" if bwd else "fwd"), "(top)", op_name
+
+    def rename(p: str) -> str:
+        m = re.fullmatch(r"(mtp_)?layer_(\d+)", p)
+        if m:
+            i = int(m.group(2))
+            letters = pattern if not m.group(1) else None
+            return f"{m.group(1) or ''}block[{letters[i] if letters and i < len(letters) else i}]"
+        return p
+
+    keep = [rename(p) for p in keep]
+    return ("bwd" if bwd else "fwd"), "/".join(keep[:-1]) or "(top)", keep[-1]
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> its op_name metadata (the JAX scope path), from compiled HLO text."""
+    out = {}
+    for m in re.finditer(r"%?([\w.\-]+) = [^\n]*?metadata=\{[^}]*?op_name=\"([^\"]*)\"", hlo_text):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def device_events(trace_dir: Path) -> list[dict]:
+    """Complete events of device streams (GPU), or of XLA's CPU op threads, from the Perfetto trace."""
+    files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not files:
+        raise SystemExit(f"error: no perfetto_trace.json.gz under {trace_dir}")
+    data = json.loads(gzip.open(files[-1]).read())
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    pnames = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, n in pnames.items() if "/device:GPU" in n}
+    picked = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
+    if not picked:  # CPU: XLA ops carry their HLO op name in args
+        picked = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    return picked
+
+
+def tables(events: list[dict], names: dict[str, str], pattern: str, steps: int, top: int) -> str:
+    by_scope: dict[tuple[str, str], float] = defaultdict(float)
+    by_op: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    total = 0.0
+    for e in events:
+        args = e.get("args", {})
+        hlo = args.get("hlo_op") or e.get("name", "?")
+        op_name = args.get("tf_op") or names.get(hlo, "")
+        pas, scope, op = scope_of(op_name, pattern) if op_name else ("?", "(unmapped)", hlo)
+        dur = float(e.get("dur", 0.0)) / 1e3 / steps  # us -> ms per step
+        total += dur
+        by_scope[(scope, pas)] += dur
+        rec = by_op[(e.get("name", hlo), scope, pas)]
+        rec[0] += dur
+        rec[1] += 1
+    lines = [f"device time per step: {total:.2f} ms (sum over device ops; overlapping streams add up)", ""]
+    lines += ["| scope | pass | ms / step | share |", "|---|---|---|---|"]
+    for (scope, pas), ms in sorted(by_scope.items(), key=lambda kv: -kv[1]):
+        if ms >= 0.005 * total:
+            lines.append(f"| {scope} | {pas} | {ms:.2f} | {100 * ms / max(total, 1e-9):.1f} % |")
+    lines += ["", f"top {top} device ops", "", "| op | scope | pass | ms / step | calls / step |"]
+    lines += ["|---|---|---|---|---|"]
+    for (name, scope, pas), (ms, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| {name[:60]} | {scope} | {pas} | {ms:.3f} | {n / steps:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python scripts/profile_step.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--steps", type=int, default=3, help="traced steps")
+    ap.add_argument("--warmup", type=int, default=2, help="untraced steps first (the first compiles)")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default="profiles", help="trace directory (default: profiles/<run name>)")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from detjax.train import config_for_cli
+
+    cfg = config_for_cli(a.config, a.overrides)
+    if cfg is None:
+        return 2
+    import jax
+    import numpy as np
+
+    from detjax.data.pipeline import make_dataset
+    from detjax.flops import mfu, model_flops_per_step
+    from detjax.runlog import peak_memory_bytes
+    from detjax.sharding.mesh import build_layout
+    from detjax.step import Trainer, compile_init, compile_train_step
+
+    layout = build_layout(cfg)
+    trainer = Trainer(cfg, layout=layout)
+    state_sh, batch_sh = trainer.state_shardings(), trainer.batch_sharding()
+    state = compile_init(trainer, state_sh)(jax.random.key(cfg.train.seed))
+    step = compile_train_step(trainer, state_sh, batch_sh)
+    ds = make_dataset(cfg)
+    batches = [jax.device_put(np.asarray(ds[i]), batch_sh) for i in range(4)]
+    names = hlo_op_names(step.lower(state, batches[0]).compile().as_text())
+    for i in range(a.warmup):
+        state, m = step(state, batches[i % 4])
+    jax.block_until_ready((state, m))
+    out = Path(a.out) / cfg.run.name
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with jax.profiler.trace(str(out), create_perfetto_trace=True):
+        for i in range(a.steps):
+            state, m = step(state, batches[i % 4])
+        jax.block_until_ready((state, m))
+    dt = (time.perf_counter() - t0) / a.steps
+    devices = list(layout.mesh.devices.flat)
+    peak = peak_memory_bytes([d for d in devices if d.process_index == jax.process_index()])
+    flops = model_flops_per_step(cfg)
+    print(f"{cfg.run.name}: {jax.devices()[0].device_kind}, jax {jax.__version__}, {len(devices)} device(s)")
+    print(
+        f"step {1e3 * dt:.2f} ms under the profiler (wall clock, {a.steps} steps); model {flops / 1e12:.2f} TFLOP/step"
+        f" -> MFU {100 * mfu(cfg, dt, len(devices)):.1f} %"
+        + ("" if peak is None else f"; peak memory {peak / 2**30:.2f} GiB")
+    )
+    print(f"trace: {out}\n")
+    print(tables(device_events(out), names, cfg.model.pattern, a.steps, a.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
