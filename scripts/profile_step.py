@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 import json
 import re
 import sys
@@ -104,11 +105,18 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untraced steps first (the first compiles)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="profiles", help="trace directory (default: profiles/<run name>)")
+    ap.add_argument("--src", default=None, help="profile the detjax package under this tree (e.g. an older commit)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    here = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(Path(a.src).resolve() if a.src else here))
     from detjax.train import config_for_cli
+
+    # the FLOP count is always this tree's detjax/flops.py (an older tree may not have one)
+    spec = importlib.util.spec_from_file_location("detjax_flops", here / "detjax" / "flops.py")
+    flops_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flops_mod)
 
     cfg = config_for_cli(a.config, a.overrides)
     if cfg is None:
@@ -117,8 +125,6 @@ def main() -> int:
     import numpy as np
 
     from detjax.data.pipeline import make_dataset
-    from detjax.flops import mfu, model_flops_per_step
-    from detjax.runlog import peak_memory_bytes
     from detjax.sharding.mesh import build_layout
     from detjax.step import Trainer, compile_init, compile_train_step
 
@@ -142,12 +148,13 @@ def main() -> int:
         jax.block_until_ready((state, m))
     dt = (time.perf_counter() - t0) / a.steps
     devices = list(layout.mesh.devices.flat)
-    peak = peak_memory_bytes([d for d in devices if d.process_index == jax.process_index()])
-    flops = model_flops_per_step(cfg)
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices() if d in devices]
+    peak = max([p for p in peaks if p is not None], default=None)
+    flops = flops_mod.model_flops_per_step(cfg)
     print(f"{cfg.run.name}: {jax.devices()[0].device_kind}, jax {jax.__version__}, {len(devices)} device(s)")
     print(
         f"step {1e3 * dt:.2f} ms under the profiler (wall clock, {a.steps} steps); model {flops / 1e12:.2f} TFLOP/step"
-        f" -> MFU {100 * mfu(cfg, dt, len(devices)):.1f} %"
+        f" -> MFU {100 * flops_mod.mfu(cfg, dt, len(devices)):.1f} %"
         + ("" if peak is None else f"; peak memory {peak / 2**30:.2f} GiB")
     )
     print(f"trace: {out}\n")
