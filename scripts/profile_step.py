@@ -18,6 +18,7 @@ import argparse
 import gzip
 import importlib.util
 import json
+import os
 import re
 import sys
 import time
@@ -115,6 +116,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untraced steps first (the first compiles)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="profiles", help="trace directory (default: profiles/<run name>)")
+    ap.add_argument(
+        "--keep-command-buffers",
+        action="store_true",
+        help="leave XLA's CUDA-graph command buffers on (default: off while profiling, so ops map to scopes)",
+    )
     ap.add_argument("--dump-events", type=int, default=0, help="print the first N device events (raw)")
     ap.add_argument("--src", default=None, help="profile the detjax package under this tree (e.g. an older commit)")
     ap.add_argument("overrides", nargs="*")
@@ -132,6 +138,8 @@ def main() -> int:
     cfg = config_for_cli(a.config, a.overrides)
     if cfg is None:
         return 2
+    if not a.keep_command_buffers:  # CUDA-graph command buffers hide which HLO op each kernel belongs to
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
     import jax
     import numpy as np
 
