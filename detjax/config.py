@@ -123,13 +123,18 @@ class ModelConfig:
     # "reference": as model.kernels says; "xla" / "cudnn": jax.nn.dot_product_attention with that
     # implementation (fast, nondeterministic backward; refused in strict mode)
     attention_impl: Literal["reference", "xla", "cudnn"] = "reference"
+    # the embedding table's gradient: "fixed" = a fixed-order sum (one-hot contraction, or the Pallas sorted
+    # segment sum); "scatter_add" = the gather's own transpose, an atomic scatter-add (fast, nondeterministic
+    # on GPU; refused in strict mode)
+    embed_grad: Literal["fixed", "scatter_add"] = "fixed"
     # "pallas": RMSNorm, embedding gradient, causal flash attention, the Mamba2 SSD scan, the MoE grouped
     # matmuls and every dense projection (the pinned-tile matmul) run as fixed-order Pallas kernels
     # (detjax/pallas_kernels); "reference": plain JAX/XLA
     kernels: Literal["reference", "pallas"] = "reference"
     # Activation checkpointing: "none" keeps every activation for the backward; "block" keeps only each
-    # block's input and recomputes the block in the backward (less memory, ~1/3 more compute). With
-    # kernels=pallas the bits equal "none" (tested); XLA's own kernels may fuse the recomputation differently
+    # block's input and recomputes the block in the backward (less memory, ~1/3 more compute). Deterministic
+    # either way, but a trajectory of its own: XLA may fuse the recomputed elementwise ops differently (the
+    # bits equal "none" on the CPU with kernels=pallas, not on the H200)
     remat: Literal["none", "block"] = "none"
     mamba: MambaConfig = field(default_factory=MambaConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)

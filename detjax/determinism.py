@@ -69,6 +69,12 @@ REFUSALS: tuple[Refusal, ...] = (
         "use model.moe.combine=gather (permutation + gather + fixed-order sum), or determinism.mode=off",
     ),
     Refusal(
+        "model.embed_grad",
+        lambda c: c.model.embed_grad == "scatter_add",
+        "a scatter-add embedding gradient sums repeated tokens with GPU atomics, in arrival order",
+        "use model.embed_grad=fixed (a fixed-order segment sum), or determinism.mode=off",
+    ),
+    Refusal(
         "debug.inject_nondeterminism",
         lambda c: bool(c.debug.inject_nondeterminism.scope) and not c.debug.allow_injection_in_strict,
         "fault injection makes the run nondeterministic on purpose",

@@ -7,7 +7,8 @@ Modes (each a separate process, since XLA reads its flags once):
   plain       scripts/plain_step.py: the plain-JAX step a user writes (jnp matmuls, cuDNN attention, optax
               AdamW, lax.scan over microbatches); dense patterns only
   fastest     per component the fastest nondeterministic option JAX offers: cuDNN attention, autotuned XLA
-              GEMMs, scatter-add MoE combine, the Pallas gmm for the experts; the baseline taxes are against
+              GEMMs, scatter-add MoE combine and embedding gradient, the Pallas gmm for the experts; the
+              baseline taxes are against
   fast        determinism.mode=off, scatter-add MoE combine, XLA attention, ragged_dot experts (the old
               baseline, kept for comparison with earlier figures)
   off         determinism.mode=off with the deterministic model path (no XLA determinism flags)
@@ -39,6 +40,7 @@ MODES = {
         "model.attention_impl=cudnn",
         "model.moe.combine=scatter_add",
         "model.moe.experts_impl=pallas",
+        "model.embed_grad=scatter_add",
     ],
     "fast": ["determinism.mode=off", "model.moe.combine=scatter_add", "model.attention_impl=xla"],
     "off": ["determinism.mode=off"],

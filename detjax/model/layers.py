@@ -95,13 +95,17 @@ class Embed(nn.Module):
     init_std: float
     kernels: str = "reference"
     layout: ax.Layout | None = None
+    grad: str = "fixed"  # "scatter_add": the gather's own transpose (the nondeterministic baseline)
 
     @nn.compact
     def __call__(self, ids_BL: jax.Array) -> jax.Array:
         table_VD = param(
             self, "table", normal_init(self.init_std), (self.vocab_size, self.d_model), (ax.VOCAB, ax.EMBED)
         )
-        h_BLD = embed_lookup(table_VD, ids_BL, self.kernels)
+        if self.grad == "scatter_add":
+            h_BLD = jnp.take(table_VD, ids_BL, axis=0)
+        else:
+            h_BLD = embed_lookup(table_VD, ids_BL, self.kernels)
         return constrain(h_BLD, self.layout, (ax.BATCH, ax.SEQ, ax.ACT_EMBED), "embed_out")
 
 

@@ -86,7 +86,7 @@ class HybridLM(nn.Module):
 
     def setup(self) -> None:
         c, lay = self.cfg, self.layout
-        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, c.kernels, lay)
+        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, c.kernels, lay, c.embed_grad)
         block = block_class(c)
         self.layers = [block(c, letter, lay, name=f"layer_{i}") for i, letter in enumerate(c.pattern)]
         self.final_norm = RMSNorm(c.norm_eps, c.kernels)
