@@ -166,6 +166,10 @@ class ModelConfig:
                 _fail(*problem)
         if not 0.0 <= self.dropout < 1.0:
             _fail("model.dropout", self.dropout, "must be in [0, 1)", "use e.g. 0.0 or 0.1")
+        if not 0 < self.norm_eps < 1:
+            _fail("model.norm_eps", self.norm_eps, "must be in (0, 1): RMSNorm divides by sqrt(mean + eps)", "use 1e-5")
+        if not 0 < self.init_std < float("inf"):
+            _fail("model.init_std", self.init_std, "must be a positive, finite number", "use e.g. 0.02")
         self.mamba.validate(self.d_model)
         self.moe.validate()
         self.mtp.validate()
@@ -192,6 +196,16 @@ class TrainConfig:
     def n_micro(self) -> int:
         return self.global_batch // self.micro_batch
 
+    def warnings(self) -> list[str]:
+        """Legal but probably unintended settings (the trainer prints them; a short smoke run of a long
+        config is a real use, so they are not errors)."""
+        if self.warmup_steps > self.steps:
+            return [
+                f"train.warmup_steps = {self.warmup_steps} > train.steps = {self.steps}: the learning rate never "
+                f"reaches train.lr = {self.lr}"
+            ]
+        return []
+
     def validate(self) -> None:
         for name in ("steps", "global_batch", "micro_batch", "seq_len"):
             if getattr(self, name) <= 0:
@@ -203,12 +217,22 @@ class TrainConfig:
                 f"is not divisible by train.micro_batch = {self.micro_batch}",
                 "make global_batch a multiple of micro_batch",
             )
-        if self.lr <= 0:
-            _fail("train.lr", self.lr, "must be positive", "use e.g. 3e-4")
+        if not 0 < self.lr < float("inf"):
+            _fail("train.lr", self.lr, "must be a positive, finite number", "use e.g. 3e-4")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             _fail("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]", "use e.g. 0.1")
-        if self.warmup_steps < 0 or self.decay_steps < 0:
-            _fail("train.warmup_steps", self.warmup_steps, "must be >= 0", "use a non-negative count")
+        for name in ("warmup_steps", "decay_steps"):
+            if getattr(self, name) < 0:
+                _fail(f"train.{name}", getattr(self, name), "must be >= 0", "use a non-negative count")
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail(f"train.{name}", getattr(self, name), "must be in [0, 1)", "use e.g. b1=0.9, b2=0.95")
+        if not 0 < self.eps < float("inf"):
+            _fail("train.eps", self.eps, "must be a positive, finite number", "use e.g. 1e-8")
+        if not 0 <= self.weight_decay < float("inf"):
+            _fail("train.weight_decay", self.weight_decay, "must be >= 0 and finite", "use e.g. 0.1")
+        if not 0 < self.clip_norm < float("inf"):
+            _fail("train.clip_norm", self.clip_norm, "must be a positive, finite norm", "use e.g. 1.0")
 
 
 @dataclass(frozen=True)
@@ -218,6 +242,8 @@ class DataConfig:
     builtin_sentences: int = 20000
 
     def validate(self) -> None:
+        if self.builtin_sentences < 1:
+            _fail("data.builtin_sentences", self.builtin_sentences, "must be >= 1", "use e.g. 20000")
         if self.source == "arrayrecord" and not self.path:
             _fail(
                 "data.path",
@@ -482,6 +508,11 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             _fail(key, value, f"must be an int, got {type(value).__name__}", "write a whole number")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `1e6` (no dot) as a string; a number is what was meant
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(key, value, f"must be a float, got {type(value).__name__}", "write a number such as 3e-4")
         return float(value)
@@ -535,6 +566,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file '{p}' is a directory. Fix: pass a YAML file, e.g. configs/tiny.yaml")
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist. Fix: pass an existing YAML file")
         try:
@@ -542,7 +575,9 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{p}' is not valid YAML: {e}. Fix: correct the syntax") from e
         if loaded is None:
-            loaded = {}
+            raise ConfigError(
+                f"config file '{p}' is empty. Fix: give at least one section, e.g. copy configs/tiny.yaml"
+            )
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file '{p}' must hold a mapping at top level, got {type(loaded).__name__}")
         tree = loaded

@@ -70,6 +70,8 @@ def train(
     from detjax.trace.driver import step_runner
 
     primary = is_primary()
+    for w in cfg.train.warnings() if primary else []:
+        print(f"warning: {w}", file=sys.stderr)
     resume = cfg.ckpt.resume if resume is None else resume
     if resume and not cfg.ckpt.enabled:
         raise ConfigError(

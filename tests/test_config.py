@@ -38,6 +38,19 @@ def test_tiny_loads_and_is_frozen(tiny_path):
         ("data.source=arrayrecord", r"'data.path' = '': data.source is 'arrayrecord' but no path"),
         ("model.dropout=1.5", r"'model.dropout' = 1.5: must be in \[0, 1\)"),
         ("train.steps", r"override 'train.steps' is not key=value"),
+        # numbers that would train on NaN or backwards (issue: they used to be accepted)
+        ("train.lr=.inf", r"'train.lr' = inf: must be a positive, finite number"),
+        ("train.lr=.nan", r"'train.lr' = nan: must be a positive, finite number"),
+        ("train.eps=0", r"'train.eps' = 0.0: must be a positive"),
+        ("train.b1=2.0", r"'train.b1' = 2.0: must be in \[0, 1\)"),
+        ("train.b2=1", r"'train.b2' = 1.0: must be in \[0, 1\)"),
+        ("train.clip_norm=-1", r"'train.clip_norm' = -1.0: must be a positive, finite norm"),
+        ("train.weight_decay=-0.1", r"'train.weight_decay' = -0.1: must be >= 0"),
+        ("model.norm_eps=0", r"'model.norm_eps' = 0.0: must be in \(0, 1\)"),
+        ("model.init_std=0", r"'model.init_std' = 0.0: must be a positive"),
+        ("train.decay_steps=-1", r"'train.decay_steps' = -1: must be >= 0"),
+        ("data.builtin_sentences=0", r"'data.builtin_sentences' = 0: must be >= 1"),
+        ("data.builtin_sentences=-5", r"'data.builtin_sentences' = -5: must be >= 1"),
     ],
 )
 def test_config_errors(tiny_path, override, pattern):
@@ -60,6 +73,21 @@ def test_off_parses_and_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="'model' = 3: must be a mapping"):
         load_config(tmp_path / "sec.yaml")
     assert isinstance(Config(), Config)
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ConfigError, match="is empty. Fix: "):
+        load_config(tmp_path / "empty.yaml")
+    with pytest.raises(ConfigError, match="is a directory. Fix: "):
+        load_config(tmp_path)
+
+
+def test_numbers_as_yaml_writes_them(tiny_path):
+    """YAML 1.1 reads 1e6 (no dot) as a string; float keys take it as the number it is."""
+    assert load_config(tiny_path, ["train.lr=1e-3"]).train.lr == 1e-3
+    assert load_config(tiny_path, ["train.lr=1e6"]).train.lr == 1e6
+    assert load_config(tiny_path, ["train.eps=1e-8"]).train.eps == 1e-8
+    cfg = load_config(tiny_path, ["train.steps=4"])
+    assert cfg.train.warnings() and "never reaches" in cfg.train.warnings()[0]  # warm-up 20 > 4 steps
+    assert load_config(tiny_path).train.warnings() == []
 
 
 def test_checkpoints_off_refuses_what_needs_them(tiny_path, tmp_path):
