@@ -12,11 +12,41 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from detjax import fingerprint as fp
 from detjax.config import Config
 from detjax.flops import mfu
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a non-finite loss, gradient or parameter; the run stops before saving it."""
+
+
+QUANTITIES = ("lm_loss", "mtp_loss", "aux_loss", "grad_norm")
+
+
+def nonfinite_problem(step: int, host: dict[str, Any], param_paths: list[str]) -> str | None:
+    """The non-finite guard, on the metrics a step returned (already on host): None when every checked
+    value is finite, else one line naming the step, the first non-finite quantity (losses, gradient norm,
+    then the parameters after the update), the first gradient or parameter leaf holding one, and the digests."""
+    bad = [q for q in QUANTITIES if not np.isfinite(float(host[q]))]
+    grads_ok, params_ok = np.asarray(host["finite"]["grads"]), np.asarray(host["finite"]["params"])
+    if not bad and grads_ok.all() and params_ok.all():
+        return None
+    what = bad[0] if bad else "the update (parameters after the optimizer step)"
+    leaf = ""
+    if not grads_ok.all():
+        leaf = f"; first non-finite gradient leaf: {param_paths[int(np.argmin(grads_ok))]}"
+    elif not params_ok.all():
+        leaf = f"; first non-finite parameter leaf after the update: {param_paths[int(np.argmin(params_ok))]}"
+    digests = " ".join(f"{k}={fp.digest_hex(host['digest'][k])}" for k in fp.DIGEST_FIELDS) if "digest" in host else ""
+    return (
+        f"non-finite value at step {step}: {what} is {', '.join(f'{q}={float(host[q])}' for q in QUANTITIES)}"
+        f"{leaf}; digests {digests or '(run.fingerprints off)'}. No checkpoint or fingerprint holds this step. Fix: lower "
+        "train.lr, raise train.warmup_steps or train.eps, or resume from the last checkpoint with other settings"
+    )
 
 
 def peak_memory_bytes(devices: list[Any]) -> int | None:
@@ -36,9 +66,12 @@ class RunLog:
         end: int,
         primary: bool,
         devices: list[Any] | None = None,
+        param_paths: list[str] | None = None,
     ):
-        """`devices`: the mesh's devices (MFU divides by their count; peak memory reads the local ones)."""
+        """`devices`: the mesh's devices (MFU divides by their count; peak memory reads the local ones).
+        `param_paths`: the parameter leaves' paths in pytree order (the non-finite guard names them)."""
         self.cfg = cfg
+        self.param_paths = list(param_paths or [])
         self.devices = list(devices) if devices is not None else jax.devices()[:1]
         self._local = [d for d in self.devices if d.process_index == jax.process_index()]
         self.records = list(history)
@@ -85,6 +118,10 @@ class RunLog:
         }
         if self._metrics is not None:
             self._metrics.write(json.dumps(line) + "\n")
+            self._metrics.flush()
+        problem = nonfinite_problem(step, host, self.param_paths) if "finite" in host else None
+        if problem is not None:  # before this step's fingerprint is recorded or any checkpoint can save it
+            raise NonFiniteError(problem)
         if self.cfg.run.fingerprints:
             rec = fp.record(step, host)
             self.records.append(rec)

@@ -38,12 +38,27 @@ def _dict_path(path: tuple) -> tuple[str, ...]:
     return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
 
 
-def global_norm(tree: Any) -> jax.Array:
+def leaf_square_sums(tree: Any) -> list[jax.Array]:
+    """Each leaf's sum of squares (float32), in pytree order."""
+    return [jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(tree)]
+
+
+def global_norm(tree: Any, squares: list[jax.Array] | None = None) -> jax.Array:
     """sqrt of the sum of squares, leaves summed in pytree order."""
     total = jnp.zeros((), jnp.float32)
-    for leaf in jax.tree.leaves(tree):
-        total = total + jnp.sum(jnp.square(leaf.astype(jnp.float32)))
+    for sq in leaf_square_sums(tree) if squares is None else squares:
+        total = total + sq
     return jnp.sqrt(total)
+
+
+def finite_flags(grad_squares: list[jax.Array], new_params: Any) -> dict[str, jax.Array]:
+    """The non-finite guard's inputs, computed on device inside the step: per gradient leaf, whether its
+    sum of squares is finite (the same sums the gradient norm adds, so no extra pass over the gradients),
+    and per parameter leaf after the update, whether every element is finite."""
+    return {
+        "grads": jnp.stack([jnp.isfinite(sq) for sq in grad_squares]),
+        "params": jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(new_params)]),
+    }
 
 
 class Trainer:
@@ -198,7 +213,9 @@ class Trainer:
         return new_state, grads, updates, self.objective.losses(sums)
 
     def metrics(self, state: TrainState, new_state: TrainState, grads: Any, losses: dict, batch, step_key) -> dict:
-        out = dict(losses, grad_norm=global_norm(grads), lr=self.schedule(state.step))
+        squares = leaf_square_sums(grads)
+        out = dict(losses, grad_norm=global_norm(grads, squares), lr=self.schedule(state.step))
+        out["finite"] = finite_flags(squares, new_state.params)
         if self.cfg.run.fingerprints:
             out["digest"] = {
                 "params": fp.tree_digest(new_state.params),

@@ -2,6 +2,7 @@
 
 The run directory holds config.yaml (resolved), determinism.json (policy record), fingerprints.jsonl,
 metrics.jsonl, checkpoints/ and final_params.npz. XLA flags are set before JAX is imported.
+Exit status: 0 done, 2 bad input (config, checkpoint), 3 stopped on a non-finite loss, gradient or parameter.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def train(
     from detjax import rundir
     from detjax.ckpt import Checkpointer, StopSignals
     from detjax.data.pipeline import BatchIterator, make_dataset
-    from detjax.runlog import RunLog
+    from detjax.runlog import NonFiniteError, RunLog
     from detjax.sharding.mesh import build_layout
     from detjax.step import Trainer, compile_init, compile_train_step
     from detjax.trace.driver import step_runner
@@ -111,23 +112,31 @@ def train(
 
     start = int(jax.device_get(state.step))
     end = min(cfg.train.steps, cfg.run.stop_after) if cfg.run.stop_after else cfg.train.steps
-    log = RunLog(cfg, run_dir, history, start, end, primary, list(layout.mesh.devices.flat))
+    param_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
+    log = RunLog(cfg, run_dir, history, start, end, primary, list(layout.mesh.devices.flat), param_paths)
     stopped_by = "steps" if end == cfg.train.steps else "stop_after"
     saved_at = start
     with StopSignals() as sig:
-        for step in range(start, end):
-            state, metrics = run_step(step, state, put(np.asarray(next(batches))))
-            log.push(step, metrics)  # records step - 1, whose metrics are ready: step is already queued
-            done = step + 1
-            if ckptr is not None and ckptr.due(done, sig.received is not None):
-                log.flush()  # the saved fingerprint history must reach this step
-                saved_at = ckptr.save(state, batches.get_state(), log.records, policy)
-            if sig.received is not None:
-                stopped_by = "signal"
-                what = f"saved step {done}" if ckptr is not None else f"stopped after step {done} (not saved)"
-                print(f"received signal {sig.received}: {what}, exiting", file=sys.stderr)
-                break
-        log.flush()
+        try:
+            for step in range(start, end):
+                state, metrics = run_step(step, state, put(np.asarray(next(batches))))
+                log.push(step, metrics)  # records step - 1, whose metrics are ready: step is already queued
+                done = step + 1
+                if ckptr is not None and ckptr.due(done, sig.received is not None):
+                    log.flush()  # the saved fingerprint history must reach this step (and passes the guard)
+                    saved_at = ckptr.save(state, batches.get_state(), log.records, policy)
+                if sig.received is not None:
+                    stopped_by = "signal"
+                    what = f"saved step {done}" if ckptr is not None else f"stopped after step {done} (not saved)"
+                    print(f"received signal {sig.received}: {what}, exiting", file=sys.stderr)
+                    break
+            log.flush()
+        except NonFiniteError:  # the non-finite state is never saved: earlier checkpoints finish, then stop
+            if ckptr is not None:
+                ckptr.wait()
+                ckptr.close()
+            log.close()
+            raise
         if ckptr is not None:
             if int(jax.device_get(state.step)) != saved_at:
                 ckptr.save(state, batches.get_state(), log.records, policy)
@@ -180,12 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 2
     from detjax.ckpt import CheckpointError
+    from detjax.runlog import NonFiniteError
 
     try:
         result = train(cfg, Path(args.run_dir) if args.run_dir else None, resume=args.resume or None)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     print(f"run directory: {result.run_dir} (stopped by {result.stopped_by})")
     return 0
 

@@ -1,0 +1,47 @@
+"""The non-finite guard: checked on device inside the step, read on host with each step's metrics."""
+
+import numpy as np
+import pytest
+
+from detjax.config import load_config
+from detjax.runlog import NonFiniteError, nonfinite_problem
+from detjax.train import train
+
+PATHS = ["['embed']['table']", "['layer_0']['norm']['scale']", "['w_head']"]
+
+
+def _host(**over):
+    host = {"lm_loss": 2.0, "mtp_loss": 2.1, "aux_loss": 1.0, "grad_norm": 0.5}
+    host["finite"] = {"grads": np.ones(3, bool), "params": np.ones(3, bool)}
+    host["digest"] = {k: np.array([1, 2], np.uint32) for k in ("params", "grads", "opt_state", "batch", "rng")}
+    for k, v in over.items():
+        if k in ("grads", "params"):
+            host["finite"][k] = np.array(v, bool)
+        else:
+            host[k] = v
+    return host
+
+
+def test_the_guard_names_quantity_leaf_and_step():
+    assert nonfinite_problem(4, _host(), PATHS) is None
+    msg = nonfinite_problem(7, _host(lm_loss=float("nan"), grad_norm=float("inf"), grads=[1, 0, 0]), PATHS)
+    assert "at step 7: lm_loss is lm_loss=nan" in msg and "first non-finite gradient leaf: ['layer_0']" in msg
+    assert "digests params=0000000100000002" in msg and "Fix: " in msg and "\n" not in msg
+    msg = nonfinite_problem(3, _host(grad_norm=float("inf"), grads=[1, 1, 0]), PATHS)
+    assert "grad_norm is" in msg and "leaf: ['w_head']" in msg
+    msg = nonfinite_problem(0, _host(params=[1, 0, 1]), PATHS)
+    assert "the update (parameters after the optimizer step)" in msg and "update: ['layer_0']" in msg
+
+
+def test_a_run_that_goes_non_finite_stops_and_saves_nothing(tiny_path, tmp_path):
+    """lr = 1e39 overflows float32 in the first update: the run stops at step 0 naming the update and the
+    first parameter leaf; no fingerprint, checkpoint or final params of a non-finite state is written. The
+    metrics line of the step is kept (flushed), with its losses."""
+    over = ["train.lr=1e39", "train.warmup_steps=0", "train.steps=3", "ckpt.every=1", "run.progress=false"]
+    with pytest.raises(NonFiniteError, match=r"step 0: the update .*leaf after the update: \['embed'\]\['table'\]"):
+        train(load_config(tiny_path, over), tmp_path / "run")
+    run = tmp_path / "run"
+    assert (run / "fingerprints.jsonl").read_text() == ""
+    assert not (run / "final_params.npz").exists()
+    assert not any((run / "checkpoints").glob("*/")), "a checkpoint of the non-finite state was written"
+    assert '"step": 0' in (run / "metrics.jsonl").read_text()
