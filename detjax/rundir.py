@@ -8,7 +8,11 @@ never overwritten: a fresh run gets a new suffix.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,11 @@ def choose(cfg: Config, run_dir: Path | None, resume: bool, process_count: int) 
     must agree without talking) run.out_dir/run.name, refused if it already holds a run; else a fresh one."""
     if run_dir is not None:
         path = Path(run_dir)
+        if resume and not path.is_dir():
+            raise ConfigError(
+                f"--resume: run directory {path} does not exist, so there is nothing to resume. Fix: check the "
+                "--run-dir path, or drop --resume to start a new run"
+            )
     elif resume:
         path = Path(cfg.run.out_dir) / cfg.run.name
     elif process_count > 1:
@@ -50,6 +59,35 @@ def choose(cfg: Config, run_dir: Path | None, resume: bool, process_count: int) 
     return path
 
 
+@contextlib.contextmanager
+def locked(path: Path, primary: bool) -> Iterator[None]:
+    """Hold <run>/.lock (an exclusive, non-blocking flock; the primary process only) while training, so two
+    processes never write one run directory; the OS drops the lock when the process dies (kill -9 too)."""
+    if not primary:
+        yield
+        return
+    f = (path / ".lock").open("a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise ConfigError(
+            f"run directory {path} is in use by another training process (pid {holder}). Fix: wait for it to "
+            "finish or stop it, or pass another --run-dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    try:
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
 def flat_params(params: Any) -> dict[str, Any]:
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
@@ -58,8 +96,10 @@ def write_final_params(path: Path, params: Any, primary: bool) -> None:
     """final_params.npz: every parameter by its tree path (gathered from all processes; process 0 writes)."""
     if jax.process_count() > 1:  # every process takes part in the gather
         params = multihost_utils.process_allgather(params, tiled=True)
-    if primary:
-        np.savez(path / "final_params.npz", **flat_params(params))
+    if primary:  # written beside, then renamed: a reader never sees a half-written file
+        tmp = path / "final_params.npz.tmp.npz"
+        np.savez(tmp, **flat_params(params))
+        os.replace(tmp, path / "final_params.npz")
 
 
 def write_description(path: Path, cfg: Config, policy: dict[str, Any]) -> None:

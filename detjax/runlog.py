@@ -44,8 +44,9 @@ def nonfinite_problem(step: int, host: dict[str, Any], param_paths: list[str]) -
     digests = " ".join(f"{k}={fp.digest_hex(host['digest'][k])}" for k in fp.DIGEST_FIELDS) if "digest" in host else ""
     return (
         f"non-finite value at step {step}: {what} is {', '.join(f'{q}={float(host[q])}' for q in QUANTITIES)}"
-        f"{leaf}; digests {digests or '(run.fingerprints off)'}. No checkpoint or fingerprint holds this step. Fix: lower "
-        "train.lr, raise train.warmup_steps or train.eps, or resume from the last checkpoint with other settings"
+        f"{leaf}; digests {digests or '(run.fingerprints off)'}. No checkpoint or fingerprint holds this step. "
+        "Fix: lower train.lr, raise train.warmup_steps or train.eps, or resume from the last checkpoint with "
+        "other settings"
     )
 
 

@@ -80,72 +80,73 @@ def train(
             "Fix: set ckpt.enabled=true"
         )
     run_dir = rundir.choose(cfg, run_dir, resume, jax.process_count())
-    policy = determinism.policy_record(cfg)
-    ckptr = Checkpointer(Path(cfg.ckpt.dir or run_dir / "checkpoints"), cfg) if cfg.ckpt.enabled else None
+    with rundir.locked(run_dir, primary):  # one process at a time per run directory
+        policy = determinism.policy_record(cfg)
+        ckptr = Checkpointer(Path(cfg.ckpt.dir or run_dir / "checkpoints"), cfg) if cfg.ckpt.enabled else None
 
-    layout = build_layout(cfg)  # impossible meshes fail here, before anything compiles
-    trainer = Trainer(cfg, layout=layout)
-    state_sh, batch_sh = trainer.state_shardings(), trainer.batch_sharding()
-    shape = (cfg.train.global_batch, cfg.train.seq_len + 1)
-    batches = BatchIterator(make_dataset(cfg, rows=process_rows(batch_sh, shape)))
-    if resume and ckptr is not None and ckptr.latest_step() is not None:
-        state, history = _restore(ckptr, trainer, state_sh, batches, policy)
-    else:
-        if resume:
-            print(f"no checkpoint in {ckptr.directory}; starting from step 0", file=sys.stderr)
-        state, history = compile_init(trainer, state_sh)(jax.random.key(cfg.train.seed)), []
-    if after_restore is not None:
-        state, batches = after_restore(state, batches)
+        layout = build_layout(cfg)  # impossible meshes fail here, before anything compiles
+        trainer = Trainer(cfg, layout=layout)
+        state_sh, batch_sh = trainer.state_shardings(), trainer.batch_sharding()
+        shape = (cfg.train.global_batch, cfg.train.seq_len + 1)
+        batches = BatchIterator(make_dataset(cfg, rows=process_rows(batch_sh, shape)))
+        if resume and ckptr is not None and ckptr.latest_step() is not None:
+            state, history = _restore(ckptr, trainer, state_sh, batches, policy)
+        else:
+            if resume:
+                print(f"no checkpoint in {ckptr.directory}; starting from step 0", file=sys.stderr)
+            state, history = compile_init(trainer, state_sh)(jax.random.key(cfg.train.seed)), []
+        if after_restore is not None:
+            state, batches = after_restore(state, batches)
 
-    step_fn = compile_train_step(trainer, state_sh, batch_sh)
-    left = determinism.check_step(cfg, step_fn, state, jax.ShapeDtypeStruct(shape, np.int32, sharding=batch_sh))
-    if left:  # strategy=kernels: the (tiny) dots XLA still runs, each with its reason
-        policy["xla_dots_left"] = [{k: str(v) for k, v in d.items()} for d in left]
-    if primary:
-        rundir.write_description(run_dir, cfg, policy)
-    run_step = step_runner(cfg, trainer, step_fn, run_dir, state_sh, batch_sh)
+        step_fn = compile_train_step(trainer, state_sh, batch_sh)
+        left = determinism.check_step(cfg, step_fn, state, jax.ShapeDtypeStruct(shape, np.int32, sharding=batch_sh))
+        if left:  # strategy=kernels: the (tiny) dots XLA still runs, each with its reason
+            policy["xla_dots_left"] = [{k: str(v) for k, v in d.items()} for d in left]
+        if primary:
+            rundir.write_description(run_dir, cfg, policy)
+        run_step = step_runner(cfg, trainer, step_fn, run_dir, state_sh, batch_sh)
 
-    def put(batch: Any) -> Any:
-        if jax.process_count() == 1:
-            return jax.device_put(batch, batch_sh)
-        return jax.make_array_from_process_local_data(batch_sh, batch, shape)
+        def put(batch: Any) -> Any:
+            if jax.process_count() == 1:
+                return jax.device_put(batch, batch_sh)
+            return jax.make_array_from_process_local_data(batch_sh, batch, shape)
 
-    start = int(jax.device_get(state.step))
-    end = min(cfg.train.steps, cfg.run.stop_after) if cfg.run.stop_after else cfg.train.steps
-    param_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
-    log = RunLog(cfg, run_dir, history, start, end, primary, list(layout.mesh.devices.flat), param_paths)
-    stopped_by = "steps" if end == cfg.train.steps else "stop_after"
-    saved_at = start
-    with StopSignals() as sig:
-        try:
-            for step in range(start, end):
-                state, metrics = run_step(step, state, put(np.asarray(next(batches))))
-                log.push(step, metrics)  # records step - 1, whose metrics are ready: step is already queued
-                done = step + 1
-                if ckptr is not None and ckptr.due(done, sig.received is not None):
-                    log.flush()  # the saved fingerprint history must reach this step (and passes the guard)
-                    saved_at = ckptr.save(state, batches.get_state(), log.records, policy)
-                if sig.received is not None:
-                    stopped_by = "signal"
-                    what = f"saved step {done}" if ckptr is not None else f"stopped after step {done} (not saved)"
-                    print(f"received signal {sig.received}: {what}, exiting", file=sys.stderr)
-                    break
-            log.flush()
-        except NonFiniteError:  # the non-finite state is never saved: earlier checkpoints finish, then stop
+        start = int(jax.device_get(state.step))
+        end = min(cfg.train.steps, cfg.run.stop_after) if cfg.run.stop_after else cfg.train.steps
+        param_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
+        log = RunLog(cfg, run_dir, history, start, end, primary, list(layout.mesh.devices.flat), param_paths)
+        stopped_by = "steps" if end == cfg.train.steps else "stop_after"
+        saved_at = start
+        with StopSignals() as sig:
+            try:
+                for step in range(start, end):
+                    state, metrics = run_step(step, state, put(np.asarray(next(batches))))
+                    log.push(step, metrics)  # records step - 1, whose metrics are ready: step is already queued
+                    done = step + 1
+                    if ckptr is not None and ckptr.due(done, sig.received is not None):
+                        log.flush()  # the saved fingerprint history must reach this step (and passes the guard)
+                        saved_at = ckptr.save(state, batches.get_state(), log.records, policy)
+                    if sig.received is not None:
+                        stopped_by = "signal"
+                        what = f"saved step {done}" if ckptr is not None else f"stopped after step {done} (not saved)"
+                        print(f"received signal {sig.received}: {what}, exiting", file=sys.stderr)
+                        break
+                log.flush()
+            except NonFiniteError:  # the non-finite state is never saved: earlier checkpoints finish, then stop
+                if ckptr is not None:
+                    ckptr.wait()
+                    ckptr.close()
+                log.close()
+                raise
             if ckptr is not None:
+                if int(jax.device_get(state.step)) != saved_at:
+                    ckptr.save(state, batches.get_state(), log.records, policy)
                 ckptr.wait()
                 ckptr.close()
-            log.close()
-            raise
-        if ckptr is not None:
-            if int(jax.device_get(state.step)) != saved_at:
-                ckptr.save(state, batches.get_state(), log.records, policy)
-            ckptr.wait()
-            ckptr.close()
-    log.close()
-    if cfg.run.save_final_params and stopped_by == "steps":
-        rundir.write_final_params(run_dir, state.params, primary)
-    return RunResult(run_dir, state, log.records, stopped_by, batches.get_state())
+        log.close()
+        if cfg.run.save_final_params and stopped_by == "steps":
+            rundir.write_final_params(run_dir, state.params, primary)
+        return RunResult(run_dir, state, log.records, stopped_by, batches.get_state())
 
 
 def process_rows(sharding: Any, shape: tuple[int, int]) -> tuple[int, int]:
@@ -189,11 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 2
     from detjax.ckpt import CheckpointError
+    from detjax.data.pipeline import DataError
     from detjax.runlog import NonFiniteError
 
     try:
         result = train(cfg, Path(args.run_dir) if args.run_dir else None, resume=args.resume or None)
-    except (CheckpointError, ConfigError) as e:
+    except (CheckpointError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

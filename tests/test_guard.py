@@ -45,3 +45,44 @@ def test_a_run_that_goes_non_finite_stops_and_saves_nothing(tiny_path, tmp_path)
     assert not (run / "final_params.npz").exists()
     assert not any((run / "checkpoints").glob("*/")), "a checkpoint of the non-finite state was written"
     assert '"step": 0' in (run / "metrics.jsonl").read_text()
+
+
+def test_one_process_per_run_directory(tmp_path):
+    """The run directory's lock: a second holder is refused with the first one's pid; released after."""
+    import os
+
+    from detjax import rundir
+    from detjax.config import ConfigError
+
+    with rundir.locked(tmp_path, primary=True):
+        with pytest.raises(ConfigError, match=rf"in use by another training process \(pid {os.getpid()}\)\. Fix: "):
+            with rundir.locked(tmp_path, primary=True):
+                pass
+    with rundir.locked(tmp_path, primary=True):  # released: taken again
+        pass
+
+
+def test_resume_of_a_missing_run_directory_is_refused(tiny_path, tmp_path):
+    from detjax import rundir
+    from detjax.config import ConfigError
+
+    cfg = load_config(tiny_path)
+    with pytest.raises(ConfigError, match=r"--resume: run directory .*does not exist.*Fix: check the --run-dir"):
+        rundir.choose(cfg, tmp_path / "typo", resume=True, process_count=1)
+    assert rundir.choose(cfg, tmp_path / "new", resume=False, process_count=1).is_dir()
+
+
+def test_bad_data_files_get_one_line_errors(tiny_path, tmp_path, capsys):
+    from detjax.data.pipeline import DataError, read_arrayrecord_tokens
+    from detjax.train import main
+
+    (tmp_path / "empty.arrayrecord").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty or not a file\. Fix: "):
+        read_arrayrecord_tokens(str(tmp_path / "empty.arrayrecord"))
+    (tmp_path / "junk.arrayrecord").write_bytes(b"not an array record file\n" * 10)
+    with pytest.raises(DataError, match=r"cannot read the shards as ArrayRecord .*\. Fix: "):
+        read_arrayrecord_tokens(str(tmp_path / "junk.arrayrecord"))
+    over = ["data.source=arrayrecord", f"data.path={tmp_path / 'nothing*.arrayrecord'}", f"run.out_dir={tmp_path}"]
+    assert main(["--config", str(tiny_path), *over]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: data.path=") and "matches no files. Fix: " in err[0]

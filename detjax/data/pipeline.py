@@ -8,6 +8,7 @@ and the iterator (whose state is checkpointed) give the same batches.
 from __future__ import annotations
 
 import glob
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +46,23 @@ def read_arrayrecord_tokens(pattern: str) -> np.ndarray:
             f"data.path={pattern!r} matches no files. Fix: run `python -m detjax.data.prepare` and point "
             "data.path at its *.arrayrecord shards"
         )
-    src = grain.sources.ArrayRecordDataSource(paths)
-    return np.concatenate([np.frombuffer(src[i], dtype=np.uint16) for i in range(len(src))])
+    for p in paths:
+        if not os.path.isfile(p) or os.path.getsize(p) == 0:
+            raise DataError(f"data file {p} is empty or not a file. Fix: point data.path at the shards `prepare` wrote")
+    try:
+        src = grain.sources.ArrayRecordDataSource(paths)
+        records = [np.frombuffer(src[i], dtype=np.uint16) for i in range(len(src))]
+    except (RuntimeError, ValueError, OSError) as e:
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise DataError(
+            f"data.path={pattern!r}: cannot read the shards as ArrayRecord ({first}). Fix: point data.path at the "
+            "*.arrayrecord shards written by `python -m detjax.data.prepare`"
+        ) from None
+    if not records:
+        raise DataError(
+            f"data.path={pattern!r}: the shards hold no records. Fix: re-run `python -m detjax.data.prepare`"
+        )
+    return np.concatenate(records)
 
 
 def load_tokens(cfg: Config) -> np.ndarray:
