@@ -1,5 +1,6 @@
 """L2: save/restore at any step(s), any number of times, equals the uninterrupted run, bit for bit."""
 
+import json
 import os
 import shutil
 import signal
@@ -232,3 +233,74 @@ def test_resume_check_script(python, tiny_path, tmp_path):
         text=True,
     )
     assert bad.returncode != 0 and "every stop must lie in 1..3" in bad.stderr
+
+
+def _json_item(ck_dir, item: str):
+    f = ck_dir / str(STEPS) / item / "metadata"  # Orbax's JSON item file
+    assert f.is_file(), sorted((ck_dir / str(STEPS) / item).iterdir())
+    return f
+
+
+@pytest.mark.parametrize("edit", ["data-position", "fingerprint-digit", "config-no-hash", "rng-impl"])
+def test_edited_json_items_are_refused(cfg_of, continuous, tmp_path, edit):
+    """The items beside the arrays are checksummed at save: an edited data position (the resumed run would
+    read other batches), fingerprint history, config (hash left alone) or PRNG implementation is refused
+    with a one-line reason. Negative control: the unedited copy restores."""
+    ck_dir = tmp_path / "checkpoints"
+    shutil.copytree(continuous.run_dir / "checkpoints" / str(STEPS), ck_dir / str(STEPS))
+    cfg = cfg_of()
+    abstract = Trainer(cfg).abstract_state()
+    shardings = jax.tree.map(lambda _: replicated(single_device_mesh()), abstract)
+    ck = Checkpointer(ck_dir, cfg)
+    ck.restore(abstract, shardings)  # negative control: as saved, it restores
+    item, change = {
+        "data-position": ("data", _bump_first_int),
+        "fingerprint-digit": ("meta", lambda m: {**m, "fingerprints": _bump_fingerprint(m["fingerprints"])}),
+        "config-no-hash": ("meta", lambda m: {**m, "config": _with_d_model(m["config"], 80)}),
+        "rng-impl": ("meta", lambda m: {**m, "rng_impl": "rbg"}),
+    }[edit]
+    f = _json_item(ck_dir, item)
+    f.write_text(json.dumps(change(json.loads(f.read_text()))))
+    with pytest.raises(CheckpointError, match=rf"checkpoint step {STEPS}: .*(checksum|hashes to).*Fix: ") as e:
+        ck.restore(abstract, shardings)
+    assert "\n" not in str(e.value)
+    ck.close()
+
+
+def _bump_first_int(d: dict) -> dict:
+    """The data state with its first integer field other than next_step changed by one (e.g. Grain's index)."""
+    out = json.loads(json.dumps(d))
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if isinstance(v, int) and not isinstance(v, bool) and k != "next_step":
+                    x[k] = v + 1
+                    return True
+                if walk(v):
+                    return True
+        if isinstance(x, list):
+            return any(walk(v) for v in x)
+        return False
+
+    if not walk(out):  # Grain keeps its state as a JSON string: edit the first digit in it
+        for k, v in out.items():
+            if isinstance(v, str) and any(c.isdigit() for c in v):
+                i = next(i for i, c in enumerate(v) if c.isdigit())
+                out[k] = v[:i] + str((int(v[i]) + 1) % 10) + v[i + 1 :]
+                break
+    assert out != d
+    return out
+
+
+def _bump_fingerprint(history: list) -> list:
+    out = json.loads(json.dumps(history))
+    d = out[-1]["digest"]["params"]
+    out[-1]["digest"]["params"] = ("1" if d[0] != "1" else "2") + d[1:]
+    return out
+
+
+def _with_d_model(config: dict, value: int) -> dict:
+    out = json.loads(json.dumps(config))
+    out["model"]["d_model"] = value
+    return out

@@ -16,8 +16,11 @@ checked against the one written at save time.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from detjax import fingerprint as fp
-from detjax.config import RESUME_MUTABLE_SECTIONS, Config, config_from_dict
+from detjax.config import RESUME_MUTABLE_SECTIONS, Config, ConfigError, config_from_dict
 
 
 class CheckpointError(RuntimeError):
@@ -159,7 +162,9 @@ class Checkpointer:
             "leaves": _leaf_table(tree),
             "digests": leaf_digests(tree),
             "fingerprints": [r for r in history if r["step"] < step],
+            "data_sha256": json_sha256(data_state),
         }
+        meta["meta_sha256"] = json_sha256(meta)  # over every other meta field: config, history, rng_impl ...
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -190,7 +195,33 @@ class Checkpointer:
         try:
             return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax raises several types for unreadable JSON
-            raise CheckpointError(f"checkpoint step {step}: item 'meta' at {path} is unreadable ({e})") from e
+            raise CheckpointError(
+                f"checkpoint step {step}: item 'meta' at {path} is unreadable ({short_cause(e)})"
+            ) from None
+
+    def check_meta_integrity(self, step: int, meta: dict[str, Any]) -> None:
+        """The meta item against its own checksum, and the stored config against its stored hash."""
+        if "meta_sha256" not in meta:
+            print(
+                f"warning: checkpoint step {step} predates metadata checksums; its config, fingerprint history and "
+                "data state are not integrity-checked",
+                file=sys.stderr,
+            )
+        elif json_sha256({k: v for k, v in meta.items() if k != "meta_sha256"}) != meta["meta_sha256"]:
+            raise CheckpointError(
+                f"checkpoint step {step}: item 'meta' (config, fingerprint history, PRNG implementation, leaf "
+                "table) does not match the checksum written at save. The checkpoint is corrupt or was edited. "
+                "Fix: resume from an earlier step or restart"
+            )
+        try:
+            stored = config_from_dict(meta["config"]).hash()
+        except ConfigError as e:
+            raise CheckpointError(f"checkpoint step {step}: the stored config does not load ({e})") from None
+        if stored != meta.get("config_hash"):
+            raise CheckpointError(
+                f"checkpoint step {step}: the stored config hashes to {stored}, not to the stored config_hash "
+                f"{meta.get('config_hash')}. The checkpoint was edited. Fix: resume from an earlier step or restart"
+            )
 
     def check_compatible(self, meta: dict[str, Any], abstract_saveable: dict[str, Any]) -> None:
         """Config hash, then every leaf's dtype and shape, before any array is read."""
@@ -222,6 +253,7 @@ class Checkpointer:
         if step is None:
             raise CheckpointError(f"no complete checkpoint in {self.directory}. Fix: check ckpt.dir / --run-dir")
         meta = self._read_meta(step)
+        self.check_meta_integrity(step, meta)
         abstract = jax.eval_shape(_to_saveable, abstract_state)
         self.check_compatible(meta, abstract)
         target = jax.tree.map(
@@ -241,11 +273,17 @@ class Checkpointer:
             )
         except Exception as e:
             raise CheckpointError(
-                f"checkpoint step {step} in {self.directory}: reading the items failed ({type(e).__name__}: {e}). "
+                f"checkpoint step {step} in {self.directory}: reading the items failed ({short_cause(e)}). "
                 "The checkpoint is corrupt or incomplete. Fix: resume from an earlier step (ckpt keeps "
                 f"{self.cfg.ckpt.keep}) or restart"
-            ) from e
+            ) from None
         tree, data_state = got["state"], got["data"]
+        if "data_sha256" in meta and json_sha256(data_state) != meta["data_sha256"]:
+            raise CheckpointError(
+                f"checkpoint step {step}: item 'data' (the data iterator state) does not match the checksum written "
+                "at save; resuming would read other batches. The checkpoint is corrupt or was edited. Fix: resume "
+                "from an earlier step or restart"
+            )
         digests = leaf_digests(tree)
         bad = [k for k in meta["digests"] if digests.get(k) != meta["digests"][k]]
         if bad:
@@ -261,7 +299,13 @@ class Checkpointer:
                 f"state says step {int(jax.device_get(tree['step']))}; they must agree. The checkpoint is inconsistent"
             )
         impl = meta.get("rng_impl")
-        rng = jax.random.wrap_key_data(tree["rng"], impl=_impl_name(impl))
+        try:
+            rng = jax.random.wrap_key_data(tree["rng"], impl=_impl_name(impl))
+        except (TypeError, ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"checkpoint step {step}: saved PRNG implementation {impl!r} cannot wrap the saved key data "
+                f"({short_cause(e)}). Fix: resume with the jax version and config that wrote it"
+            ) from None
         state = abstract_state.replace(
             step=tree["step"],
             params=tree["params"],
@@ -270,6 +314,26 @@ class Checkpointer:
             collections=tree["collections"],
         )
         return state, data_state, meta
+
+
+def json_sha256(obj: Any) -> str:
+    """sha256 of an object's canonical JSON (sorted keys): the checksum of the JSON checkpoint items."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def short_cause(e: BaseException, limit: int = 300) -> str:
+    """The innermost cause of an exception chain, as its type and first line (Orbax/TensorStore errors run
+    to kilobytes with the cause buried in a spec)."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    text = lines[0] if lines else ""
+    for marker in ("CRC", "crc32", "truncated", "Truncated", "No such file", "Not found", "NOT_FOUND", "corrupt"):
+        hit = next((x for x in lines if marker in x), None)
+        if hit is not None:
+            text = hit
+            break
+    return f"{type(e).__name__}: {text[:limit]}"
 
 
 def _impl_name(impl: str | None) -> str:
