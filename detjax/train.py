@@ -28,13 +28,22 @@ class RunResult:
 
 
 def _policy_drift(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    keys = ("xla_flags", "versions", "device_kind", "platform", "env")
+    keys = ("xla_flags", "versions", "device_kind", "platform", "env", "device_count", "process_count")
     return [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
 
 
 def _restore(ckptr: Any, trainer: Any, state_sh: Any, batches: Any, policy: dict[str, Any]):
     """The latest checkpoint's state (the data iterator is set in place) and fingerprint history."""
     state, data_state, meta = ckptr.restore(trainer.abstract_state(), state_sh)
+    saved_mesh, now_mesh = meta["policy"].get("mesh_resolved"), policy.get("mesh_resolved")
+    if saved_mesh is not None and saved_mesh != now_mesh:
+        from detjax.ckpt import CheckpointError
+
+        raise CheckpointError(
+            f"checkpoint step {meta['step']} was written on the mesh {saved_mesh}, this run resolves its mesh "
+            f"(mesh.* with the devices present) to {now_mesh}: the trajectory would change at the resume step. "
+            "Fix: resume with the same device count (mesh.devices=0 takes all devices present), or start a new run"
+        )
     batches.set_state(data_state)
     drift = _policy_drift(meta["policy"], policy)
     if drift:
@@ -85,6 +94,7 @@ def train(
         ckptr = Checkpointer(Path(cfg.ckpt.dir or run_dir / "checkpoints"), cfg) if cfg.ckpt.enabled else None
 
         layout = build_layout(cfg)  # impossible meshes fail here, before anything compiles
+        policy["mesh_resolved"] = {**layout.degrees, "devices": int(layout.mesh.devices.size)}
         trainer = Trainer(cfg, layout=layout)
         state_sh, batch_sh = trainer.state_shardings(), trainer.batch_sharding()
         shape = (cfg.train.global_batch, cfg.train.seq_len + 1)

@@ -86,3 +86,27 @@ def test_bad_data_files_get_one_line_errors(tiny_path, tmp_path, capsys):
     assert main(["--config", str(tiny_path), *over]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: data.path=") and "matches no files. Fix: " in err[0]
+
+
+def test_resume_with_another_resolved_mesh_is_refused(python, tiny_path, tmp_path):
+    """mesh.devices=0 (all devices) with data=-1: written with 2 devices, resumed where only 1 is present,
+    the mesh resolves to data=1; the trajectory would change, so the resume is refused (exit 2, one line)."""
+    import os
+    import subprocess
+
+    run = tmp_path / "run"
+    over = ["mesh.devices=0", "mesh.data=-1", "train.steps=2", "run.stop_after=1", "run.progress=false"]
+    over += ["model.pattern=-", "model.mtp.depth=0"]  # a one-block model: the point is the mesh, not the model
+
+    def start(n: int, *extra: str):
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+        env = dict(os.environ, XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={n}"]))
+        cmd = [python, "-m", "detjax.train", "--config", str(tiny_path), "--run-dir", str(run), *over, *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+    first = start(2)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = start(1, "--resume")
+    assert second.returncode == 2, second.stderr[-2000:]
+    err = [x for x in second.stderr.splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and "was written on the mesh" in err[0] and "'data': 2" in err[0] and "Fix: " in err[0]
