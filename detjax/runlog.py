@@ -84,7 +84,7 @@ class RunLog:
             self._fp = (run_dir / "fingerprints.jsonl").open("w")
             for r in self.records:
                 self._fp.write(fp.dumps(r) + "\n")
-        self._metrics = (run_dir / "metrics.jsonl").open("a") if primary else None
+        self._metrics = _metrics_file(run_dir / "metrics.jsonl", start) if primary else None
         show = cfg.run.progress and primary
         self._bar = tqdm(total=end, initial=start, disable=not show, desc=cfg.run.name, dynamic_ncols=True)
         self._primary = primary
@@ -145,6 +145,23 @@ class RunLog:
         for f in (self._metrics, self._fp):
             if f is not None:
                 f.close()
+
+
+def _metrics_file(path: Path, start: int):
+    """metrics.jsonl opened for appending after step `start` - 1: on a resume, lines of steps >= start
+    (written before the kill, about to be redone) are dropped, so every step has one line."""
+    if start > 0 and path.exists():
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if int(json.loads(line)["step"]) < start:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a kill
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(x + "\n" for x in kept))
+        tmp.replace(path)
+    return path.open("a" if start > 0 else "w")
 
 
 def _mem(peak: int | None) -> str:

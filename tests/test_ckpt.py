@@ -184,8 +184,12 @@ def test_sigkill_during_async_save_then_resume(python, tiny_path, cfg_of, contin
     ck = Checkpointer(run / "checkpoints", cfg_of())
     assert ck.latest_step() == 3, sorted(os.listdir(run / "checkpoints"))
     ck.close()
+    before = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert before[:6] == list(range(6))  # flushed per line: the killed process's lines are all there
     got = train(cfg_of("ckpt.every=3"), run, resume=True)
     _assert_same_run(continuous, got)
+    # the lines of steps after the restored checkpoint were redone: one line per step, in order
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == list(range(STEPS))
 
 
 @pytest.mark.slow
