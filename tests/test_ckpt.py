@@ -211,6 +211,7 @@ def test_sigterm_saves_and_exits_cleanly(python, tiny_path, cfg_of, continuous, 
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the script end to end; L2 itself is test_resume_is_bitwise and the kill/signal tests
 def test_resume_check_script(python, tiny_path, tmp_path):
     """The L2 tool end to end, each stop a new process: exit 0 and the 'identical' verdict."""
     from pathlib import Path

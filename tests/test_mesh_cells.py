@@ -5,6 +5,14 @@ from _cells import CELLS, Reference, check_cell
 
 DENSE = [c for c, m in CELLS.items() if m.get("pipeline", 1) == 1]
 HEAVY = {"tp2-ep4", "fsdp8-ep4"}
+# Covered in kind by the default cells (tp4 and tp4-sp split tensors, fsdp8-ep4 shards params and experts,
+# tp2-ep2 mixes tensor and expert): run with `pytest -m extended` or scripts/mesh_sweep.py.
+EXTENDED = {"tp8", "fsdp8", "ep2", "tp2-ep4"}
+
+
+def _mark(c: str):
+    marks = [pytest.mark.slow] if c in HEAVY else []
+    return pytest.param(c, marks=[*marks, pytest.mark.extended] if c in EXTENDED else marks)
 
 
 @pytest.fixture(scope="module")
@@ -12,7 +20,7 @@ def reference(tmp_path_factory):
     return Reference(tmp_path_factory.mktemp("ref"))
 
 
-@pytest.mark.parametrize("cell", [pytest.param(c, marks=pytest.mark.slow) if c in HEAVY else c for c in DENSE])
+@pytest.mark.parametrize("cell", [_mark(c) for c in DENSE])
 def test_cell_repeats_bitwise_and_tracks_single_device(cell, tmp_path, reference):
     check_cell(cell, tmp_path, reference)
 
