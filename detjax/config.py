@@ -134,7 +134,7 @@ class ModelConfig:
     # Activation checkpointing: "none" keeps every activation for the backward; "block" keeps only each
     # block's input and recomputes the block in the backward (less memory, ~1/3 more compute). Deterministic
     # either way, but a trajectory of its own: XLA may fuse the recomputed elementwise ops differently (the
-    # bits equal "none" on the CPU with kernels=pallas (tested for attention + MLP blocks), not on the H200)
+    # bits equal "none" on the CPU with kernels=pallas (tested for an attention block), not on the H200)
     remat: Literal["none", "block"] = "none"
     mamba: MambaConfig = field(default_factory=MambaConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)

@@ -38,6 +38,7 @@ def test_a_run_that_goes_non_finite_stops_and_saves_nothing(tiny_path, tmp_path)
     first parameter leaf; no fingerprint, checkpoint or final params of a non-finite state is written. The
     metrics line of the step is kept (flushed), with its losses."""
     over = ["train.lr=1e39", "train.warmup_steps=0", "train.steps=3", "ckpt.every=1", "run.progress=false"]
+    over += ["model.pattern='-'", "model.mtp.depth=0"]  # a one-block model: the guard is what is tested
     with pytest.raises(NonFiniteError, match=r"step 0: the update .*leaf after the update: \['embed'\]\['table'\]"):
         train(load_config(tiny_path, over), tmp_path / "run")
     run = tmp_path / "run"
@@ -96,7 +97,7 @@ def test_resume_with_another_resolved_mesh_is_refused(python, tiny_path, tmp_pat
 
     run = tmp_path / "run"
     over = ["mesh.devices=0", "mesh.data=-1", "train.steps=2", "run.stop_after=1", "run.progress=false"]
-    over += ["model.pattern=-", "model.mtp.depth=0"]  # a one-block model: the point is the mesh, not the model
+    over += ["model.pattern='-'", "model.mtp.depth=0"]  # one block (quoted: a bare - is a YAML list)
 
     def start(n: int, *extra: str):
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]

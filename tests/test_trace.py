@@ -36,13 +36,15 @@ def small(tiny_path):
     [
         # Two-block models (an MLP block first, so the origin is never simply the first block) keep each
         # hunt's four compiles small; the three-block M*E model is covered by the capture tests below.
-        # (the MoE and SSD targets are `pytest -m extended`: the same hunt on other modules)
+        # (the MoE, SSD and optimizer targets are `pytest -m extended`: the same hunt on other modules)
         ("-*", "layer_1/mixer$", "layer_1/mixer"),  # the attention block
         pytest.param(
             "-E", "layer_1/mixer/experts$", "layer_1/mixer/experts", marks=pytest.mark.extended
         ),  # the MoE experts' grouped matmul output
         pytest.param("-M", "layer_1/mixer/ssd$", "layer_1/mixer/ssd", marks=pytest.mark.extended),  # the SSD scan
-        ("'-'", "optimizer", "optimizer"),  # the optimizer update (quoted: a bare - is a YAML list)
+        pytest.param(
+            "'-'", "optimizer", "optimizer", marks=pytest.mark.extended
+        ),  # the optimizer update (quoted: a bare - is a YAML list)
     ],
     ids=["attention", "moe-expert", "ssd-scan", "optimizer"],
 )
