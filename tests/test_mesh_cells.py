@@ -5,10 +5,10 @@ from _cells import CELLS, Reference, check_cell
 
 DENSE = [c for c, m in CELLS.items() if m.get("pipeline", 1) == 1]
 HEAVY = {"tp2-ep4", "fsdp8-ep4"}
-# Covered in kind by the default cells (tp4 splits tensors, fsdp8-ep4 shards params and experts, tp2-ep2 mixes
-# tensor and expert; sequence parallel's shardings are pinned by test_mesh.py's golden files): run them with
+# Covered in kind by the default cells (tp4 splits tensors, fsdp8-ep4 shards params and experts, dp8 splits
+# the batch; sequence parallel's shardings are pinned by test_mesh.py's golden files): run them with
 # `pytest -m extended` or scripts/mesh_sweep.py.
-EXTENDED = {"tp8", "fsdp8", "ep2", "tp2-ep4", "tp4-sp"}
+EXTENDED = {"tp8", "fsdp8", "ep2", "tp2-ep4", "tp4-sp", "tp2-ep2"}
 
 
 def _mark(c: str):
