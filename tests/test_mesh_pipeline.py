@@ -11,10 +11,10 @@ def reference(tmp_path_factory):
     return Reference(tmp_path_factory.mktemp("ref"))
 
 
-# Default: pp2 and dp2-tp2-pp2 (pipeline alone, and with data and tensor). The 4-chunk schedules (pp4,
-# interleaved pp2-vpp2) and tp2-pp2 are `pytest -m extended`; every cell's shardings are pinned by the golden
-# files in test_mesh.py.
-EXTENDED = {"pp4", "pp2-vpp2", "tp2-pp2"}
+# Default: dp2-tp2-pp2 (pipeline with data and tensor parallelism). pp2 alone, tp2-pp2 and the 4-chunk
+# schedules (pp4, interleaved pp2-vpp2) are `pytest -m extended`; every cell's shardings are pinned by the
+# golden files in test_mesh.py.
+EXTENDED = {"pp2", "pp4", "pp2-vpp2", "tp2-pp2"}
 
 
 @pytest.mark.slow
