@@ -2,7 +2,7 @@
 
 The run directory holds config.yaml (resolved), determinism.json (policy record), fingerprints.jsonl,
 metrics.jsonl, checkpoints/ and final_params.npz. XLA flags are set before JAX is imported.
-Exit status: 0 done, 2 bad input (config, checkpoint), 3 stopped on a non-finite loss, gradient or parameter.
+Exit status: 0 done, 2 bad input (config, checkpoint, data), 3 stopped on a non-finite loss, gradient or parameter.
 """
 
 from __future__ import annotations

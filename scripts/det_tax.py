@@ -68,6 +68,7 @@ def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int
     import numpy as np
 
     from detjax.data.pipeline import make_dataset
+    from detjax.runlog import peak_memory_bytes
     from detjax.sharding.mesh import replicated, single_device_mesh
     from detjax.step import Trainer, compile_init, compile_train_step
 
@@ -98,7 +99,7 @@ def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
-        "peak_mem_bytes": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
+        "peak_mem_bytes": peak_memory_bytes(jax.devices()[:1]),
     }
 
 

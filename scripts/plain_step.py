@@ -108,6 +108,7 @@ def measure(cfg, steps: int, warmup: int, attention: str = "cudnn") -> dict:
     import numpy as np
 
     from detjax.data.pipeline import make_dataset
+    from detjax.runlog import peak_memory_bytes
 
     init, step = build(cfg, attention)
     params, opt_state = init(jax.random.key(cfg.train.seed))
@@ -124,7 +125,6 @@ def measure(cfg, steps: int, warmup: int, attention: str = "cudnn") -> dict:
         jax.block_until_ready((params, loss))
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    stats = jax.devices()[0].memory_stats() or {}
     return {
         "median_ms": 1e3 * statistics.median(times),
         "min_ms": 1e3 * min(times),
@@ -134,7 +134,7 @@ def measure(cfg, steps: int, warmup: int, attention: str = "cudnn") -> dict:
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
-        "peak_mem_bytes": stats.get("peak_bytes_in_use"),
+        "peak_mem_bytes": peak_memory_bytes(jax.devices()[:1]),
     }
 
 
