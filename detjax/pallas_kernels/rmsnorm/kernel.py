@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from detjax.pallas_kernels.backend import triton_params
+
 TILES = {"block_rows": 16, "num_warps": 4}
 
 
@@ -60,7 +62,7 @@ def rmsnorm_fwd(x_ND, w_D, *, eps: float, interpret: bool):
         out_shape=[jax.ShapeDtypeStruct((n, d), x_ND.dtype), jax.ShapeDtypeStruct((n, 1), jnp.float32)],
         name="rmsnorm_fwd",
         interpret=interpret,
-        compiler_params=None,
+        compiler_params=triton_params(TILES["num_warps"], 1, interpret),
     )(x_ND, w_D.reshape(1, d))
 
 
@@ -82,6 +84,7 @@ def rmsnorm_bwd(x_ND, w_D, rstd_N1, dy_ND, *, interpret: bool):
         out_shape=[jax.ShapeDtypeStruct((n, d), x_ND.dtype), jax.ShapeDtypeStruct((nb, d), jnp.float32)],
         name="rmsnorm_bwd",
         interpret=interpret,
+        compiler_params=triton_params(TILES["num_warps"], 1, interpret),
     )(x_ND, w_D.reshape(1, d), rstd_N1, dy_ND)
     bd = min(d, 128)
     dw = pl.pallas_call(

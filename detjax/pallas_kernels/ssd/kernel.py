@@ -1,15 +1,24 @@
 """Mamba2 SSD chunked scan in Pallas: forward, and a backward whose every reduction has a fixed order.
 
-Layout: x and dy (B*H, L, P); a = A*dt as a column (B*H, L, 1) and as a row (B*H, 1, L); B and C
-(B, L, N), shared by the H heads of a batch row. One program per (batch row, head) walks the chunks
-in order (forward: ascending, carrying the state; backward: descending, carrying the state gradient).
+Layout: x and dy (B*H, L, P); a = A*dt as a row (B*H, 1, L); B and C (B, L, N), shared by the H heads of a
+batch row.
 
 Within a chunk of Q rows (acs = cumsum of a inside the chunk, S = the state entering the chunk):
     y  = ((C B^T) o D) x + e^{acs} o (C S^T),          D[i, j] = e^{acs_i - acs_j} for i >= j, else 0
     S' = e^{acs_last} S + x^T (w o B),                  w = e^{acs_last - acs}
-The forward also writes S for every chunk, so the backward need not re-run the recurrence.
+Chunk-parallel (the Mamba2 "chunk state / state passing / chunk scan" split), three launches each way:
+- forward: every (row, chunk) computes its state increment x^T (w o B) in parallel; one program per row
+  then walks the chunks in ascending order, S_{c+1} = e^{last_c} S_c + inc_c, writing the state entering
+  every chunk (kept for the backward); every (row, chunk) then forms y in parallel.
+- backward: every (row, chunk) computes (dy o e^{acs})^T C in parallel; one program per row walks the chunks
+  in descending order, G_{c-1} = inc_c + e^{last_c} G_c (G_c: the gradient of the state leaving chunk c);
+  every (row, chunk) then forms dx, da, dB, dC in parallel from S_c and G_c.
+Only the two walks are serial, and they are elementwise over a (P, N) state, so the matmul work runs on
+B*H*L/Q programs at once.
 
 Fixed-order reductions:
+- each recurrence step is one elementwise multiply-add in a fixed chunk order, the same expression as a
+  serial scan would use;
 - dx, da: one writer per (batch row, head) and row; the sums over the chunk's rows are tile-local dots.
 - dB, dC are shared by all heads, so each program writes its head's contribution to a private slot
   (B, H, L, N); the slots are then added in ascending head order ("separate writers in space, then order
@@ -29,7 +38,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-TILES = {"rows_per_program": "one (batch row, head)", "chunk": "model.mamba.chunk_size", "num_warps": 4}
+from detjax.pallas_kernels.backend import triton_params
+
+TILES = {
+    "program": "one (batch row, head, chunk); the two walks one (batch row, head)",
+    "chunk": "model.mamba.chunk_size",
+    "num_warps": 4,
+}
 
 
 def _tri(q: int):
@@ -60,71 +75,88 @@ def _chunk_terms(a_row, q):
     return i, j, acs_col, decay, last
 
 
-def _fwd_kernel(x_ref, arow_ref, b_ref, c_ref, y_ref, s_ref, *, q: int, nc: int):
-    p, n = x_ref.shape[-1], b_ref.shape[-1]
-
-    def body(ci, state_PN):
-        rows = pl.ds(ci * q, q)
-        x = x_ref[rows, :].astype(jnp.float32)
-        b = b_ref[rows, :].astype(jnp.float32)
-        c = c_ref[rows, :].astype(jnp.float32)
-        _, _, acs_col, decay, last = _chunk_terms(arow_ref[:, rows].astype(jnp.float32), q)
-        s_ref[ci, :, :] = state_PN
-        cb = jnp.dot(c, b.T)
-        y = jnp.dot(cb * decay, x) + jnp.exp(acs_col) * jnp.dot(c, state_PN.T)
-        y_ref[rows, :] = y.astype(y_ref.dtype)
-        w = jnp.exp(last - acs_col)
-        return jnp.exp(last) * state_PN + jnp.dot(x.T, b * w)
-
-    jax.lax.fori_loop(0, nc, body, jnp.zeros((p, n), jnp.float32))
+def _state_kernel(x_ref, arow_ref, b_ref, inc_ref, *, q: int):
+    """One (row, chunk): what the chunk adds to the state it passes on, x^T (w o B)."""
+    _, _, acs_col, _, last = _chunk_terms(arow_ref[...].astype(jnp.float32), q)
+    w = jnp.exp(last - acs_col)
+    inc_ref[...] = jnp.dot(x_ref[...].astype(jnp.float32).T, b_ref[...].astype(jnp.float32) * w)
 
 
-def _bwd_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, dy_ref, dx_ref, da_ref, db_ref, dc_ref, *, q: int, nc: int):
-    p, n = x_ref.shape[-1], b_ref.shape[-1]
+def _pass_kernel(arow_ref, inc_ref, s_ref, *, q: int, nc: int, reverse: bool):
+    """One row: the short recurrence over chunks, in chunk order.
 
-    def body(k, ds_PN):  # ds: gradient of the state leaving chunk ci
-        ci = nc - 1 - k
-        rows = pl.ds(ci * q, q)
-        x = x_ref[rows, :].astype(jnp.float32)
-        b = b_ref[rows, :].astype(jnp.float32)
-        c = c_ref[rows, :].astype(jnp.float32)
-        dy = dy_ref[rows, :].astype(jnp.float32)
-        s = s_ref[ci, :, :]
-        i, j, acs_col, decay, last = _chunk_terms(arow_ref[:, rows].astype(jnp.float32), q)
-        # y_diag = (CB^T o D) x
-        cb = jnp.dot(c, b.T)
-        dx = jnp.dot((cb * decay).T, dy)
-        dmd = jnp.dot(dy, x.T) * decay
-        dc = jnp.dot(dmd, b)
-        db = jnp.dot(dmd.T, c)
-        g = dmd * cb
-        dacs = jnp.sum(g, axis=1, keepdims=True) - _row_to_col(jnp.sum(g, axis=0, keepdims=True), i, j)
-        # y_off = e^{acs} o (C S^T)
-        e = jnp.exp(acs_col)
-        dye = dy * e
-        dc = dc + jnp.dot(dye, s)
-        ds_in = jnp.dot(dye.T, c)
-        dacs = dacs + jnp.sum(dye * jnp.dot(c, s.T), axis=1, keepdims=True)
-        # S' = e^{last} S + x^T (w o B)
-        el = jnp.exp(last)
-        ds_in = ds_in + el * ds_PN
-        w = jnp.exp(last - acs_col)
-        xds = jnp.dot(x, ds_PN)
-        dx = dx + w * jnp.dot(b, ds_PN.T)
-        db = db + w * xds
-        dww = jnp.sum(xds * b, axis=1, keepdims=True) * w
-        dlast = el * jnp.sum(jnp.sum(ds_PN * s, axis=1, keepdims=True), axis=0, keepdims=True)
-        dlast = dlast + jnp.sum(dww, axis=0, keepdims=True)
-        dacs = dacs - dww + jnp.where(_is_last(q), dlast, 0.0)
-        # acs = cumsum(a): da_j = sum over i >= j of dacs_i
-        da = jnp.sum(jnp.where(j >= i, _col_to_row(dacs, i, j), 0.0), axis=1, keepdims=True)
-        dx_ref[rows, :] = dx.astype(dx_ref.dtype)
-        da_ref[rows, :] = da
-        db_ref[rows, :] = db
-        dc_ref[rows, :] = dc
-        return ds_in
+    Forward: s_ref[c] = the state entering chunk c; S_{c+1} = e^{last_c} S_c + inc_c.
+    Reverse: s_ref[c] = the gradient of the state leaving chunk c; G_{c-1} = inc_c + e^{last_c} G_c.
+    """
+    p, n = inc_ref.shape[-2:]
+
+    def body(k, carry_PN):
+        ci = nc - 1 - k if reverse else k
+        _, _, _, _, last = _chunk_terms(arow_ref[:, pl.ds(ci * q, q)].astype(jnp.float32), q)
+        s_ref[ci, :, :] = carry_PN
+        if reverse:
+            return inc_ref[ci, :, :] + jnp.exp(last) * carry_PN
+        return jnp.exp(last) * carry_PN + inc_ref[ci, :, :]
 
     jax.lax.fori_loop(0, nc, body, jnp.zeros((p, n), jnp.float32))
+
+
+def _out_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, y_ref, *, q: int):
+    """One (row, chunk): y = ((C B^T) o D) x + e^{acs} o (C S^T), S the state entering the chunk."""
+    x = x_ref[...].astype(jnp.float32)
+    b = b_ref[...].astype(jnp.float32)
+    c = c_ref[...].astype(jnp.float32)
+    _, _, acs_col, decay, _ = _chunk_terms(arow_ref[...].astype(jnp.float32), q)
+    cb = jnp.dot(c, b.T)
+    y = jnp.dot(cb * decay, x) + jnp.exp(acs_col) * jnp.dot(c, s_ref[...].T)
+    y_ref[...] = y.astype(y_ref.dtype)
+
+
+def _dstate_kernel(arow_ref, c_ref, dy_ref, inc_ref, *, q: int):
+    """One (row, chunk): the chunk's own term of the gradient of the state entering it, (dy o e^{acs})^T C."""
+    _, _, acs_col, _, _ = _chunk_terms(arow_ref[...].astype(jnp.float32), q)
+    dye = dy_ref[...].astype(jnp.float32) * jnp.exp(acs_col)
+    inc_ref[...] = jnp.dot(dye.T, c_ref[...].astype(jnp.float32))
+
+
+def _bwd_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, ds_ref, dy_ref, dx_ref, da_ref, db_ref, dc_ref, *, q: int):
+    """One (row, chunk), given S (the state entering it) and dS (the gradient of the state leaving it)."""
+    x = x_ref[...].astype(jnp.float32)
+    b = b_ref[...].astype(jnp.float32)
+    c = c_ref[...].astype(jnp.float32)
+    dy = dy_ref[...].astype(jnp.float32)
+    s = s_ref[...]
+    ds_PN = ds_ref[...]
+    i, j, acs_col, decay, last = _chunk_terms(arow_ref[...].astype(jnp.float32), q)
+    # y_diag = (CB^T o D) x
+    cb = jnp.dot(c, b.T)
+    dx = jnp.dot((cb * decay).T, dy)
+    dmd = jnp.dot(dy, x.T) * decay
+    dc = jnp.dot(dmd, b)
+    db = jnp.dot(dmd.T, c)
+    g = dmd * cb
+    dacs = jnp.sum(g, axis=1, keepdims=True) - _row_to_col(jnp.sum(g, axis=0, keepdims=True), i, j)
+    # y_off = e^{acs} o (C S^T)
+    e = jnp.exp(acs_col)
+    dye = dy * e
+    dc = dc + jnp.dot(dye, s)
+    dacs = dacs + jnp.sum(dye * jnp.dot(c, s.T), axis=1, keepdims=True)
+    # S' = e^{last} S + x^T (w o B)
+    el = jnp.exp(last)
+    w = jnp.exp(last - acs_col)
+    xds = jnp.dot(x, ds_PN)
+    dx = dx + w * jnp.dot(b, ds_PN.T)
+    db = db + w * xds
+    dww = jnp.sum(xds * b, axis=1, keepdims=True) * w
+    dlast = el * jnp.sum(jnp.sum(ds_PN * s, axis=1, keepdims=True), axis=0, keepdims=True)
+    dlast = dlast + jnp.sum(dww, axis=0, keepdims=True)
+    dacs = dacs - dww + jnp.where(_is_last(q), dlast, 0.0)
+    # acs = cumsum(a): da_j = sum over i >= j of dacs_i
+    da = jnp.sum(jnp.where(j >= i, _col_to_row(dacs, i, j), 0.0), axis=1, keepdims=True)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+    da_ref[...] = da
+    db_ref[...] = db
+    dc_ref[...] = dc
 
 
 def _check(length: int, chunk: int, p: int, n: int) -> int:
@@ -136,32 +168,76 @@ def _check(length: int, chunk: int, p: int, n: int) -> int:
     return length // chunk
 
 
-def _specs(h: int, length: int, p: int, n: int):
-    per_head = pl.BlockSpec((None, length, p), lambda g: (g, 0, 0))
-    arow = pl.BlockSpec((None, 1, length), lambda g: (g, 0, 0))
-    shared = pl.BlockSpec((None, length, n), lambda g: (g // h, 0, 0))
-    return per_head, arow, shared
+class _Specs:
+    """Block specs: per (row, chunk) for the chunk-parallel kernels, whole rows for the chunk pass."""
+
+    def __init__(self, h: int, length: int, chunk: int, p: int, n: int):
+        nc = length // chunk
+        self.x = pl.BlockSpec((None, chunk, p), lambda g, c: (g, c, 0))
+        self.arow = pl.BlockSpec((None, 1, chunk), lambda g, c: (g, 0, c))
+        self.shared = pl.BlockSpec((None, chunk, n), lambda g, c: (g // h, c, 0))
+        self.slot = pl.BlockSpec((None, chunk, n), lambda g, c: (g, c, 0))
+        self.col = pl.BlockSpec((None, chunk, 1), lambda g, c: (g, c, 0))
+        self.state = pl.BlockSpec((None, None, p, n), lambda g, c: (g, c, 0, 0))
+        self.row_arow = pl.BlockSpec((None, 1, length), lambda g: (g, 0, 0))
+        self.row_states = pl.BlockSpec((None, nc, p, n), lambda g: (g, 0, 0, 0))
+
+
+def _chunk_call(kernel, grid, in_specs, out_specs, out_shape, name, interpret):
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        name=name,
+        interpret=interpret,
+        compiler_params=triton_params(TILES["num_warps"], 1, interpret),
+    )
+
+
+def _pass(arow_G1L, inc_GCPN, *, chunk, nc, reverse, name, interpret):
+    g, _, length = arow_G1L.shape
+    sp = _Specs(1, length, chunk, *inc_GCPN.shape[-2:])
+    return _chunk_call(
+        functools.partial(_pass_kernel, q=chunk, nc=nc, reverse=reverse),
+        (g,),
+        [sp.row_arow, sp.row_states],
+        sp.row_states,
+        jax.ShapeDtypeStruct(inc_GCPN.shape, jnp.float32),
+        name,
+        interpret,
+    )(arow_G1L, inc_GCPN)
 
 
 @functools.partial(jax.jit, static_argnames=("h", "chunk", "interpret"))
 def ssd_fwd(x_GLP, arow_G1L, b_BLN, c_BLN, *, h: int, chunk: int, interpret: bool):
-    """G = B*H programs -> y (G, L, P) and the state entering every chunk (G, nc, P, N)."""
+    """G = B*H rows -> y (G, L, P) and the state entering every chunk (G, nc, P, N)."""
     g, length, p = x_GLP.shape
     n = b_BLN.shape[-1]
     nc = _check(length, chunk, p, n)
-    per_head, arow, shared = _specs(h, length, p, n)
-    return pl.pallas_call(
-        functools.partial(_fwd_kernel, q=chunk, nc=nc),
-        grid=(g,),
-        in_specs=[per_head, arow, shared, shared],
-        out_specs=[per_head, pl.BlockSpec((None, nc, p, n), lambda i: (i, 0, 0, 0))],
-        out_shape=[
-            jax.ShapeDtypeStruct((g, length, p), jnp.float32),
-            jax.ShapeDtypeStruct((g, nc, p, n), jnp.float32),
-        ],
-        name="ssd_fwd",
-        interpret=interpret,
-    )(x_GLP, arow_G1L, b_BLN, c_BLN)
+    sp = _Specs(h, length, chunk, p, n)
+    states_shape = jax.ShapeDtypeStruct((g, nc, p, n), jnp.float32)
+    inc = _chunk_call(
+        functools.partial(_state_kernel, q=chunk),
+        (g, nc),
+        [sp.x, sp.arow, sp.shared],
+        sp.state,
+        states_shape,
+        "ssd_chunk_state",
+        interpret,
+    )(x_GLP, arow_G1L, b_BLN)
+    states = _pass(arow_G1L, inc, chunk=chunk, nc=nc, reverse=False, name="ssd_state_pass", interpret=interpret)
+    y = _chunk_call(
+        functools.partial(_out_kernel, q=chunk),
+        (g, nc),
+        [sp.x, sp.arow, sp.shared, sp.shared, sp.state],
+        sp.x,
+        jax.ShapeDtypeStruct((g, length, p), jnp.float32),
+        "ssd_fwd",
+        interpret,
+    )(x_GLP, arow_G1L, b_BLN, c_BLN, states)
+    return y, states
 
 
 @functools.partial(jax.jit, static_argnames=("h", "chunk", "interpret"))
@@ -170,19 +246,29 @@ def ssd_bwd(x_GLP, arow_G1L, b_BLN, c_BLN, s_GCPN, dy_GLP, *, h: int, chunk: int
     g, length, p = x_GLP.shape
     n = b_BLN.shape[-1]
     nc = _check(length, chunk, p, n)
-    per_head, arow, shared = _specs(h, length, p, n)
-    slot = pl.BlockSpec((None, length, n), lambda i: (i, 0, 0))
-    return pl.pallas_call(
-        functools.partial(_bwd_kernel, q=chunk, nc=nc),
-        grid=(g,),
-        in_specs=[per_head, arow, shared, shared, pl.BlockSpec((None, nc, p, n), lambda i: (i, 0, 0, 0)), per_head],
-        out_specs=[per_head, pl.BlockSpec((None, length, 1), lambda i: (i, 0, 0)), slot, slot],
-        out_shape=[
-            jax.ShapeDtypeStruct((g, length, p), jnp.float32),
-            jax.ShapeDtypeStruct((g, length, 1), jnp.float32),
-            jax.ShapeDtypeStruct((g, length, n), jnp.float32),
-            jax.ShapeDtypeStruct((g, length, n), jnp.float32),
+    sp = _Specs(h, length, chunk, p, n)
+    dinc = _chunk_call(
+        functools.partial(_dstate_kernel, q=chunk),
+        (g, nc),
+        [sp.arow, sp.shared, sp.x],
+        sp.state,
+        jax.ShapeDtypeStruct(s_GCPN.shape, jnp.float32),
+        "ssd_chunk_dstate",
+        interpret,
+    )(arow_G1L, c_BLN, dy_GLP)
+    ds = _pass(arow_G1L, dinc, chunk=chunk, nc=nc, reverse=True, name="ssd_dstate_pass", interpret=interpret)
+    f32 = jnp.float32
+    return _chunk_call(
+        functools.partial(_bwd_kernel, q=chunk),
+        (g, nc),
+        [sp.x, sp.arow, sp.shared, sp.shared, sp.state, sp.state, sp.x],
+        [sp.x, sp.col, sp.slot, sp.slot],
+        [
+            jax.ShapeDtypeStruct((g, length, p), f32),
+            jax.ShapeDtypeStruct((g, length, 1), f32),
+            jax.ShapeDtypeStruct((g, length, n), f32),
+            jax.ShapeDtypeStruct((g, length, n), f32),
         ],
-        name="ssd_bwd",
-        interpret=interpret,
-    )(x_GLP, arow_G1L, b_BLN, c_BLN, s_GCPN, dy_GLP)
+        "ssd_bwd",
+        interpret,
+    )(x_GLP, arow_G1L, b_BLN, c_BLN, s_GCPN, ds, dy_GLP)

@@ -1,0 +1,202 @@
+"""Offline tile sweep for the flash-attention, RMSNorm and SSD kernels at the gpu_dense / gpu_medium shapes.
+
+    python3 scripts/tile_sweep.py                       # every kernel
+    python3 scripts/tile_sweep.py --kernels flash,rmsnorm --reps 20
+
+For each candidate tile set the kernel's TILES entry is replaced, every jit cache is cleared, and the kernel
+(forward, and backward where it has one) is timed: one jitted call runs it on SETS different input sets, the
+median of --reps calls divided by SETS. The pinned TILES in each kernel.py are chosen from this table and
+never at run time (a tile change changes a kernel's reduction order, hence its bits: it is a new trajectory,
+and is recorded with the table in docs/BENCHMARKS.md). Each row also says whether two calls of the candidate
+gave the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SETS = 4
+
+FLASH_FWD = [
+    {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 2},
+    {"block_q": 128, "block_k": 64, "num_warps": 4, "num_stages": 3},
+    {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3},
+    {"block_q": 128, "block_k": 128, "num_warps": 8, "num_stages": 2},
+    {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
+    {"block_q": 64, "block_k": 128, "num_warps": 4, "num_stages": 2},
+    {"block_q": 128, "block_k": 32, "num_warps": 4, "num_stages": 3},
+    {"block_q": 256, "block_k": 64, "num_warps": 8, "num_stages": 2},
+]
+FLASH_BWD = [
+    {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
+    {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 3},
+    {"block_q": 32, "block_k": 64, "num_warps": 4, "num_stages": 2},
+    {"block_q": 64, "block_k": 128, "num_warps": 8, "num_stages": 2},
+    {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 2},
+    {"block_q": 64, "block_k": 32, "num_warps": 4, "num_stages": 2},
+    {"block_q": 128, "block_k": 128, "num_warps": 8, "num_stages": 2},
+    {"block_q": 32, "block_k": 128, "num_warps": 8, "num_stages": 2},
+]
+RMSNORM = [
+    {"block_rows": 16, "num_warps": 4},
+    {"block_rows": 8, "num_warps": 4},
+    {"block_rows": 32, "num_warps": 4},
+    {"block_rows": 32, "num_warps": 8},
+    {"block_rows": 64, "num_warps": 8},
+    {"block_rows": 64, "num_warps": 16},
+    {"block_rows": 128, "num_warps": 16},
+]
+SSD_WARPS = [4, 2, 8]
+
+
+def _time(fn, args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(ts) / SETS
+
+
+def _bytes(tree) -> bytes:
+    return b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(tree))
+
+
+def _many(fn):
+    """One jitted call of fn over SETS input sets (stacked on a leading axis)."""
+    return jax.jit(lambda *stacked: [fn(*(a[s] for a in stacked)) for s in range(SETS)])
+
+
+def _sweep(title, tiles, key, cands, cases, reps):
+    """cases: [(name, fn, stacked_args)]; prints one row per candidate."""
+    keep = dict(tiles[key]) if key is not None else dict(tiles)
+    try:
+        for ci, cand in enumerate(cands):
+            if key is None:
+                tiles.update(cand)
+            else:
+                tiles[key] = dict(cand)
+            jax.clear_caches()
+            cells = []
+            for name, fn, args in cases:
+                try:
+                    f = _many(fn)
+                    same = _bytes(f(*args)) == _bytes(f(*args))
+                    cells.append(f"{name} {_time(f, args, reps):.4f} ms{'' if same else ' (REPLAY DIFFERS)'}")
+                except Exception as e:  # a candidate that does not compile (shared memory, registers) is a row too
+                    cells.append(f"{name} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            print(f"  {title} #{ci} {cand}: " + "; ".join(cells), flush=True)
+    finally:
+        if key is None:
+            tiles.clear()
+            tiles.update(keep)
+        else:
+            tiles[key] = keep
+        jax.clear_caches()
+
+
+def _stack(key, shape, dtype, scale=1.0):
+    return (scale * jax.random.normal(key, (SETS, *shape), jnp.float32)).astype(dtype)
+
+
+def sweep_flash(reps: int) -> None:
+    from detjax.pallas_kernels.flash_attention import kernel as fk
+
+    # gpu_dense attention per microbatch: B 4, 16 query heads, 4 kv heads, L 2048, head dim 64, bf16
+    bh, bkv, length, d = 64, 16, 2048, 64
+    ks = jax.random.split(jax.random.key(0), 4)
+    q, k, v, do = (_stack(ks[i], ((bh if i in (0, 3) else bkv), length, d), jnp.bfloat16) for i in range(4))
+
+    def fwd(q, k, v):
+        return fk.flash_fwd(q, k, v, g=bh // bkv, interpret=False)
+
+    def bwd(q, k, v, do):
+        o, lse = fk.flash_fwd(q, k, v, g=bh // bkv, interpret=False)
+        return fk.flash_bwd(q, k, v, o, lse, do, g=bh // bkv, interpret=False)
+
+    _sweep("flash fwd", fk.TILES, "fwd", FLASH_FWD, [("fwd", fwd, (q, k, v))], reps)
+    _sweep("flash bwd (+fwd)", fk.TILES, "bwd", FLASH_BWD, [("fwd+bwd", bwd, (q, k, v, do))], reps)
+
+
+def sweep_rmsnorm(reps: int) -> None:
+    from detjax.pallas_kernels.rmsnorm import kernel as rk
+
+    n, d = 8192, 1024  # one microbatch of 4 x 2048 tokens, d_model 1024, bf16 activations
+    ks = jax.random.split(jax.random.key(1), 3)
+    x, dy = _stack(ks[0], (n, d), jnp.bfloat16), _stack(ks[1], (n, d), jnp.bfloat16)
+    w = _stack(ks[2], (d,), jnp.float32)
+
+    def fwd(x, w):
+        return rk.rmsnorm_fwd(x, w, eps=1e-5, interpret=False)
+
+    def bwd(x, w, dy):
+        _, rstd = rk.rmsnorm_fwd(x, w, eps=1e-5, interpret=False)
+        return rk.rmsnorm_bwd(x, w, rstd, dy, interpret=False)
+
+    _sweep("rmsnorm", rk.TILES, None, RMSNORM, [("fwd", fwd, (x, w)), ("fwd+bwd", bwd, (x, w, dy))], reps)
+
+
+def sweep_ssd(reps: int, old_src: str | None) -> None:
+    from detjax.pallas_kernels.ssd import kernel as sk
+
+    # gpu_medium Mamba2 layer per microbatch: B 4, H 32, L 2048, P 64, N 64, chunk 64
+    b, h, length, p, n, chunk = 4, 32, 2048, 64, 64, 64
+    ks = jax.random.split(jax.random.key(2), 5)
+    x = _stack(ks[0], (b * h, length, p), jnp.float32)
+    arow = -jax.nn.softplus(_stack(ks[1], (b * h, 1, length), jnp.float32))
+    bb, cc = _stack(ks[2], (b, length, n), jnp.float32), _stack(ks[3], (b, length, n), jnp.float32)
+    dy = _stack(ks[4], (b * h, length, p), jnp.float32)
+
+    def cases(mod):
+        def fwd(x, arow, bb, cc):
+            return mod.ssd_fwd(x, arow, bb, cc, h=h, chunk=chunk, interpret=False)
+
+        def both(x, arow, bb, cc, dy):
+            y, s = mod.ssd_fwd(x, arow, bb, cc, h=h, chunk=chunk, interpret=False)
+            return y, mod.ssd_bwd(x, arow, bb, cc, s, dy, h=h, chunk=chunk, interpret=False)
+
+        return [("fwd", fwd, (x, arow, bb, cc)), ("fwd+bwd", both, (x, arow, bb, cc, dy))]
+
+    _sweep("ssd", sk.TILES, None, [{"num_warps": w} for w in SSD_WARPS], cases(sk), reps)
+    if old_src:  # the serial kernel of an older tree, for before/after and a bit comparison
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("ssd_old", f"{old_src}/detjax/pallas_kernels/ssd/kernel.py")
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+        _sweep("ssd (old tree)", old.TILES, None, [dict(old.TILES)], cases(old), reps)
+        new_out = jax.jit(cases(sk)[1][1])(*(a[0] for a in cases(sk)[1][2]))
+        old_out = jax.jit(cases(old)[1][1])(*(a[0] for a in cases(old)[1][2]))
+        print(f"  ssd new vs old tree, fwd+bwd outputs byte-equal: {_bytes(new_out) == _bytes(old_out)}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernels", default="flash,rmsnorm,ssd")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--old-src", default=None, help="a tree holding an older ssd/kernel.py to time and compare")
+    a = ap.parse_args()
+    if jax.default_backend() != "gpu":
+        print("tile_sweep: needs a GPU (the tiles are Triton launch parameters)", file=sys.stderr)
+        return 2
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    which = a.kernels.split(",")
+    if "flash" in which:
+        sweep_flash(a.reps)
+    if "rmsnorm" in which:
+        sweep_rmsnorm(a.reps)
+    if "ssd" in which:
+        sweep_ssd(a.reps, a.old_src)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
