@@ -1,4 +1,4 @@
-"""Offline tile sweep for the flash-attention, RMSNorm and SSD kernels at the gpu_dense / gpu_medium shapes.
+"""Offline tile sweep for the flash-attention, RMSNorm, SSD and MoE gmm kernels at the gpu_dense / gpu_medium shapes.
 
     python3 scripts/tile_sweep.py                       # every kernel
     python3 scripts/tile_sweep.py --kernels flash,rmsnorm --reps 20
@@ -54,6 +54,15 @@ RMSNORM = [
     {"block_rows": 128, "num_warps": 16},
 ]
 SSD_WARPS = [4, 2, 8]
+GMM = [
+    {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3},
+    {"block_m": 64, "block_k": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
+    {"block_m": 128, "block_k": 64, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    {"block_m": 128, "block_k": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    {"block_m": 64, "block_k": 128, "block_n": 256, "num_warps": 8, "num_stages": 3},
+    {"block_m": 128, "block_k": 64, "block_n": 256, "num_warps": 8, "num_stages": 3},
+    {"block_m": 32, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3},
+]
 
 
 def _time(fn, args, reps: int) -> float:
@@ -71,12 +80,12 @@ def _bytes(tree) -> bytes:
 
 
 def _many(fn):
-    """One jitted call of fn over SETS input sets (stacked on a leading axis)."""
-    return jax.jit(lambda *stacked: [fn(*(a[s] for a in stacked)) for s in range(SETS)])
+    """One jitted call of fn over SETS input sets (each argument a list of SETS arrays: no slicing copies)."""
+    return jax.jit(lambda *sets: [fn(*(a[s] for a in sets)) for s in range(SETS)])
 
 
 def _sweep(title, tiles, key, cands, cases, reps):
-    """cases: [(name, fn, stacked_args)]; prints one row per candidate."""
+    """cases: [(name, fn, args (lists of SETS arrays))]; prints one row per candidate."""
     keep = dict(tiles[key]) if key is not None else dict(tiles)
     try:
         for ci, cand in enumerate(cands):
@@ -104,7 +113,8 @@ def _sweep(title, tiles, key, cands, cases, reps):
 
 
 def _stack(key, shape, dtype, scale=1.0):
-    return (scale * jax.random.normal(key, (SETS, *shape), jnp.float32)).astype(dtype)
+    """SETS separate arrays (a list, so the timed call reads each one in place)."""
+    return [(scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype) for k in jax.random.split(key, SETS)]
 
 
 def sweep_flash(reps: int) -> None:
@@ -151,7 +161,7 @@ def sweep_ssd(reps: int, old_src: str | None) -> None:
     b, h, length, p, n, chunk = 4, 32, 2048, 64, 64, 64
     ks = jax.random.split(jax.random.key(2), 5)
     x = _stack(ks[0], (b * h, length, p), jnp.float32)
-    arow = -jax.nn.softplus(_stack(ks[1], (b * h, 1, length), jnp.float32))
+    arow = [-jax.nn.softplus(t) for t in _stack(ks[1], (b * h, 1, length), jnp.float32)]
     bb, cc = _stack(ks[2], (b, length, n), jnp.float32), _stack(ks[3], (b, length, n), jnp.float32)
     dy = _stack(ks[4], (b * h, length, p), jnp.float32)
 
@@ -178,9 +188,29 @@ def sweep_ssd(reps: int, old_src: str | None) -> None:
         print(f"  ssd new vs old tree, fwd+bwd outputs byte-equal: {_bytes(new_out) == _bytes(old_out)}", flush=True)
 
 
+def sweep_gmm(reps: int) -> None:
+    from detjax.pallas_kernels.gmm import kernel as gk
+
+    # gpu_medium MoE per microbatch: 8192 tokens x top-2 = 16384 rows sorted by expert, d 1024, expert ffn 1024
+    r, e, k, n = 16384, 8, 1024, 1024
+    ks = jax.random.split(jax.random.key(3), 3)
+    x, dy = _stack(ks[0], (r, k), jnp.bfloat16), _stack(ks[1], (r, n), jnp.bfloat16)
+    w = _stack(ks[2], (e, k, n), jnp.bfloat16, 0.03)
+    sizes = jnp.array([1500, 2600, 1900, 2300, 2048, 1800, 2136, 2100], jnp.int32)  # skewed, sums to r
+    gs = [sizes] * SETS
+
+    def fwd(x, w, gs):
+        return gk.gmm(x, w, gs, out_dtype=jnp.bfloat16, interpret=False)
+
+    def wgrad(x, dy, gs):
+        return gk.tgmm(x, dy, gs, out_dtype=jnp.float32, interpret=False)
+
+    _sweep("gmm", gk.TILES, None, GMM, [("gmm", fwd, (x, w, gs)), ("tgmm", wgrad, (x, dy, gs))], reps)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernels", default="flash,rmsnorm,ssd")
+    ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--old-src", default=None, help="a tree holding an older ssd/kernel.py to time and compare")
     a = ap.parse_args()
@@ -195,6 +225,8 @@ def main() -> int:
         sweep_rmsnorm(a.reps)
     if "ssd" in which:
         sweep_ssd(a.reps, a.old_src)
+    if "gmm" in which:
+        sweep_gmm(a.reps)
     return 0
 
 

@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-TILES = {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 4}
+from detjax.pallas_kernels.backend import triton_params
+
+TILES = {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3}
 
 
 def _tile(dim: int, largest: int) -> int:
@@ -110,6 +112,7 @@ def gmm(x_RK, w_EKN, group_sizes_E, *, out_dtype, interpret: bool):
         out_shape=jax.ShapeDtypeStruct((rp, n), out_dtype),
         name="gmm",
         interpret=interpret,
+        compiler_params=triton_params(TILES["num_warps"], TILES["num_stages"], interpret),
     )(x, w_EKN, ends)
     return out[:r]
 
@@ -137,4 +140,5 @@ def tgmm(x_RK, dy_RN, group_sizes_E, *, out_dtype, interpret: bool):
         out_shape=jax.ShapeDtypeStruct((e, k, n), out_dtype),
         name="tgmm",
         interpret=interpret,
+        compiler_params=triton_params(TILES["num_warps"], TILES["num_stages"], interpret),
     )(x, dy, ends)
