@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.pallas_kernels.matmul.ops import dense, dense_many
+from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
 from detjax.pallas_kernels.segment_sum.ops import segment_sum
 from detjax.sharding import rules as ax
@@ -50,7 +51,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         w_D = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (ax.NORM,))
-        if self.kernels == "pallas" and x.size // x.shape[-1] % 16 == 0:
+        if self.kernels == "pallas" and rmsnorm_fits(x.size // x.shape[-1]):
             d = x.shape[-1]
             return rmsnorm(x.astype(jnp.float32).reshape(-1, d), w_D, self.eps).reshape(x.shape)
         x32 = x.astype(jnp.float32)

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 
 from detjax.pallas_kernels.backend import triton_params
 
-TILES = {"block_rows": 16, "num_warps": 4}
+TILES = {"block_rows": 8, "num_warps": 4}  # scripts/tile_sweep.py on the H200 (docs/BENCHMARKS.md)
 
 
 def _fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, eps: float):
@@ -41,6 +41,11 @@ def _ordered_sum_kernel(part_ref, out_ref, *, n: int):
     # fixed ascending order over the slots (a loop, not an unrolled chain: n can be ~1000)
     acc = jax.lax.fori_loop(1, n, lambda i, acc: acc + part_ref[pl.ds(i, 1), :], part_ref[pl.ds(0, 1), :])
     out_ref[...] = acc
+
+
+def fits(rows: int) -> bool:
+    """Whether `rows` is a whole number of the kernel's row blocks (other row counts take the jnp path)."""
+    return rows % TILES["block_rows"] == 0
 
 
 def _check(n: int, d: int) -> int:
