@@ -139,7 +139,8 @@ class Trainer:
     def micro_objective(self, params: Any, tokens_BL1: jax.Array, key: jax.Array):
         """(j, (lm sum, MTP sum, aux)) of one microbatch; the gradient is taken of j."""
         outs = self.apply_model(params, tokens_BL1[:, :-1], key)
-        terms = self.objective.terms(*outs, tokens_BL1)
+        with jax.named_scope("loss"):
+            terms = self.objective.terms(*outs, tokens_BL1)
         return self.objective.total(terms), terms
 
     def accumulate(self, params: Any, micro_tokens: jax.Array, step_key: jax.Array, micro_fn: Callable | None = None):
@@ -213,17 +214,19 @@ class Trainer:
         return new_state, grads, updates, self.objective.losses(sums)
 
     def metrics(self, state: TrainState, new_state: TrainState, grads: Any, losses: dict, batch, step_key) -> dict:
-        squares = leaf_square_sums(grads)
-        out = dict(losses, grad_norm=global_norm(grads, squares), lr=self.schedule(state.step))
-        out["finite"] = finite_flags(squares, new_state.params)
+        with jax.named_scope("metrics"):
+            squares = leaf_square_sums(grads)
+            out = dict(losses, grad_norm=global_norm(grads, squares), lr=self.schedule(state.step))
+            out["finite"] = finite_flags(squares, new_state.params)
         if self.cfg.run.fingerprints:
-            out["digest"] = {
-                "params": fp.tree_digest(new_state.params),
-                "grads": fp.tree_digest(grads),
-                "opt_state": fp.tree_digest(new_state.opt_state),
-                "batch": fp.tensor_digest(batch),
-                "rng": fp.tensor_digest(step_key),
-            }
+            with jax.named_scope("fingerprint"):
+                out["digest"] = {
+                    "params": fp.tree_digest(new_state.params),
+                    "grads": fp.tree_digest(grads),
+                    "opt_state": fp.tree_digest(new_state.opt_state),
+                    "batch": fp.tensor_digest(batch),
+                    "rng": fp.tensor_digest(step_key),
+                }
         return out
 
     # ------------------------------------------------------------------------------------------ step

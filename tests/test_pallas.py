@@ -171,7 +171,8 @@ def test_gmm_matches_reference():
     assert _rel(grouped_matmul(x, w, gs), ref) <= _tf32_tol(TOL_FWD)
     for a, b in zip(_gmm_grads(grouped_matmul, x, w, gs, g), ref_grads, strict=True):
         assert _rel(a, b) <= _tf32_tol(TOL_GRAD)
-    assert _rel(tgmm(x, g, gs, out_dtype=jnp.float32, interpret=True), ref_t) <= TOL_FWD
+    # interpret=True on a GPU still multiplies float32 in TF32 there, like the compiled kernel
+    assert _rel(tgmm(x, g, gs, out_dtype=jnp.float32, interpret=True), ref_t) <= _tf32_tol(TOL_FWD)
 
 
 def test_gmm_replays_bit_exact():
