@@ -185,7 +185,7 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
-    decay_steps: int = 0  # 0: cosine decay over `steps`
+    decay_steps: int = 0  # the cosine schedule's horizon; 0: train.steps, recorded as that number when a run starts
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
@@ -472,10 +472,15 @@ class Config:
         return dataclasses.asdict(self)
 
     def trajectory_dict(self) -> dict[str, Any]:
-        """The fields that define the trajectory (bookkeeping sections removed)."""
+        """The fields that define the trajectory (bookkeeping sections removed). train.steps is not one of them:
+        it only says where the run stops. The schedule's horizon is (train.decay_steps, or train.steps when that
+        is 0), so a run extended with a larger train.steps and the same horizon keeps its hash."""
         d = self.to_dict()
         for s in RESUME_MUTABLE_SECTIONS:
             d.pop(s)
+        t = d["train"]
+        t["decay_steps"] = t["decay_steps"] or t.pop("steps")
+        t.pop("steps", None)
         return d
 
     def hash(self) -> str:

@@ -1,13 +1,17 @@
-"""`python -m detjax.train --config FILE [--resume] [key=value ...]`: the thin training loop.
+"""`python -m detjax.train --config FILE [--resume | --resume-step N] [key=value ...]`: the thin training loop.
 
 The run directory holds config.yaml (resolved), determinism.json (policy record), fingerprints.jsonl,
 metrics.jsonl, checkpoints/ and final_params.npz. XLA flags are set before JAX is imported.
-Exit status: 0 done, 2 bad input (config, checkpoint, data), 3 stopped on a non-finite loss, gradient or parameter.
+Exit status: 0 done (train.steps or run.stop_after reached), 2 bad input (config, checkpoint, data), 3 stopped
+on a non-finite loss, gradient or parameter, 128 + the signal number when SIGTERM/SIGINT stopped the run
+(143 for SIGTERM, 130 for SIGINT; the state was saved first when checkpoints are on).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +29,31 @@ class RunResult:
     records: list[dict[str, Any]]
     stopped_by: str  # "steps", "stop_after" or "signal"
     data_state: dict[str, Any]
+    signal: int | None = None  # the signal that stopped the run
+
+
+def exit_status(result: RunResult) -> int:
+    """The process exit status of a finished `train` call (see the module docstring)."""
+    return 128 + result.signal if result.stopped_by == "signal" and result.signal else 0
+
+
+def adopt_horizon(cfg: Config, saved: dict[str, Any]) -> Config:
+    """On resume: the schedule horizon the run recorded at its first start, when this config leaves it unset.
+
+    train.decay_steps = 0 means "decay over train.steps" and is resolved to that number when a run starts, so a
+    run can later be extended (a larger train.steps) without moving a bit of the steps it already took."""
+    if cfg.train.decay_steps:
+        return cfg
+    t = saved.get("train", {})
+    horizon = int(t.get("decay_steps") or t.get("steps") or 0)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, decay_steps=horizon)) if horizon else cfg
+
+
+def resolve_horizon(cfg: Config) -> Config:
+    """A fresh run's config with train.decay_steps = 0 resolved to train.steps (same schedule, now recorded)."""
+    if cfg.train.decay_steps:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, decay_steps=cfg.train.steps))
 
 
 def _policy_drift(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -32,9 +61,37 @@ def _policy_drift(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
 
 
-def _restore(ckptr: Any, trainer: Any, state_sh: Any, batches: Any, policy: dict[str, Any]):
-    """The latest checkpoint's state (the data iterator is set in place) and fingerprint history."""
-    state, data_state, meta = ckptr.restore(trainer.abstract_state(), state_sh)
+def _pick_step(ckptr: Any, resume_step: int | None, run_dir: Path, primary: bool) -> int | None:
+    """The checkpoint step to resume from: the latest, or `resume_step`, whose later checkpoints are moved to
+    <run>/superseded/after_<step>[-N]/ (kept, never deleted) so the continued run can save those steps again."""
+    from detjax.ckpt import CheckpointError
+
+    steps = ckptr.all_steps()
+    if resume_step is None:
+        return steps[-1] if steps else None
+    if resume_step not in steps:
+        raise CheckpointError(
+            f"--resume-step {resume_step}: {ckptr.directory} holds no complete checkpoint at that step (it holds "
+            f"{steps or 'none'}). Fix: pick one of those steps"
+        )
+    later = [s for s in steps if s > resume_step]
+    if later and primary:
+        dest = Path(run_dir) / "superseded" / f"after_{resume_step}"
+        i = 0
+        while dest.exists():
+            i += 1
+            dest = dest.with_name(f"after_{resume_step}-{i}")
+        dest.mkdir(parents=True)
+        for s in later:
+            shutil.move(str(ckptr.directory / str(s)), str(dest / str(s)))
+        print(f"moved the later checkpoints {later} to {dest}", file=sys.stderr)
+    ckptr.sync("detjax_resume_step")
+    return resume_step
+
+
+def _restore(ckptr: Any, trainer: Any, state_sh: Any, batches: Any, policy: dict[str, Any], step: int):
+    """The state at checkpoint `step` (the data iterator is set in place) and its fingerprint history."""
+    state, data_state, meta = ckptr.restore(trainer.abstract_state(), state_sh, step)
     saved_mesh, now_mesh = meta["policy"].get("mesh_resolved"), policy.get("mesh_resolved")
     if saved_mesh is not None and saved_mesh != now_mesh:
         from detjax.ckpt import CheckpointError
@@ -58,8 +115,13 @@ def train(
     run_dir: Path | None = None,
     resume: bool | None = None,
     after_restore: Callable[[Any, Any], tuple[Any, Any]] | None = None,
+    resume_step: int | None = None,
+    require_checkpoint: bool = False,
 ) -> RunResult:
-    """Train per `cfg`. With resume, continue from the latest complete checkpoint in the run directory.
+    """Train per `cfg`. With resume, continue from the latest complete checkpoint in the run directory (or from
+    `resume_step`, whose later checkpoints are then moved aside, never deleted). `require_checkpoint` (the CLI's
+    --resume) refuses to start from step 0 when the directory holds no checkpoint; `ckpt.resume: true` alone
+    resumes when there is one and starts fresh otherwise (the pattern of requeued jobs).
 
     `after_restore(state, batches) -> (state, batches)` exists for negative-control tests only.
     """
@@ -72,7 +134,7 @@ def train(
     import numpy as np
 
     from detjax import rundir
-    from detjax.ckpt import Checkpointer, StopSignals
+    from detjax.ckpt import Checkpointer, CheckpointError, StopSignals
     from detjax.data.pipeline import BatchIterator, make_dataset
     from detjax.runlog import NonFiniteError, RunLog
     from detjax.sharding.mesh import build_layout
@@ -83,6 +145,7 @@ def train(
     for w in cfg.train.warnings() if primary else []:
         print(f"warning: {w}", file=sys.stderr)
     resume = cfg.ckpt.resume if resume is None else resume
+    resume = resume or resume_step is not None
     if resume and not cfg.ckpt.enabled:
         raise ConfigError(
             "config key 'ckpt.enabled' = False: resume asks for a checkpoint but checkpoints are off. "
@@ -90,8 +153,22 @@ def train(
         )
     run_dir = rundir.choose(cfg, run_dir, resume, jax.process_count())
     with rundir.locked(run_dir, primary):  # one process at a time per run directory
-        policy = determinism.policy_record(cfg)
         ckptr = Checkpointer(Path(cfg.ckpt.dir or run_dir / "checkpoints"), cfg) if cfg.ckpt.enabled else None
+        restore_step = None
+        if resume and ckptr is not None:
+            restore_step = _pick_step(ckptr, resume_step, run_dir, primary)
+            if restore_step is None and require_checkpoint:
+                raise CheckpointError(
+                    f"--resume: {ckptr.directory} holds no complete checkpoint, so there is nothing to resume. "
+                    "Fix: check --run-dir, or drop --resume to start a new run"
+                )
+        if restore_step is not None:  # the schedule horizon recorded at the run's first start
+            cfg = adopt_horizon(cfg, ckptr.read_meta(restore_step)["config"])
+        else:
+            cfg = resolve_horizon(cfg)
+        if ckptr is not None:
+            ckptr.cfg = cfg
+        policy = determinism.policy_record(cfg)
 
         layout = build_layout(cfg)  # impossible meshes fail here, before anything compiles
         policy["mesh_resolved"] = {**layout.degrees, "devices": int(layout.mesh.devices.size)}
@@ -99,10 +176,10 @@ def train(
         state_sh, batch_sh = trainer.state_shardings(), trainer.batch_sharding()
         shape = (cfg.train.global_batch, cfg.train.seq_len + 1)
         batches = BatchIterator(make_dataset(cfg, rows=process_rows(batch_sh, shape)))
-        if resume and ckptr is not None and ckptr.latest_step() is not None:
-            state, history = _restore(ckptr, trainer, state_sh, batches, policy)
+        if restore_step is not None:
+            state, history = _restore(ckptr, trainer, state_sh, batches, policy, restore_step)
         else:
-            if resume:
+            if resume and ckptr is not None:
                 print(f"no checkpoint in {ckptr.directory}; starting from step 0", file=sys.stderr)
             state, history = compile_init(trainer, state_sh)(jax.random.key(cfg.train.seed)), []
         if after_restore is not None:
@@ -156,7 +233,7 @@ def train(
         log.close()
         if cfg.run.save_final_params and stopped_by == "steps":
             rundir.write_final_params(run_dir, state.params, primary)
-        return RunResult(run_dir, state, log.records, stopped_by, batches.get_state())
+        return RunResult(run_dir, state, log.records, stopped_by, batches.get_state(), sig.received)
 
 
 def process_rows(sharding: Any, shape: tuple[int, int]) -> tuple[int, int]:
@@ -194,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="YAML config file, e.g. configs/tiny.yaml")
     ap.add_argument("--run-dir", default=None, help="exact run directory (default: run.out_dir/run.name[-N])")
     ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    ap.add_argument(
+        "--resume-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="continue from the complete checkpoint at step N (later ones are moved to <run>/superseded/)",
+    )
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 model.d_model=128")
     args = ap.parse_intermixed_args(argv)
     cfg = config_for_cli(args.config, args.overrides)
@@ -204,7 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     from detjax.runlog import NonFiniteError
 
     try:
-        result = train(cfg, Path(args.run_dir) if args.run_dir else None, resume=args.resume or None)
+        result = train(
+            cfg,
+            Path(args.run_dir) if args.run_dir else None,
+            resume=args.resume or None,
+            resume_step=args.resume_step,
+            require_checkpoint=args.resume or args.resume_step is not None,
+        )
     except (CheckpointError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -212,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 3
     print(f"run directory: {result.run_dir} (stopped by {result.stopped_by})")
-    return 0
+    return exit_status(result)
 
 
 if __name__ == "__main__":

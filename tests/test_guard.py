@@ -73,6 +73,21 @@ def test_resume_of_a_missing_run_directory_is_refused(tiny_path, tmp_path):
     assert rundir.choose(cfg, tmp_path / "new", resume=False, process_count=1).is_dir()
 
 
+def test_resume_without_a_checkpoint_is_refused(tiny_path, tmp_path, capsys):
+    """--resume (or --resume-step) on a directory with no checkpoint: exit 2, one line; nothing trains."""
+    from detjax.train import main
+
+    (tmp_path / "run").mkdir()
+    base = ["--config", str(tiny_path), "--run-dir", str(tmp_path / "run")]
+    assert main([*base, "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no complete checkpoint, so there is nothing to resume. Fix: " in err[0]
+    assert main([*base, "--resume-step", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--resume-step 3: " in err[0] and "(it holds none). Fix: pick" in err[0]
+    assert not (tmp_path / "run" / "fingerprints.jsonl").exists()
+
+
 def test_bad_data_files_get_one_line_errors(tiny_path, tmp_path, capsys):
     from detjax.data.pipeline import DataError, read_arrayrecord_tokens
     from detjax.train import main

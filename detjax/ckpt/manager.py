@@ -190,6 +190,25 @@ class Checkpointer:
         self.manager.reload()
         return self.manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """The complete checkpoints' steps, ascending."""
+        self.manager.reload()
+        return sorted(int(s) for s in self.manager.all_steps())
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """The meta item of checkpoint `step`, checked against its checksum and stored config hash."""
+        meta = self._read_meta(step)
+        self.check_meta_integrity(step, meta)
+        return meta
+
+    def sync(self, name: str) -> None:
+        """Wait for every process (a no-op with one), e.g. after the primary moved checkpoints."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(name)
+        self.manager.reload()
+
     def _read_meta(self, step: int) -> dict[str, Any]:
         path = self.directory / str(step) / "meta"
         try:
@@ -231,7 +250,8 @@ class Checkpointer:
             raise CheckpointError(
                 "checkpoint was written by a run with another trajectory config:\n  "
                 + "\n  ".join(diffs or ["(config hash differs)"])
-                + f"\nOnly these sections may change on resume: {list(RESUME_MUTABLE_SECTIONS)}. Fix: resume with "
+                + f"\nOnly these sections (and train.steps) may change on resume: {list(RESUME_MUTABLE_SECTIONS)}. "
+                "Fix: resume with "
                 "the saved values (see config.yaml in the run directory) or start a new run"
             )
         want = _leaf_table(abstract_saveable)
@@ -252,8 +272,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no complete checkpoint in {self.directory}. Fix: check ckpt.dir / --run-dir")
-        meta = self._read_meta(step)
-        self.check_meta_integrity(step, meta)
+        meta = self.read_meta(step)
         abstract = jax.eval_shape(_to_saveable, abstract_state)
         self.check_compatible(meta, abstract)
         target = jax.tree.map(
