@@ -191,6 +191,10 @@ class TrainConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 1.0
+    # A step with a non-finite loss, gradient or updated parameter: "stop" the run (exit 3, nothing of that
+    # state saved), or "skip_step": keep the old parameters and optimizer state, advance the step and the data,
+    # and record `"skipped": true` in that step's fingerprint (deterministic: decided on device).
+    on_nonfinite: Literal["stop", "skip_step"] = "stop"
 
     @property
     def n_micro(self) -> int:

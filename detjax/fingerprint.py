@@ -115,6 +115,8 @@ def record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
     for k in FLOAT_FIELDS:
         rec[k] = exact(metrics[k])
     rec["digest"] = {k: digest_hex(metrics["digest"][k]) for k in DIGEST_FIELDS}
+    if "skipped" in metrics:  # train.on_nonfinite=skip_step only: the default record is unchanged
+        rec["skipped"] = bool(metrics["skipped"])
     return rec
 
 

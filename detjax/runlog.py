@@ -117,12 +117,19 @@ class RunLog:
             "mfu": mfu(self.cfg, dt, len(self.devices)),
             "peak_mem_bytes": peak_memory_bytes(self._local),
         }
+        if "skipped" in host:  # train.on_nonfinite=skip_step
+            line["skipped"] = bool(host["skipped"])
         if self._metrics is not None:
             self._metrics.write(json.dumps(line) + "\n")
             self._metrics.flush()
-        problem = nonfinite_problem(step, host, self.param_paths) if "finite" in host else None
-        if problem is not None:  # before this step's fingerprint is recorded or any checkpoint can save it
-            raise NonFiniteError(problem)
+        if "skipped" in host:  # the step kept the old state: say so and go on
+            if line["skipped"] and self._primary:
+                why = _skip_reason(host)
+                self._bar.write(f"warning: step {step} skipped (train.on_nonfinite=skip_step): {why} not finite")
+        else:
+            problem = nonfinite_problem(step, host, self.param_paths) if "finite" in host else None
+            if problem is not None:  # before this step's fingerprint is recorded or any checkpoint can save it
+                raise NonFiniteError(problem)
         if self.cfg.run.fingerprints:
             rec = fp.record(step, host)
             self.records.append(rec)
@@ -145,6 +152,14 @@ class RunLog:
         for f in (self._metrics, self._fp):
             if f is not None:
                 f.close()
+
+
+def _skip_reason(host: dict[str, Any]) -> str:
+    """Which quantities were non-finite in a skipped step (the guard's wording, without leaf names)."""
+    bad = [q for q in QUANTITIES if not np.isfinite(float(host[q]))]
+    if not np.all(np.asarray(host["finite"]["grads"])):
+        bad.append("a gradient leaf")
+    return ", ".join(bad) or "the update (parameters after the optimizer step)"
 
 
 def _metrics_file(path: Path, start: int):

@@ -229,12 +229,32 @@ class Trainer:
                 }
         return out
 
+    def conclude(self, state: TrainState, new_state: TrainState, grads: Any, losses: dict, batch, step_key):
+        """-> (the state the step leaves, its metrics). With train.on_nonfinite=skip_step a step whose losses,
+        gradients or updated parameters are not all finite keeps the old parameters, optimizer state and
+        collections (the step counter and the data position still advance); metrics["skipped"] says so, and the
+        digests are those of the state kept. The decision is one on-device select: the same on every replay."""
+        out = self.metrics(state, new_state, grads, losses, batch, step_key)
+        if self.cfg.train.on_nonfinite != "skip_step":
+            return new_state, out
+        with jax.named_scope("skip_nonfinite"):
+            ok = jnp.all(jnp.stack([jnp.all(out["finite"]["grads"]), jnp.all(out["finite"]["params"])]))
+            ok = ok & jnp.all(jnp.stack([jnp.isfinite(losses[k]) for k in sorted(losses)]))
+            pick = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+            kept = new_state.replace(
+                params=pick(new_state.params, state.params),
+                opt_state=pick(new_state.opt_state, state.opt_state),
+                collections=pick(new_state.collections, state.collections),
+            )
+        out = self.metrics(state, kept, grads, losses, batch, step_key) | {"skipped": ~ok}
+        return kept, out
+
     # ------------------------------------------------------------------------------------------ step
     def train_step(self, state: TrainState, batch_GL1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
         step_key = self.step_key(state)
         g_sum, sums = self.grad_sums(state, self.micro_tokens(batch_GL1), step_key)
         new_state, grads, _, losses = self.finish(state, g_sum, sums)
-        return new_state, self.metrics(state, new_state, grads, losses, batch_GL1, step_key)
+        return self.conclude(state, new_state, grads, losses, batch_GL1, step_key)
 
 
 def cache_key(trainer: Trainer, kind: str, *shardings: Any) -> Any:

@@ -48,6 +48,39 @@ def test_a_run_that_goes_non_finite_stops_and_saves_nothing(tiny_path, tmp_path)
     assert '"step": 0' in (run / "metrics.jsonl").read_text()
 
 
+def test_skip_step_keeps_the_state_and_records_it(tiny_path, tmp_path):
+    """train.on_nonfinite=skip_step. With lr = 1e39 every update overflows: all three steps are skipped, their
+    fingerprints say so and keep one parameter and optimizer digest, the run finishes with finite state, and a
+    second run gives the same bytes. With a healthy lr nothing is skipped and the fingerprints equal the default
+    mode's. Negative control: the default (stop) stops at step 0 on the overflowing config."""
+    import json
+
+    import jax
+
+    over = ["train.steps=3", "train.warmup_steps=0", "ckpt.every=1", "run.progress=false", "run.log_every=0"]
+    over += ["model.pattern='-'", "model.mtp.depth=0"]
+    skip = [*over, "train.on_nonfinite=skip_step"]
+
+    def recs(r):
+        return [json.loads(x) for x in (r.run_dir / "fingerprints.jsonl").read_text().splitlines()]
+
+    bad = [train(load_config(tiny_path, [*skip, "train.lr=1e39"]), tmp_path / f"bad{i}") for i in (0, 1)]
+    assert (bad[0].run_dir / "fingerprints.jsonl").read_bytes() == (bad[1].run_dir / "fingerprints.jsonl").read_bytes()
+    got = recs(bad[0])
+    assert [r["skipped"] for r in got] == [True, True, True]
+    for field in ("params", "opt_state"):
+        assert len({r["digest"][field] for r in got}) == 1
+    assert bad[0].stopped_by == "steps" and int(bad[0].state.step) == 3
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(bad[0].state.params))
+    metrics = [json.loads(x) for x in (bad[0].run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["skipped"] for m in metrics] == [True, True, True]
+    healthy = recs(train(load_config(tiny_path, skip), tmp_path / "healthy"))
+    assert [r.pop("skipped") for r in healthy] == [False, False, False]
+    assert healthy == recs(train(load_config(tiny_path, over), tmp_path / "default"))
+    with pytest.raises(NonFiniteError, match=r"step 0: "):
+        train(load_config(tiny_path, [*over, "train.lr=1e39"]), tmp_path / "stop")
+
+
 def test_one_process_per_run_directory(tmp_path):
     """The run directory's lock: a second holder is refused with the first one's pid; released after."""
     import os

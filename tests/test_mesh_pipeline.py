@@ -18,8 +18,8 @@ EXTENDED = {"pp2", "pp4", "pp2-vpp2", "tp2-pp2"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cell", [
-    pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c for c in PIPELINE
-])
+@pytest.mark.parametrize(
+    "cell", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c for c in PIPELINE]
+)
 def test_cell_repeats_bitwise_and_tracks_single_device(cell, tmp_path, reference):
     check_cell(cell, tmp_path, reference)

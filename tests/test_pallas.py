@@ -318,6 +318,7 @@ def test_remat_keeps_the_pallas_step_bits_on_cpu(tiny_path):
     def stepper(*extra):
         tr = Trainer(load_config(tiny_path, [*over, *extra]))
         init, step = jax.jit(tr.init_state), jax.jit(tr.train_step)
+
         def run(seed=0):
             return [np.asarray(x).tobytes() for x in jax.tree.leaves(step(init(jax.random.key(seed)), batch)[1])]
 

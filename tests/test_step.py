@@ -49,4 +49,3 @@ def test_step_replays_bit_exact(compiled):
         a, b = np.asarray(a), np.asarray(b)
         assert a.dtype == b.dtype and a.shape == b.shape
         assert a.tobytes() == b.tobytes()
-

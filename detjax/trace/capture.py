@@ -172,7 +172,7 @@ def instrumented_step(trainer: Any, level: str = "none", scope: str = ""):
                 [fp.tree_digest(grads), fp.tree_digest(state.opt_state), fp.tree_digest(state.params)],
                 [fp.tree_digest(updates), fp.tree_digest(new_state.opt_state), fp.tree_digest(new_state.params)],
             )
-        metrics = trainer.metrics(state, new_state, grads, losses, batch, step_key)
+        new_state, metrics = trainer.conclude(state, new_state, grads, losses, batch, step_key)
         return new_state, metrics, {"micro": micro_taps, "step": rec.tree}
 
     return step
