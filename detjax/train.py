@@ -56,8 +56,31 @@ def resolve_horizon(cfg: Config) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, decay_steps=cfg.train.steps))
 
 
+def _numeric_flags(flags: str | None) -> set[str]:
+    """The XLA flags that can change numerics: all of XLA_FLAGS but the dump/debug-output ones."""
+    return {f for f in (flags or "").split() if not f.startswith(("--xla_dump", "--xla_gpu_dump"))}
+
+
+def _layout_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Differences between the checkpoint's machine and this one that change single-device bits: device kind
+    and platform, the XLA flags, and on CPU the number of host devices (XLA's CPU partitioning of the step
+    follows it: the same config diverges at step 0 with 1 and with 8 host devices)."""
+    out = [
+        f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}"
+        for k in ("platform", "device_kind")
+        if saved.get(k) != now.get(k)
+    ]
+    if now.get("platform") == "cpu" and saved.get("device_count") != now.get("device_count"):
+        out.append(f"host CPU devices: saved {saved.get('device_count')}, now {now.get('device_count')}")
+    a, b = _numeric_flags(saved.get("xla_flags")), _numeric_flags(now.get("xla_flags"))
+    if a != b:
+        out.append(f"XLA_FLAGS: only at save {sorted(a - b)}, only now {sorted(b - a)}")
+    return out
+
+
 def _policy_drift(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    keys = ("xla_flags", "versions", "device_kind", "platform", "env", "device_count", "process_count")
+    """Differences outside the determinism promise that are allowed with a warning."""
+    keys = ["versions", "env", "process_count"] + ([] if now.get("platform") == "cpu" else ["device_count"])
     return [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
 
 
@@ -100,6 +123,15 @@ def _restore(ckptr: Any, trainer: Any, state_sh: Any, batches: Any, policy: dict
             f"checkpoint step {meta['step']} was written on the mesh {saved_mesh}, this run resolves its mesh "
             f"(mesh.* with the devices present) to {now_mesh}: the trajectory would change at the resume step. "
             "Fix: resume with the same device count (mesh.devices=0 takes all devices present), or start a new run"
+        )
+    changes = _layout_changes(meta["policy"], policy)
+    if changes:
+        from detjax.ckpt import CheckpointError
+
+        raise CheckpointError(
+            f"checkpoint step {meta['step']} was written on another machine setup; resuming here would change the "
+            f"bits: {'; '.join(changes)}. Fix: resume with the same device kind, XLA_FLAGS and (on CPU) host device "
+            "count, or start a new run"
         )
     batches.set_state(data_state)
     drift = _policy_drift(meta["policy"], policy)

@@ -159,3 +159,39 @@ def test_resume_with_another_resolved_mesh_is_refused(python, tiny_path, tmp_pat
     assert second.returncode == 2, second.stderr[-2000:]
     err = [x for x in second.stderr.splitlines() if x.startswith("error:")]
     assert len(err) == 1 and "was written on the mesh" in err[0] and "'data': 2" in err[0] and "Fix: " in err[0]
+
+
+def test_resume_on_another_host_device_count_is_refused(python, tiny_path, tmp_path):
+    """A single-device run written with 1 host CPU device, resumed in a process with 2: the mesh is the same,
+    but XLA's CPU numerics follow the host device count, so the resume is refused (exit 2, one line)."""
+    import os
+    import subprocess
+
+    run = tmp_path / "run"
+    over = ["mesh.devices=1", "train.steps=2", "run.stop_after=1", "run.progress=false"]
+    over += ["model.pattern='-'", "model.mtp.depth=0"]
+
+    def start(n: int, *extra: str):
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+        env = dict(os.environ, XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={n}"]))
+        cmd = [python, "-m", "detjax.train", "--config", str(tiny_path), "--run-dir", str(run), *over, *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+    assert start(1).returncode == 0
+    second = start(2, "--resume")
+    assert second.returncode == 2, second.stderr[-2000:]
+    err = [x for x in second.stderr.splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and "host CPU devices: saved 1, now 2" in err[0] and "Fix: " in err[0], second.stderr
+
+
+def test_layout_changes_list_what_changes_bits():
+    from detjax.train import _layout_changes, _policy_drift
+
+    saved = {"platform": "gpu", "device_kind": "H200", "device_count": 8, "xla_flags": "--a=1 --xla_dump_to=/x"}
+    same = dict(saved, xla_flags="--a=1 --xla_dump_to=/y", device_count=4)  # dumps and GPU count: no change
+    assert _layout_changes(saved, same) == [] and _policy_drift(saved, same) == ["device_count: saved 8, now 4"]
+    other = dict(saved, device_kind="H100", xla_flags="--a=2")
+    got = _layout_changes(saved, other)
+    assert got[0] == "device_kind: saved 'H200', now 'H100'" and "only at save ['--a=1'], only now ['--a=2']" in got[1]
+    cpu = {"platform": "cpu", "device_kind": "cpu", "device_count": 1, "xla_flags": ""}
+    assert _layout_changes(cpu, dict(cpu, device_count=8)) == ["host CPU devices: saved 1, now 8"]
