@@ -242,10 +242,11 @@ def train(
                     state, metrics = run_step(step, state, put(np.asarray(next(batches))))
                     log.push(step, metrics)  # records step - 1, whose metrics are ready: step is already queued
                     done = step + 1
-                    if ckptr is not None and ckptr.due(done, sig.received is not None):
+                    stop = sig.stop_at(done)
+                    if ckptr is not None and ckptr.due(done, stop):
                         log.flush()  # the saved fingerprint history must reach this step (and passes the guard)
                         saved_at = ckptr.save(state, batches.get_state(), log.records, policy)
-                    if sig.received is not None:
+                    if stop:
                         stopped_by = "signal"
                         what = f"saved step {done}" if ckptr is not None else f"stopped after step {done} (not saved)"
                         print(f"received signal {sig.received}: {what}, exiting", file=sys.stderr)

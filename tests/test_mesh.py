@@ -113,6 +113,64 @@ def test_impossible_meshes_fail_before_compiling(overrides, needle):
 # ---------------------------------------------------------------------------------------------- schedules
 
 
+@pytest.mark.slow
+@pytest.mark.extended  # three multi-process launches (~3 min on 2 cores); run with -m extended
+def test_two_processes_stop_together_on_sigterm_and_resume(tmp_path, python):
+    """SIGTERM to one process of a 2-process run: JAX's preemption service stops both at the same step, both
+    save it (one checkpoint) and exit 143; a 2-process --resume finishes the run, byte-identical to an
+    uninterrupted one-process run of 8 devices."""
+    import signal
+    import subprocess
+    import time
+
+    steps = 8
+    mesh = [*cell_overrides("dp2-tp2-pp2"), "mesh.data=2", "mesh.devices=0", f"train.steps={steps}"]
+    base = [python, "-m", "detjax.train", "--config", str(MESH_CFG), "run.progress=false", *mesh, "model.pattern=*E*E"]
+
+    def env(n_dev: int) -> dict:
+        e = dict(os.environ, JAX_PLATFORMS="cpu")
+        keep = [f for f in e.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device")]
+        e["XLA_FLAGS"] = " ".join([*keep, f"--xla_force_host_platform_device_count={n_dev}"])
+        return e
+
+    def two(*extra: str) -> list:
+        port = _free_port()
+        dist = [f"dist.coordinator=127.0.0.1:{port}", "dist.num_processes=2"]
+        return [
+            subprocess.Popen(
+                [*base, "--run-dir", str(tmp_path / "two"), *dist, f"dist.process_id={i}", *extra],
+                env=env(4),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in range(2)
+        ]
+
+    procs = two()
+    fp = tmp_path / "two" / "fingerprints.jsonl"
+    deadline = time.time() + 900
+    while time.time() < deadline and procs[1].poll() is None:
+        if fp.exists() and len(fp.read_text().splitlines()) >= 2:
+            procs[1].send_signal(signal.SIGTERM)  # process 1 only
+            break
+        time.sleep(0.05)
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    saved = []
+    for i, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 128 + signal.SIGTERM, f"process {i}:\n{log}"
+        saved += [line.split("saved step ")[1].split(",")[0] for line in log.splitlines() if "saved step " in line]
+    assert len(saved) == 2 and saved[0] == saved[1] and int(saved[0]) < steps, logs
+    resumed = two("--resume")
+    logs = [p.communicate(timeout=900)[0] for p in resumed]
+    for i, (p, log) in enumerate(zip(resumed, logs, strict=True)):
+        assert p.returncode == 0 and "resumed from" in log, f"process {i}:\n{log}"
+    one = subprocess.run([*base, "--run-dir", str(tmp_path / "one")], env=env(8), capture_output=True, text=True)
+    assert one.returncode == 0, one.stdout + one.stderr
+    a, b = (tmp_path / "one" / "fingerprints.jsonl").read_bytes(), fp.read_bytes()
+    assert len(a.splitlines()) == steps and a == b
+
+
 @pytest.mark.parametrize(
     "kind,stages,virtual,micro",
     [

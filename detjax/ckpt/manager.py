@@ -95,20 +95,34 @@ KILL_DURING_SAVE_ENV = "DETJAX_DEBUG_KILL_DURING_SAVE"
 
 class StopSignals:
     """SIGTERM/SIGINT set a flag; the loop then saves a checkpoint (if enabled) and stops after the current
-    step. Installed only in the main thread (signal handlers cannot be set elsewhere)."""
+    step. Installed only in the main thread (signal handlers cannot be set elsewhere).
+
+    With several processes, SIGTERM is left to JAX's preemption service (jax.distributed starts it): a SIGTERM
+    that reaches any one process is propagated to all, and `stop_at(step)` turns True on every process at the
+    same step (multihost_utils.reached_preemption_sync_point), so all of them save that step and stop."""
 
     def __init__(self) -> None:
         self.received: int | None = None
         self._old: dict[int, Any] = {}
+        self._multi = jax.process_count() > 1
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGTERM, signal.SIGINT):
+            for s in (signal.SIGINT,) if self._multi else (signal.SIGTERM, signal.SIGINT):
                 self._old[s] = signal.signal(s, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+
+    def stop_at(self, step: int) -> bool:
+        """Whether to save and stop after `step` steps (called once per step, in step order)."""
+        if self._multi:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step) and self.received is None:
+                self.received = signal.SIGTERM
+        return self.received is not None
 
     def __exit__(self, *exc) -> None:
         for s, h in self._old.items():
