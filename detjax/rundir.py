@@ -34,12 +34,15 @@ def fresh_dir(cfg: Config) -> Path:
     return path
 
 
-def choose(cfg: Config, run_dir: Path | None, resume: bool, process_count: int) -> Path:
+def choose(cfg: Config, run_dir: Path | None, resume: bool, process_count: int, must_exist: bool | None = None) -> Path:
     """The run directory: the one given; when resuming, run.out_dir/run.name; with several processes (which
-    must agree without talking) run.out_dir/run.name, refused if it already holds a run; else a fresh one."""
+    must agree without talking) run.out_dir/run.name, refused if it already holds a run; else a fresh one.
+    `must_exist` (default: `resume`): an explicit --resume refuses a directory that does not exist, while
+    ckpt.resume=true (resume if there is something to resume) creates it."""
+    must_exist = resume if must_exist is None else must_exist
     if run_dir is not None:
         path = Path(run_dir)
-        if resume and not path.is_dir():
+        if must_exist and not path.is_dir():
             raise ConfigError(
                 f"--resume: run directory {path} does not exist, so there is nothing to resume. Fix: check the "
                 "--run-dir path, or drop --resume to start a new run"

@@ -183,7 +183,7 @@ def train(
             "config key 'ckpt.enabled' = False: resume asks for a checkpoint but checkpoints are off. "
             "Fix: set ckpt.enabled=true"
         )
-    run_dir = rundir.choose(cfg, run_dir, resume, jax.process_count())
+    run_dir = rundir.choose(cfg, run_dir, resume, jax.process_count(), must_exist=require_checkpoint)
     with rundir.locked(run_dir, primary):  # one process at a time per run directory
         ckptr = Checkpointer(Path(cfg.ckpt.dir or run_dir / "checkpoints"), cfg) if cfg.ckpt.enabled else None
         restore_step = None
