@@ -94,3 +94,28 @@ def test_first_steps_match_the_golden_fingerprints(runs):
         )
     assert got == want, f"the tiny config's first {GOLDEN_STEPS} steps drifted from {GOLDEN} (numerics changed)"
     assert _first_lines(runs / "seed1") != want  # negative control: another trajectory does not match
+
+
+def test_verify_reruns_a_reference_and_catches_a_difference(runs, tmp_path, capsys):
+    """`python -m detjax.verify`: the first 2 steps of run a re-run here bit for bit (exit 0); against a copy
+    of a whose step-1 gradient digest was altered (a stand-in for a faulty node's bits) it exits 1 naming
+    step 1 and the field; a reference with fewer steps than asked is bad input (exit 2)."""
+    import shutil
+
+    from detjax.verify import main as verify_main
+
+    assert verify_main([str(runs / "a"), "--steps", "2", "--run-dir", str(tmp_path / "ok"), "run.progress=false"]) == 0
+    assert "identical: steps 0..1" in capsys.readouterr().out
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ("config.yaml", "determinism.json"):
+        shutil.copy(runs / "a" / f, bad / f)
+    recs = [json.loads(x) for x in (runs / "a" / "fingerprints.jsonl").read_text().splitlines()[:2]]
+    d = recs[1]["digest"]["grads"]
+    recs[1]["digest"]["grads"] = d[:-1] + ("0" if d[-1] != "0" else "1")
+    (bad / "fingerprints.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in recs))
+    assert verify_main([str(bad), "--run-dir", str(tmp_path / "rerun"), "run.progress=false"]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERS at step 1" in out and "digest.grads" in out
+    assert verify_main([str(bad), "--steps", "5"]) == 2
+    assert "--steps 5: the reference recorded steps 0..1" in capsys.readouterr().err
