@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from detjax import determinism
-from detjax.config import Config, ConfigError, load_config
+from detjax.config import Config, ConfigError, dump_config, load_config
 
 
 @dataclass
@@ -300,8 +300,23 @@ def config_for_cli(path: str, overrides: list[str]) -> Config | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m detjax.train", description="Train the detjax hybrid LM.")
-    ap.add_argument("--config", required=True, help="YAML config file, e.g. configs/tiny.yaml")
+    ap = argparse.ArgumentParser(
+        prog="python -m detjax.train",
+        description="Train the detjax hybrid LM.",
+        epilog=(
+            "Config sections: model (shape, block pattern, mamba, moe, mtp, kernels), train (batch, steps, "
+            "optimizer, schedule, on_nonfinite), data, mesh (data/fsdp/tensor/pipeline/expert), determinism "
+            "(mode, strategy), run (name, out_dir, logging), ckpt, trace, dist. --print-config lists every key "
+            "with its value; README.md and docs/ (DETERMINISM, MESHES, CHECKPOINTS, TRACING) explain them. "
+            "Exit status: 0 done, 2 bad input, 3 non-finite, 128+N stopped by signal N."
+        ),
+    )
+    ap.add_argument("--config", default=None, help="YAML config file, e.g. configs/tiny.yaml (required to train)")
+    ap.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (every key, defaults filled in, overrides applied) as YAML and exit",
+    )
     ap.add_argument("--run-dir", default=None, help="exact run directory (default: run.out_dir/run.name[-N])")
     ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     ap.add_argument(
@@ -313,6 +328,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 model.d_model=128")
     args = ap.parse_intermixed_args(argv)
+    if args.print_config:
+        try:
+            print(dump_config(load_config(args.config, args.overrides)), end="")
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if args.config is None:
+        print("error: --config FILE is required to train (e.g. --config configs/tiny.yaml)", file=sys.stderr)
+        return 2
     cfg = config_for_cli(args.config, args.overrides)
     if cfg is None:
         return 2

@@ -99,3 +99,20 @@ def test_checkpoints_off_refuses_what_needs_them(tiny_path, tmp_path):
     with pytest.raises(ConfigError, match=r"resume asks for a checkpoint but checkpoints are off"):
         train(load_config(tiny_path, ["ckpt.enabled=false"]), tmp_path / "run", resume=True)
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_print_config_lists_every_key(tiny_path, capsys):
+    import yaml
+
+    from detjax.config import Config
+    from detjax.train import main
+
+    assert main(["--print-config", "--config", str(tiny_path), "train.steps=7"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"]["steps"] == 7 and printed["train"]["on_nonfinite"] == "stop"
+    assert printed == load_config(tiny_path, ["train.steps=7"]).to_dict()  # every section, every key
+    assert set(printed) == set(Config().to_dict())
+    assert main(["--print-config", "train.bogus=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bogus" in err[0]
+    assert main([]) == 2 and "--config FILE is required" in capsys.readouterr().err
