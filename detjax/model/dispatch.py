@@ -31,11 +31,17 @@ permute_rows.defvjp(_perm_fwd, _perm_bwd)
 
 def sort_by_expert(idx_TX: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(expert of each row R = T*X, sort order, its inverse, group sizes E). The sort is stable: inside an
-    expert's group the rows keep global token order, so its weight-gradient sum runs in token order."""
+    expert's group the rows keep global token order, so its weight-gradient sum runs in token order.
+
+    One sort: the inverse is counted, not sorted. Row r of expert e lands at (rows of experts < e) + (rows of
+    expert e before r), both integer prefix sums of the (R, E) one-hot (exact in any order)."""
     expert_R = idx_TX.reshape(-1)
     order_R = jnp.argsort(expert_R, stable=True)
-    inv_R = jnp.argsort(order_R)
-    gs_E = jnp.sum(jax.nn.one_hot(expert_R, n_experts, dtype=jnp.int32), axis=0)
+    onehot_RE = jax.nn.one_hot(expert_R, n_experts, dtype=jnp.int32)
+    gs_E = jnp.sum(onehot_RE, axis=0)
+    before_RE = jnp.cumsum(onehot_RE, axis=0) - onehot_RE  # rows of each expert strictly before row r
+    start_E = jnp.cumsum(gs_E) - gs_E
+    inv_R = start_E[expert_R] + jnp.take_along_axis(before_RE, expert_R[:, None], axis=1)[:, 0]
     return expert_R, order_R, inv_R, gs_E
 
 
