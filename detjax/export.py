@@ -1,0 +1,120 @@
+"""`python -m detjax.export RUN OUT.safetensors [--step N]`: a run's parameters as a safetensors file.
+
+Tensor names are the parameter paths with dots: `['layer_0']['mixer']['w_qkv']` becomes `layer_0.mixer.w_qkv`
+(`python -m detjax.export RUN OUT --list` prints them with shapes and dtypes). Values are the fp32 masters,
+byte for byte. The file's `__metadata__` holds the run's config hash and the model config as JSON, so the
+tensors can be matched with the code that reads them. The format (an 8-byte little-endian header length, a
+JSON header of name -> dtype, shape, byte offsets, then the raw little-endian bytes) is written here with
+numpy, so exporting needs no extra package; any safetensors reader (e.g. `safetensors.numpy.load_file`)
+reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DTYPES = {
+    np.dtype("float32"): "F32",
+    np.dtype("float16"): "F16",
+    np.dtype("float64"): "F64",
+    np.dtype("int32"): "I32",
+    np.dtype("int64"): "I64",
+    np.dtype("uint32"): "U32",
+    np.dtype("uint8"): "U8",
+    np.dtype("int8"): "I8",
+    np.dtype("bool"): "BOOL",
+}
+_FROM = {v: k for k, v in DTYPES.items()}
+
+
+def tensor_name(path: str) -> str:
+    """`['layer_0']['mixer']['w']` -> `layer_0.mixer.w` (the keystr of a parameter path)."""
+    parts = re.findall(r"\['([^']*)'\]|\[(\d+)\]", path)
+    return ".".join(a or b for a, b in parts) if parts else path
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype not in DTYPES:
+            raise ValueError(f"tensor {name}: dtype {a.dtype} has no safetensors name")
+        a = a.astype(a.dtype.newbyteorder("<"), copy=False)
+        header[name] = {"dtype": DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    tmp = Path(f"{path}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for a in arrays:
+            f.write(a.tobytes())
+    tmp.replace(path)
+
+
+def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    data = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    meta = header.pop("__metadata__", {})
+    base = 8 + n
+    out = {}
+    for name, h in header.items():
+        lo, hi = h["data_offsets"]
+        out[name] = np.frombuffer(data[base + lo : base + hi], dtype=_FROM[h["dtype"]]).reshape(h["shape"])
+    return out, meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m detjax.export", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    ap.add_argument("run", help="a run directory (config.yaml + final_params.npz or checkpoints/)")
+    ap.add_argument("out", help="the .safetensors file to write")
+    ap.add_argument("--step", type=int, default=None, help="export checkpoint step N instead of the final params")
+    ap.add_argument("--list", action="store_true", help="print each tensor's name, shape and dtype")
+    args = ap.parse_args(argv)
+    run = Path(args.run)
+    if not (run / "config.yaml").is_file():
+        print(
+            f"error: {run} is not a run directory (no config.yaml). Fix: pass a directory a run wrote", file=sys.stderr
+        )
+        return 2
+    from detjax.train import config_for_cli
+
+    cfg = config_for_cli(str(run / "config.yaml"), [])
+    if cfg is None:
+        return 2
+    import jax
+
+    from detjax.sample import SampleError, load_params
+
+    try:
+        params = load_params(run, cfg, args.step)
+    except SampleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tensors = {
+        tensor_name(jax.tree_util.keystr(p)): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    meta = {"config_hash": cfg.hash(), "model": json.dumps(cfg.to_dict()["model"], sort_keys=True), "format": "detjax"}
+    write_safetensors(args.out, tensors, meta)
+    if args.list:
+        for name in sorted(tensors):
+            print(f"{name}  {list(tensors[name].shape)}  {tensors[name].dtype}")
+    print(f"wrote {len(tensors)} tensors ({sum(t.nbytes for t in tensors.values()):,} bytes) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
