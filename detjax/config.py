@@ -278,10 +278,25 @@ class RunConfig:
     progress: bool = True
     save_final_params: bool = True
     stop_after: int = 0  # >0: stop (with a checkpoint) once the state has this many steps; 0: run to train.steps
+    # "A-B": a jax.profiler trace of steps A..B-1 in <run>/profile/ (open with xprof / TensorBoard); "" = off
+    profile_steps: str = ""
 
     def validate(self) -> None:
         if self.stop_after < 0:
             _fail("run.stop_after", self.stop_after, "must be >= 0", "use 0 to run to train.steps")
+        self.profile_range()
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """(first step, end step) of the profiler trace, or None."""
+        if not self.profile_steps:
+            return None
+        try:
+            a, b = (int(x) for x in self.profile_steps.split("-"))
+        except ValueError:
+            a, b = 0, -1
+        if not 0 <= a < b:
+            _fail("run.profile_steps", self.profile_steps, "must be 'A-B' with 0 <= A < B", "use e.g. 5-8")
+        return a, b
 
 
 @dataclass(frozen=True)

@@ -236,10 +236,19 @@ def train(
         log = RunLog(cfg, run_dir, history, start, end, primary, list(layout.mesh.devices.flat), param_paths)
         stopped_by = "steps" if end == cfg.train.steps else "stop_after"
         saved_at = start
+        prof = cfg.run.profile_range()
+        tracing = False
         with StopSignals() as sig:
             try:
                 for step in range(start, end):
+                    if prof is not None and step == prof[0]:
+                        jax.profiler.start_trace(str(run_dir / "profile"))
+                        tracing = True
                     state, metrics = run_step(step, state, put(np.asarray(next(batches))))
+                    if tracing and step == prof[1] - 1:
+                        jax.block_until_ready(state)
+                        jax.profiler.stop_trace()
+                        tracing = False
                     log.push(step, metrics)  # records step - 1, whose metrics are ready: step is already queued
                     done = step + 1
                     stop = sig.stop_at(done)
@@ -258,6 +267,9 @@ def train(
                     ckptr.close()
                 log.close()
                 raise
+            finally:
+                if tracing:  # stopped inside the profiled steps
+                    jax.profiler.stop_trace()
             if ckptr is not None:
                 if int(jax.device_get(state.step)) != saved_at:
                     ckptr.save(state, batches.get_state(), log.records, policy)

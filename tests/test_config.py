@@ -116,3 +116,17 @@ def test_print_config_lists_every_key(tiny_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bogus" in err[0]
     assert main([]) == 2 and "--config FILE is required" in capsys.readouterr().err
+
+
+def test_profile_steps_writes_a_profiler_trace(tiny_path, tmp_path):
+    """run.profile_steps=1-2: a jax.profiler trace of step 1 in <run>/profile (an .xplane.pb that xprof and
+    TensorBoard open); malformed ranges are config errors."""
+    from detjax.train import train
+
+    over = ["train.steps=3", "run.profile_steps=1-2", "ckpt.enabled=false", "run.progress=false"]
+    train(load_config(tiny_path, [*over, "model.pattern='-'", "model.mtp.depth=0"]), tmp_path / "run")
+    traces = list((tmp_path / "run" / "profile").rglob("*.xplane.pb"))
+    assert traces and traces[0].stat().st_size > 0
+    for bad in ("3-1", "x", "2-2"):
+        with pytest.raises(ConfigError, match=r"'run.profile_steps' .*must be 'A-B' with 0 <= A < B\. Fix: "):
+            load_config(tiny_path, [f"run.profile_steps={bad}"])
