@@ -41,7 +41,7 @@ def prepare(pattern: str, out_dir: str, docs_per_shard: int = 1000, split_lines:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m detjax.data.prepare", description=__doc__.splitlines()[0])
     ap.add_argument("--input", required=True, help="glob of UTF-8 text files (quote it)")
     ap.add_argument("--output", required=True, help="directory for the shards (must hold none yet)")
     ap.add_argument("--docs-per-shard", type=int, default=1000)
