@@ -3,13 +3,14 @@ saving), resume it, and check that every interrupted run ends byte-identical to 
 
     python scripts/kill_check.py --config configs/tiny.yaml --trials 20 --steps 16 --every 3 [key=value ...]
 
-The reference run is timed first; trial i is killed at a moment drawn uniformly from the i-th of --trials
-equal slices of that wall time (so the kills spread over the whole run), then resumed with ckpt.resume=true
-(from its last complete checkpoint, or from step 0 when the kill came before the first one) until it
-finishes. Each kill is classified by what the run directory showed at that moment: `compile` (no
-fingerprint yet), `saving` (an Orbax temporary checkpoint directory present) or `training`. A trial counts
-as identical when fingerprints.jsonl and final_params.npz equal the reference's byte for byte. Exit 0 when
-all trials are identical, 1 otherwise.
+The reference run is timed first (with --compile-cache DIR, after an untimed run that fills the cache, so
+the trials load executables and their time is mostly training and saving). Trial i is killed at a moment
+drawn uniformly from the i-th of --trials equal slices of the reference's wall time, then resumed with
+ckpt.resume=true (from its last complete checkpoint, or from step 0 when the kill came before the first
+one) until it finishes. Each kill is classified by what the run directory showed at that moment: `compile`
+(no fingerprint yet), `saving` (an Orbax temporary checkpoint directory present) or `training`. A trial
+counts as identical when fingerprints.jsonl and final_params.npz equal the reference's byte for byte.
+Exit 0 when all trials are identical, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -66,12 +67,23 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=3, help="ckpt.every: save often, so kills land in saves")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument(
+        "--compile-cache",
+        default=None,
+        help="a JAX persistent compilation cache directory for every run: the trials then load the reference's "
+        "executables, so their wall time (and the kills) is mostly training and saving rather than compiling",
+    )
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="kill_check_"))
+    if a.compile_cache:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = str(Path(a.compile_cache).absolute())
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     rng = random.Random(a.seed)
 
     ref = work / "reference"
+    if a.compile_cache:  # an untimed run fills the cache: the timed reference and every trial load executables
+        subprocess.run(_cmd(a.config, work / "warmup", a, a.overrides), capture_output=True, text=True)
     t0 = time.perf_counter()
     r = subprocess.run(_cmd(a.config, ref, a, a.overrides), capture_output=True, text=True)
     wall = time.perf_counter() - t0
