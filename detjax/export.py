@@ -84,20 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", type=int, default=None, help="export checkpoint step N instead of the final params")
     ap.add_argument("--list", action="store_true", help="print each tensor's name, shape and dtype")
     args = ap.parse_args(argv)
-    run = Path(args.run)
-    if not (run / "config.yaml").is_file():
-        print(
-            f"error: {run} is not a run directory (no config.yaml). Fix: pass a directory a run wrote", file=sys.stderr
-        )
-        return 2
-    from detjax.train import config_for_cli
+    from detjax.sample import SampleError, load_params, run_config
 
-    cfg = config_for_cli(str(run / "config.yaml"), [])
+    run = Path(args.run)
+    cfg = run_config(run)
     if cfg is None:
         return 2
     import jax
-
-    from detjax.sample import SampleError, load_params
 
     try:
         params = load_params(run, cfg, args.step)

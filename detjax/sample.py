@@ -21,6 +21,19 @@ class SampleError(ValueError):
     pass
 
 
+def run_config(run: Path):
+    """The resolved config a run wrote, with its XLA flags set before JAX starts; None (error printed) when
+    `run` is not a run directory or its config does not load."""
+    if not (run / "config.yaml").is_file():
+        print(
+            f"error: {run} is not a run directory (no config.yaml). Fix: pass a directory a run wrote", file=sys.stderr
+        )
+        return None
+    from detjax.train import config_for_cli
+
+    return config_for_cli(str(run / "config.yaml"), [])
+
+
 def load_params(run: Path, cfg, step: int | None):
     """The run's parameters as the model's pytree: final_params.npz, or checkpoint `step` (default: latest)."""
     import jax
@@ -106,17 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", type=int, default=None, help="use checkpoint step N instead of the final params")
     args = ap.parse_args(argv)
     run = Path(args.run)
-    if not (run / "config.yaml").is_file():
-        print(
-            f"error: {run} is not a run directory (no config.yaml). Fix: pass a directory a run wrote", file=sys.stderr
-        )
-        return 2
     if args.temperature <= 0 or args.top_k < 0 or args.max_new < 1:
         print("error: need --temperature > 0, --top-k >= 0 and --max-new >= 1", file=sys.stderr)
         return 2
-    from detjax.train import config_for_cli  # XLA flags from the run's config, before JAX starts
-
-    cfg = config_for_cli(str(run / "config.yaml"), [])
+    cfg = run_config(run)
     if cfg is None:
         return 2
     from detjax.data.tokenizer import decode, encode
