@@ -78,6 +78,13 @@ def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[s
     return None
 
 
+def print_divergence(d: dict[str, Any], head: str, a: str = "A", b: str = "B") -> None:
+    """`head` at step N (+ note), then every differing field with both exact values."""
+    print(f"{head} at step {d['step']}" + (f": {d['note']}" if d["note"] else ""))
+    for name, va, vb in d["fields"]:
+        print(f"  {name}\n    {a}: {_show(va)}\n    {b}: {_show(vb)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m detjax.compare", description=__doc__.splitlines()[0])
     ap.add_argument("run_a")
@@ -92,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if d is None:
         print(f"identical: {len(a)} steps (steps {a[0]['step']}..{a[-1]['step']}), every field bit-equal")
         return 0
-    print(f"DIVERGED at step {d['step']}" + (f": {d['note']}" if d["note"] else ""))
-    for name, va, vb in d["fields"]:
-        print(f"  {name}\n    A: {_show(va)}\n    B: {_show(vb)}")
+    print_divergence(d, "DIVERGED")
     return 1
 
 

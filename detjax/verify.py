@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from detjax.compare import InputError, _show, first_divergence, load_fingerprints
+from detjax.compare import InputError, first_divergence, load_fingerprints, print_divergence
 
 
 def _reference(run: Path, steps: int | None) -> tuple[Path, list[dict], int]:
@@ -83,9 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if d is None:
         print(f"identical: steps 0..{n - 1} of {args.reference} re-ran bit for bit on this machine")
         return 0
-    print(f"DIFFERS at step {d['step']}" + (f": {d['note']}" if d["note"] else ""))
-    for name, va, vb in d["fields"]:
-        print(f"  {name}\n    reference: {_show(va)}\n    this node: {_show(vb)}")
+    print_divergence(d, "DIFFERS", "reference", "this node")
     return 1
 
 
