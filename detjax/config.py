@@ -64,8 +64,10 @@ class MoEConfig:
     # combine through scatter-add, whose GPU result depends on atomic arrival order (refused in strict mode).
     combine: Literal["gather", "scatter_add"] = "gather"
     # the experts' grouped matmuls: "auto" follows model.kernels (XLA's ragged_dot, or the Pallas gmm);
-    # "ragged_dot" / "pallas" pick one whatever model.kernels says
-    experts_impl: Literal["auto", "ragged_dot", "pallas"] = "auto"
+    # "ragged_dot" / "pallas" pick one whatever model.kernels says; "masked": every expert on every row, each
+    # row keeping its own expert's result (E x the FLOPs; what canonical numerics uses in place of ragged_dot,
+    # which JAX cannot differentiate under vmap)
+    experts_impl: Literal["auto", "ragged_dot", "pallas", "masked"] = "auto"
 
     def validate(self) -> None:
         if self.n_experts < 1:
@@ -267,6 +269,15 @@ class DeterminismConfig:
     #                is checked for ops with no deterministic path (scatter, select-and-scatter) and for
     #                GEMMs left to XLA (only tiny ones pass), and refused otherwise.
     strategy: Literal["xla_flags", "kernels"] = "xla_flags"
+    # "canonical" (strict mode): every sum over tokens is a fixed pair tree over sequences in global order
+    # (detjax.sharding.canonical), so the data and fsdp degrees do not change the bits, and a run may resume
+    # on another such mesh. Each device runs its sequences one at a time, so train.micro_batch changes neither
+    # the bits nor the schedule there. Tensor, expert and pipeline parallelism are refused under it.
+    numerics: Literal["default", "canonical"] = "default"
+
+    @property
+    def canonical(self) -> bool:
+        return self.mode == "strict" and self.numerics == "canonical"
 
 
 @dataclass(frozen=True)
@@ -482,6 +493,8 @@ class Config:
                 "strict mode without XLA's deterministic flag relies on detjax's fixed-order Pallas kernels",
                 "set model.kernels=pallas, or determinism.strategy=xla_flags",
             )
+        for problem in canonical_problems(self):
+            _fail(*problem)
         if m.mtp.depth and t.seq_len < 3:
             _fail("train.seq_len", t.seq_len, "the MTP head needs seq_len >= 3", "raise seq_len or mtp.depth=0")
         for problem in layout_problems(self):
@@ -500,6 +513,9 @@ class Config:
         t = d["train"]
         t["decay_steps"] = t["decay_steps"] or t.pop("steps")
         t.pop("steps", None)
+        if self.determinism.canonical:  # mesh and microbatch size are schedule choices there, not numerics
+            d.pop("mesh")
+            t.pop("micro_batch")
         return d
 
     def hash(self) -> str:
@@ -507,6 +523,35 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------- loading
+
+
+def canonical_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
+    """What canonical numerics cannot (yet) make mesh-invariant, and the shapes its trees need."""
+    d, t, mesh = cfg.determinism, cfg.train, cfg.mesh
+    if d.numerics != "canonical":
+        return []
+    if d.mode != "strict":
+        return [("determinism.numerics", "canonical", "needs determinism.mode=strict", "set determinism.mode=strict")]
+    for axis in ("tensor", "pipeline", "expert"):
+        if getattr(mesh, axis) > 1:
+            return [
+                (
+                    f"mesh.{axis}",
+                    getattr(mesh, axis),
+                    f"{axis} parallelism has no canonical (mesh-invariant) path yet",
+                    f"set mesh.{axis}=1 (data and fsdp parallelism are canonical), or determinism.numerics=default",
+                )
+            ]
+    if t.global_batch & (t.global_batch - 1):
+        return [
+            (
+                "train.global_batch",
+                t.global_batch,
+                "must be a power of two under canonical numerics (the gradient tree over sequences is balanced)",
+                "use 8, 16, 32, ... sequences per step",
+            )
+        ]
+    return []
 
 
 def _type_name(tp: Any) -> str:

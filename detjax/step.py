@@ -3,6 +3,8 @@ tracer (detjax.trace) compiles its own instrumented variants, built from the sam
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -13,11 +15,11 @@ from flax import linen as nn
 from flax import struct
 
 from detjax import fingerprint as fp
-from detjax.config import Config
+from detjax.config import Config, ConfigError
 from detjax.loss import Objective
 from detjax.model.lm import HybridLM, block_class, layer_key
 from detjax.optim import lr_schedule, make_optimizer
-from detjax.sharding import pipeline
+from detjax.sharding import canonical, pipeline
 from detjax.sharding import rules as ax
 from detjax.sharding.rules import Layout, constrain, tree_shardings
 
@@ -61,6 +63,15 @@ def finite_flags(grad_squares: list[jax.Array], new_params: Any) -> dict[str, ja
     }
 
 
+def canonical_model_config(cfg: Config) -> Any:
+    """The model config canonical numerics runs per sequence: XLA's ragged_dot (no derivative under vmap) is
+    replaced by the masked expert product; the Pallas gmm stays."""
+    m = cfg.model
+    if m.moe.experts_impl == "ragged_dot" or (m.moe.experts_impl == "auto" and m.kernels != "pallas"):
+        return dataclasses.replace(m, moe=dataclasses.replace(m.moe, experts_impl="masked"))
+    return m
+
+
 class Trainer:
     """Model, optimizer, objective and the pieces of the train step for one config and layout."""
 
@@ -69,7 +80,17 @@ class Trainer:
         self.layout = layout
         self.pipelined = layout is not None and layout.degrees["pipeline"] > 1
         self.model = HybridLM(cfg.model, layout)
-        self.tx = make_optimizer(cfg.train)
+        self.canonical = cfg.determinism.canonical
+        # canonical numerics run the model per sequence (vmapped): no batch-dimension constraints inside
+        self.seq_model = HybridLM(canonical_model_config(cfg), None) if self.canonical else None
+        shards = self.batch_shards()
+        if self.canonical and (shards & (shards - 1) or cfg.train.global_batch % shards):
+            raise ConfigError(
+                f"config key 'determinism.numerics' = 'canonical': the batch is split over {shards} devices "
+                f"(data x fsdp), which must be a power of two dividing train.global_batch = "
+                f"{cfg.train.global_batch}. Fix: use 1, 2, 4, 8, ... data x fsdp devices"
+            )
+        self.tx = make_optimizer(cfg.train, self.canonical)
         self.schedule = lr_schedule(cfg.train)
         self.objective = Objective.from_config(cfg)
 
@@ -191,6 +212,57 @@ class Trainer:
 
         return pipeline.StageFns(chunk, embed, head, self.objective.aux_weight, m_cfg.d_model)
 
+    def seq_objective(self, params: Any, tokens_L1: jax.Array, key: jax.Array):
+        """(j, terms) of one sequence: the leaf of canonical numerics' gradient tree."""
+        outs = self.seq_model.apply({"params": params}, tokens_L1[None, :-1], train=True, key=key)
+        with jax.named_scope("loss"):
+            terms = self.objective.terms(*outs, tokens_L1[None])
+        return self.objective.total(terms), terms
+
+    def canonical_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array):
+        """Gradient and loss-term sums under canonical numerics (docs/DETERMINISM.md, "Canonical numerics").
+
+        The leaves of the tree are sequences in global batch order. The batch's S shards (data x fsdp; each
+        device holds a contiguous block of G/S sequences) run side by side (vmap over S, one shard per device);
+        each runs its sequences one at a time (lax.scan: the same batch-1 program whatever the mesh or the
+        microbatch size), every sequence with the dropout key of its global index, and sums their gradients
+        into the pair tree of its block (TreeAccumulator). The S block sums then meet in the top levels of the
+        same tree (pair_sum over S). Weights are gathered whole first, so no contraction is split across
+        devices; the tree's adds are elementwise, so they give the same bits wherever XLA runs them."""
+        g_rows, width = batch_GL1.shape
+        shards = self.batch_shards()
+        if self.layout is not None and not self.layout.trivial:
+            params = jax.tree.map(lambda p: jax.lax.with_sharding_constraint(p, self.layout.sharding(())), params)
+        seq_grad = jax.grad(self.seq_objective, has_aux=True)
+        per_shard = g_rows // shards
+        acc = canonical.TreeAccumulator(per_shard)
+
+        def shard_sums(tokens_NL1, first):
+            def body(carry, xs):
+                tokens_L1, j = xs
+                g, terms = seq_grad(params, tokens_L1, jax.random.fold_in(step_key, first + j))
+                with jax.named_scope("grad_accumulate"):
+                    carry = acc.push(carry, (g, terms), j)
+                return carry, None
+
+            zeros = (jax.tree.map(jnp.zeros_like, params), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())))
+            out, _ = jax.lax.scan(body, acc.init(zeros), (tokens_NL1, jnp.arange(per_shard)))
+            return out["total"]
+
+        tokens_SNL1 = constrain(batch_GL1.reshape(shards, per_shard, width), self.layout, (ax.BATCH, None, None))
+        sums_S = jax.vmap(shard_sums)(tokens_SNL1, jnp.arange(shards) * per_shard)
+        with jax.named_scope("grad_accumulate"):
+            return canonical.tree_pair_sum(sums_S)
+
+    def batch_shards(self) -> int:
+        """How many blocks the batch is split into across devices (the product of the batch axes' degrees)."""
+        if self.layout is None:
+            return 1
+        spec = self.layout.spec((ax.BATCH,))
+        axes = spec[0] if spec else ()
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        return math.prod(self.layout.degrees[a] for a in axes)
+
     def grad_sums(self, state: TrainState, micro_tokens: jax.Array, step_key: jax.Array):
         if self.pipelined:
             return pipeline.pipeline_grads(
@@ -215,8 +287,13 @@ class Trainer:
 
     def metrics(self, state: TrainState, new_state: TrainState, grads: Any, losses: dict, batch, step_key) -> dict:
         with jax.named_scope("metrics"):
-            squares = leaf_square_sums(grads)
-            out = dict(losses, grad_norm=global_norm(grads, squares), lr=self.schedule(state.step))
+            if self.canonical:
+                squares = canonical.square_sums(grads)
+                norm = canonical.global_norm(grads, squares)
+            else:
+                squares = leaf_square_sums(grads)
+                norm = global_norm(grads, squares)
+            out = dict(losses, grad_norm=norm, lr=self.schedule(state.step))
             out["finite"] = finite_flags(squares, new_state.params)
         if self.cfg.run.fingerprints:
             with jax.named_scope("fingerprint"):
@@ -252,7 +329,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ step
     def train_step(self, state: TrainState, batch_GL1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
         step_key = self.step_key(state)
-        g_sum, sums = self.grad_sums(state, self.micro_tokens(batch_GL1), step_key)
+        if self.canonical:
+            g_sum, sums = self.canonical_grad_sums(state.params, batch_GL1, step_key)
+        else:
+            g_sum, sums = self.grad_sums(state, self.micro_tokens(batch_GL1), step_key)
         new_state, grads, _, losses = self.finish(state, g_sum, sums)
         return self.conclude(state, new_state, grads, losses, batch_GL1, step_key)
 

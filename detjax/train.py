@@ -116,7 +116,7 @@ def _restore(ckptr: Any, trainer: Any, state_sh: Any, batches: Any, policy: dict
     """The state at checkpoint `step` (the data iterator is set in place) and its fingerprint history."""
     state, data_state, meta = ckptr.restore(trainer.abstract_state(), state_sh, step)
     saved_mesh, now_mesh = meta["policy"].get("mesh_resolved"), policy.get("mesh_resolved")
-    if saved_mesh is not None and saved_mesh != now_mesh:
+    if saved_mesh is not None and saved_mesh != now_mesh and not trainer.canonical:
         from detjax.ckpt import CheckpointError
 
         raise CheckpointError(

@@ -1,0 +1,114 @@
+"""Canonical numerics (L3): the pair trees, the accumulator, the config rules, and one trajectory on several
+meshes (byte equality, with default numerics as the negative control)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from detjax.config import ConfigError, load_config
+from detjax.sharding import canonical
+
+MESH_CFG = "configs/tiny_mesh.yaml"
+
+
+def u32(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint32)
+
+
+def test_pair_sum_is_the_adjacent_pair_tree():
+    x = jnp.array([1e8, 1.0, -1e8, 1.0], jnp.float32)
+    # tree: (1e8 + 1) + (-1e8 + 1) = 1e8 + -1e8 = 0 in float32; left to right gives 1 (the order matters)
+    assert float(canonical.pair_sum(x)) == 0.0
+    assert float(((x[0] + x[1]) + x[2]) + x[3]) == 1.0
+    y = jax.random.normal(jax.random.key(0), (7, 3), jnp.float32) * jnp.logspace(0, 6, 7)[:, None]
+    manual = ((y[0] + y[1]) + (y[2] + y[3])) + ((y[4] + y[5]) + (y[6] + 0.0))  # padded to 8 with zeros
+    np.testing.assert_array_equal(u32(canonical.pair_sum(y, 0)), u32(manual))
+    np.testing.assert_array_equal(u32(canonical.full_sum(y)), u32(canonical.pair_sum(canonical.pair_sum(y, 1))))
+
+
+@pytest.mark.parametrize("block", [1, 2, 4, 8, 16])
+def test_accumulator_over_blocks_is_the_whole_tree(block):
+    """Blocks of any power-of-two size, each summed by its own pair tree and pushed in order, give the tree
+    over all leaves: the microbatch (or per-device block) size never enters the bits."""
+    leaves = jax.random.normal(jax.random.key(1), (16, 5), jnp.float32) * jnp.logspace(-3, 5, 16)[:, None]
+    acc = canonical.TreeAccumulator(16 // block)
+    state = acc.init(leaves[0])
+    for m in range(16 // block):
+        state = acc.push(state, canonical.pair_sum(leaves[m * block : (m + 1) * block], 0), m)
+    np.testing.assert_array_equal(u32(state["total"]), u32(canonical.pair_sum(leaves, 0)))
+    # negative control: a running sum over the same blocks (the default accumulation) has other bits
+    running = sum((canonical.pair_sum(leaves[m * block : (m + 1) * block], 0) for m in range(16 // block)), 0.0)
+    if 16 // block > 2:  # with two blocks a running sum is the tree
+        assert not np.array_equal(u32(running), u32(state["total"]))
+
+
+def test_accumulator_inside_scan_and_refuses_other_counts():
+    leaves = jax.random.normal(jax.random.key(2), (8, 3), jnp.float32) * jnp.logspace(0, 7, 8)[:, None]
+    acc = canonical.TreeAccumulator(8)
+    out, _ = jax.lax.scan(lambda c, xs: (acc.push(c, xs[0], xs[1]), None), acc.init(leaves[0]), (leaves, jnp.arange(8)))
+    np.testing.assert_array_equal(u32(out["total"]), u32(canonical.pair_sum(leaves, 0)))
+    with pytest.raises(ValueError, match="power-of-two"):
+        canonical.TreeAccumulator(6)
+
+
+def test_square_sums_do_not_depend_on_the_sharding():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+    g = jax.random.normal(jax.random.key(3), (264, 64), jnp.float32)
+    want = u32(canonical.square_sums({"g": g})[0])
+    for spec in (PartitionSpec("x"), PartitionSpec(None, "x")):
+        sharded = jax.device_put(g, NamedSharding(mesh, spec))
+        got = jax.jit(lambda t: canonical.square_sums(t)[0])({"g": sharded})
+        np.testing.assert_array_equal(u32(got), want)
+
+
+def test_config_rules():
+    canon = ["determinism.numerics=canonical"]
+    with pytest.raises(ConfigError, match=r"mesh\.tensor.*no canonical"):
+        load_config(MESH_CFG, canon + ["mesh.tensor=2"])
+    with pytest.raises(ConfigError, match=r"train\.global_batch.*power of two"):
+        load_config(MESH_CFG, canon + ["train.global_batch=12", "train.micro_batch=4"])
+    with pytest.raises(ConfigError, match="needs determinism.mode=strict"):
+        load_config(MESH_CFG, canon + ["determinism.mode=off"])
+    # the mesh and the microbatch size are not part of a canonical run's identity; they are of a default run's
+    a, b = (load_config(MESH_CFG, canon + o) for o in (["mesh.data=8"], ["mesh.fsdp=8", "train.micro_batch=2"]))
+    assert a.hash() == b.hash()
+    c, d = (load_config(MESH_CFG, o) for o in (["mesh.data=8"], ["mesh.fsdp=8", "train.micro_batch=2"]))
+    assert c.hash() != d.hash()
+
+
+def _one_step(overrides: list[str]) -> tuple[dict, dict]:
+    from detjax.sharding.mesh import build_layout
+    from detjax.step import Trainer
+
+    cfg = load_config(MESH_CFG, ["model.pattern='-'", "model.mtp.depth=0", *overrides])
+    layout = build_layout(cfg, jax.devices()[: cfg.mesh.devices or 8])
+    tr = Trainer(cfg, layout)
+    ssh, bsh = tr.state_shardings(), tr.batch_sharding()
+    state = jax.jit(tr.init_state, out_shardings=ssh)(jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(1), (cfg.train.global_batch, cfg.train.seq_len + 1), 0, 264)
+    new, metrics = jax.jit(tr.train_step, in_shardings=(ssh, bsh))(state, jax.device_put(batch, bsh))
+    return jax.device_get(new.params), jax.device_get(metrics)
+
+
+def _same(a, b) -> bool:
+    return all(np.array_equal(u32(x), u32(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
+    """Canonical: one device, 8-way data parallel, fsdp 2 x data 4 and another microbatch size give the same
+    parameters and metrics (digests included), byte for byte. Default numerics differ with the microbatch size."""
+    canon = ["determinism.numerics=canonical"]
+    ref = _one_step(canon + ["mesh.devices=1"])
+    for mesh in (["mesh.data=8"], ["mesh.fsdp=2", "mesh.data=4", "train.micro_batch=2"]):
+        got = _one_step(canon + mesh)
+        assert _same(got[0], ref[0]), mesh
+        assert json.dumps(jax.tree.map(lambda v: u32(v).tolist(), got[1]["digest"])) == json.dumps(
+            jax.tree.map(lambda v: u32(v).tolist(), ref[1]["digest"])
+        )
+    # negative control: default numerics accumulate microbatches in sequence, so their size changes the bits
+    mb8, mb2 = _one_step(["mesh.devices=1"]), _one_step(["mesh.devices=1", "train.micro_batch=2"])
+    assert not _same(mb8, mb2), "negative control: default numerics should change with the microbatch size"
