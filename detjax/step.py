@@ -294,6 +294,7 @@ class Trainer:
                 squares = leaf_square_sums(grads)
                 norm = global_norm(grads, squares)
             out = dict(losses, grad_norm=norm, lr=self.schedule(state.step))
+        with jax.named_scope("nonfinite_guard"):  # its own scope: scripts/profile_step.py --scope prices it
             out["finite"] = finite_flags(squares, new_state.params)
         if self.cfg.run.fingerprints:
             with jax.named_scope("fingerprint"):

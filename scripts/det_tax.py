@@ -16,6 +16,8 @@ Modes (each a separate process, since XLA reads its flags once):
   pallas      determinism.mode=off + model.kernels=pallas (every Pallas kernel, XLA autotuning on)
   strict-kernels  determinism.mode=strict, strategy=kernels: the Pallas kernels (every GEMM included), no
               XLA deterministic flag, XLA autotuning off; the step is checked for scatter and XLA GEMMs
+  canonical   strict-kernels with determinism.numerics=canonical (mesh-invariant sums: one sequence at a time,
+              gradients summed by the pair tree)
 Rounds alternate the modes (fastest, strict, ..., fastest, strict, ...) so drift hits all alike. Reported:
 median steady-state step time per mode (warm-up steps dropped; each step synchronised), MFU (detjax.flops),
 peak device memory, and the tax (mode / baseline - 1) x 100 %, the baseline being `fastest` when it runs
@@ -48,6 +50,12 @@ MODES = {
     # no XLA flag: every Pallas kernel, XLA autotuning left on
     "pallas": ["determinism.mode=off", "model.kernels=pallas"],
     "strict-kernels": ["determinism.mode=strict", "determinism.strategy=kernels", "model.kernels=pallas"],
+    "canonical": [
+        "determinism.mode=strict",
+        "determinism.strategy=kernels",
+        "model.kernels=pallas",
+        "determinism.numerics=canonical",
+    ],
 }
 
 

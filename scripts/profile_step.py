@@ -72,7 +72,9 @@ def device_events(trace_dir: Path) -> list[dict]:
     return picked
 
 
-def tables(events: list[dict], names: dict[str, str], pattern: str, steps: int, top: int) -> str:
+def tables(
+    events: list[dict], names: dict[str, str], pattern: str, steps: int, top: int, always: tuple[str, ...] = ()
+) -> str:
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events if "ts" in e)
     busy, end = 0.0, float("-inf")
     for a, b in spans:  # the union of the device ops' intervals: time the device had work
@@ -100,8 +102,11 @@ def tables(events: list[dict], names: dict[str, str], pattern: str, steps: int, 
     ]
     lines += ["| scope | pass | ms / step | share |", "|---|---|---|---|"]
     for (scope, pas), ms in sorted(by_scope.items(), key=lambda kv: -kv[1]):
-        if ms >= 0.005 * total:
+        if ms >= 0.005 * total or any(a in scope for a in always):
             lines.append(f"| {scope} | {pas} | {ms:.2f} | {100 * ms / max(total, 1e-9):.1f} % |")
+    for a in always:  # a small scope's whole cost (every op whose scope path contains it)
+        ms = sum(v for (scope, _), v in by_scope.items() if a in scope)
+        lines.append(f"scope '{a}' in all: {ms:.3f} ms / step = {100 * ms / max(total, 1e-9):.3f} % of device time")
     lines += ["", f"top {top} device ops", "", "| op | scope | pass | ms / step | calls / step |"]
     lines += ["|---|---|---|---|---|"]
     for (name, scope, pas), (ms, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]:
@@ -115,6 +120,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="traced steps")
     ap.add_argument("--warmup", type=int, default=2, help="untraced steps first (the first compiles)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--scope",
+        action="append",
+        default=[],
+        help="always list scopes whose path contains this name, with their total (e.g. nonfinite_guard)",
+    )
     ap.add_argument("--out", default="profiles", help="trace directory (default: profiles/<run name>)")
     ap.add_argument(
         "--keep-command-buffers",
@@ -186,7 +197,7 @@ def main() -> int:
     if a.dump_events:
         for e in events[: a.dump_events]:
             print("event", json.dumps(e)[:600])
-    print(tables(events, names, cfg.model.pattern, a.steps, a.top))
+    print(tables(events, names, cfg.model.pattern, a.steps, a.top, tuple(a.scope)))
     return 0
 
 
