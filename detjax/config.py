@@ -64,10 +64,8 @@ class MoEConfig:
     # combine through scatter-add, whose GPU result depends on atomic arrival order (refused in strict mode).
     combine: Literal["gather", "scatter_add"] = "gather"
     # the experts' grouped matmuls: "auto" follows model.kernels (XLA's ragged_dot, or the Pallas gmm);
-    # "ragged_dot" / "pallas" pick one whatever model.kernels says; "masked": every expert on every row, each
-    # row keeping its own expert's result (E x the FLOPs; what canonical numerics uses in place of ragged_dot,
-    # which JAX cannot differentiate under vmap)
-    experts_impl: Literal["auto", "ragged_dot", "pallas", "masked"] = "auto"
+    # "ragged_dot" / "pallas" pick one whatever model.kernels says
+    experts_impl: Literal["auto", "ragged_dot", "pallas"] = "auto"
 
     def validate(self) -> None:
         if self.n_experts < 1:

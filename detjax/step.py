@@ -3,7 +3,6 @@ tracer (detjax.trace) compiles its own instrumented variants, built from the sam
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import optax
 from flax import linen as nn
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from detjax import fingerprint as fp
 from detjax.config import Config, ConfigError
@@ -53,25 +53,6 @@ def global_norm(tree: Any, squares: list[jax.Array] | None = None) -> jax.Array:
     return jnp.sqrt(total)
 
 
-def finite_flags(grad_squares: list[jax.Array], new_params: Any) -> dict[str, jax.Array]:
-    """The non-finite guard's inputs, computed on device inside the step: per gradient leaf, whether its
-    sum of squares is finite (the same sums the gradient norm adds, so no extra pass over the gradients),
-    and per parameter leaf after the update, whether every element is finite."""
-    return {
-        "grads": jnp.stack([jnp.isfinite(sq) for sq in grad_squares]),
-        "params": jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(new_params)]),
-    }
-
-
-def canonical_model_config(cfg: Config) -> Any:
-    """The model config canonical numerics runs per sequence: XLA's ragged_dot (no derivative under vmap) is
-    replaced by the masked expert product; the Pallas gmm stays."""
-    m = cfg.model
-    if m.moe.experts_impl == "ragged_dot" or (m.moe.experts_impl == "auto" and m.kernels != "pallas"):
-        return dataclasses.replace(m, moe=dataclasses.replace(m.moe, experts_impl="masked"))
-    return m
-
-
 class Trainer:
     """Model, optimizer, objective and the pieces of the train step for one config and layout."""
 
@@ -82,7 +63,7 @@ class Trainer:
         self.model = HybridLM(cfg.model, layout)
         self.canonical = cfg.determinism.canonical
         # canonical numerics run the model per sequence (vmapped): no batch-dimension constraints inside
-        self.seq_model = HybridLM(canonical_model_config(cfg), None) if self.canonical else None
+        self.seq_model = HybridLM(cfg.model, None) if self.canonical else None
         shards = self.batch_shards()
         if self.canonical and (shards & (shards - 1) or cfg.train.global_batch % shards):
             raise ConfigError(
@@ -222,25 +203,24 @@ class Trainer:
     def canonical_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array):
         """Gradient and loss-term sums under canonical numerics (docs/DETERMINISM.md, "Canonical numerics").
 
-        The leaves of the tree are sequences in global batch order. The batch's S shards (data x fsdp; each
-        device holds a contiguous block of G/S sequences) run side by side (vmap over S, one shard per device);
-        each runs its sequences one at a time (lax.scan: the same batch-1 program whatever the mesh or the
-        microbatch size), every sequence with the dropout key of its global index, and sums their gradients
-        into the pair tree of its block (TreeAccumulator). The S block sums then meet in the top levels of the
-        same tree (pair_sum over S). Weights are gathered whole first, so no contraction is split across
-        devices; the tree's adds are elementwise, so they give the same bits wherever XLA runs them."""
+        The leaves of the tree are sequences in global batch order. Each of the S batch shards (data x fsdp:
+        device s holds the contiguous block of sequences [s G/S, (s+1) G/S)) runs inside shard_map, so its
+        program is the explicit per-device one (no partitioner choice inside it): its sequences one at a time
+        (lax.scan: the same batch-1 program whatever the mesh or the microbatch size), each with the dropout
+        key of its global index, summed into the pair tree of its block (TreeAccumulator), with the weights
+        whole. The S block sums then meet in the top levels of the same tree (pair_sum over S): elementwise
+        adds, the same bits wherever XLA runs them."""
         g_rows, width = batch_GL1.shape
-        shards = self.batch_shards()
-        if self.layout is not None and not self.layout.trivial:
-            params = jax.tree.map(lambda p: jax.lax.with_sharding_constraint(p, self.layout.sharding(())), params)
-        seq_grad = jax.grad(self.seq_objective, has_aux=True)
+        axes = self.batch_axes()
+        shards = math.prod(self.layout.degrees[a] for a in axes) if axes else 1
         per_shard = g_rows // shards
+        seq_grad = jax.grad(self.seq_objective, has_aux=True)
         acc = canonical.TreeAccumulator(per_shard)
 
-        def shard_sums(tokens_NL1, first):
+        def block_sums(params, tokens_NL1, key, first):
             def body(carry, xs):
                 tokens_L1, j = xs
-                g, terms = seq_grad(params, tokens_L1, jax.random.fold_in(step_key, first + j))
+                g, terms = seq_grad(params, tokens_L1, jax.random.fold_in(key, first + j))
                 with jax.named_scope("grad_accumulate"):
                     carry = acc.push(carry, (g, terms), j)
                 return carry, None
@@ -249,19 +229,32 @@ class Trainer:
             out, _ = jax.lax.scan(body, acc.init(zeros), (tokens_NL1, jnp.arange(per_shard)))
             return out["total"]
 
-        tokens_SNL1 = constrain(batch_GL1.reshape(shards, per_shard, width), self.layout, (ax.BATCH, None, None))
-        sums_S = jax.vmap(shard_sums)(tokens_SNL1, jnp.arange(shards) * per_shard)
+        if self.layout is None:
+            return block_sums(params, batch_GL1, step_key, 0)
+
+        def local(params, tokens_NL1, key):
+            first = jax.lax.axis_index(axes) * per_shard if axes else 0
+            sums = block_sums(params, tokens_NL1, key, first)
+            return jax.tree.map(lambda x: x[None], sums)
+
+        spec = P(axes) if axes else P()
+        sums_S = jax.shard_map(
+            local, mesh=self.layout.mesh, in_specs=(P(), spec, P()), out_specs=spec, check_vma=False
+        )(params, batch_GL1, step_key)
         with jax.named_scope("grad_accumulate"):
             return canonical.tree_pair_sum(sums_S)
 
-    def batch_shards(self) -> int:
-        """How many blocks the batch is split into across devices (the product of the batch axes' degrees)."""
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over (degree > 1), major first."""
         if self.layout is None:
-            return 1
+            return ()
         spec = self.layout.spec((ax.BATCH,))
         axes = spec[0] if spec else ()
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        return math.prod(self.layout.degrees[a] for a in axes)
+        return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+    def batch_shards(self) -> int:
+        """How many blocks the batch is split into across devices (the product of the batch axes' degrees)."""
+        return math.prod(self.layout.degrees[a] for a in self.batch_axes()) if self.layout is not None else 1
 
     def grad_sums(self, state: TrainState, micro_tokens: jax.Array, step_key: jax.Array):
         if self.pipelined:
@@ -294,17 +287,20 @@ class Trainer:
                 squares = leaf_square_sums(grads)
                 norm = global_norm(grads, squares)
             out = dict(losses, grad_norm=norm, lr=self.schedule(state.step))
-        with jax.named_scope("nonfinite_guard"):  # its own scope: scripts/profile_step.py --scope prices it
-            out["finite"] = finite_flags(squares, new_state.params)
         if self.cfg.run.fingerprints:
             with jax.named_scope("fingerprint"):
+                params_digest, params_finite = fp.tree_digest_and_finite(new_state.params)
                 out["digest"] = {
-                    "params": fp.tree_digest(new_state.params),
+                    "params": params_digest,
                     "grads": fp.tree_digest(grads),
                     "opt_state": fp.tree_digest(new_state.opt_state),
                     "batch": fp.tensor_digest(batch),
                     "rng": fp.tensor_digest(step_key),
                 }
+        with jax.named_scope("nonfinite_guard"):  # its own scope: scripts/profile_step.py --scope prices it
+            if not self.cfg.run.fingerprints:  # else the params digest's pass counted them
+                params_finite = jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(new_state.params)])
+            out["finite"] = {"grads": jnp.stack([jnp.isfinite(sq) for sq in squares]), "params": params_finite}
         return out
 
     def conclude(self, state: TrainState, new_state: TrainState, grads: Any, losses: dict, batch, step_key):

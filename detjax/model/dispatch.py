@@ -49,19 +49,11 @@ def expert_ffn(
     xs_RD: jax.Array, gs_E: jax.Array, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, kernels: str = "reference"
 ) -> jax.Array:
     """SwiGLU per expert over rows sorted by expert (group sizes gs_E): grouped matmuls (XLA's ragged_dot,
-    or with kernels=pallas the fixed-order Pallas gmm/tgmm, or "masked": every expert on every row, the row's
-    own expert picked by a one-term masked sum; `kernels` here is the resolved experts_impl)."""
-    if kernels == "masked":
-        ends_E = jnp.cumsum(gs_E)
-        row_R = jnp.arange(xs_RD.shape[0])
-        own_RE = (row_R[:, None] < ends_E[None, :]) & (row_R[:, None] >= (ends_E - gs_E)[None, :])
+    or with kernels=pallas the fixed-order Pallas gmm/tgmm; `kernels` here is the resolved experts_impl)."""
 
     def gmm(a, w):
         if kernels == "pallas":
             return grouped_matmul(a.astype(dtype), w.astype(dtype), gs_E)
-        if kernels == "masked":
-            y_REF = jnp.einsum("rd,edf->ref", a.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
-            return jnp.sum(jnp.where(own_RE[:, :, None], y_REF, 0.0), axis=1)
         return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)
 
     h_RF = nn.silu(gmm(xs_RD, w_gate_EDF)) * gmm(xs_RD, w_up_EDF)
