@@ -112,3 +112,25 @@ def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
     # negative control: default numerics accumulate microbatches in sequence, so their size changes the bits
     mb8, mb2 = _one_step(["mesh.devices=1"]), _one_step(["mesh.devices=1", "train.micro_batch=2"])
     assert not _same(mb8, mb2), "negative control: default numerics should change with the microbatch size"
+
+
+@pytest.mark.extended  # ~1 min on 2 cores; the one-step test above covers the same trees in the default run
+def test_resume_on_another_mesh_continues_the_trajectory(tmp_path):
+    """Canonical: train on dp8, stop after step 1 (a checkpoint at an odd step), resume on fsdp8 and continue:
+    fingerprints and final parameters byte-equal to the uninterrupted dp8 run. Under default numerics the
+    same resume is refused (the mesh is part of the trajectory there)."""
+    from detjax.ckpt import CheckpointError
+    from detjax.train import train
+
+    base = ["model.pattern='-'", "model.mtp.depth=0", "train.steps=3", "ckpt.every=1", "run.save_final_params=true"]
+    canon = base + ["determinism.numerics=canonical"]
+    ref = train(load_config(MESH_CFG, canon + ["mesh.data=8"]), tmp_path / "ref")
+    train(load_config(MESH_CFG, canon + ["mesh.data=8", "run.stop_after=1"]), tmp_path / "moved")
+    got = train(load_config(MESH_CFG, canon + ["mesh.fsdp=8", "mesh.data=1"]), tmp_path / "moved", resume=True)
+    assert (got.run_dir / "fingerprints.jsonl").read_bytes() == (ref.run_dir / "fingerprints.jsonl").read_bytes()
+    a, b = np.load(ref.run_dir / "final_params.npz"), np.load(got.run_dir / "final_params.npz")
+    for k in a:
+        np.testing.assert_array_equal(a[k].view(np.uint32), b[k].view(np.uint32), err_msg=k)
+    train(load_config(MESH_CFG, base + ["mesh.data=8", "run.stop_after=1"]), tmp_path / "default")
+    with pytest.raises(CheckpointError):
+        train(load_config(MESH_CFG, base + ["mesh.fsdp=8", "mesh.data=1"]), tmp_path / "default", resume=True)
