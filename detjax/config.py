@@ -540,6 +540,16 @@ def canonical_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
                     f"set mesh.{axis}=1 (data and fsdp parallelism are canonical), or determinism.numerics=default",
                 )
             ]
+    if cfg.trace.level != "none" or cfg.debug.inject_nondeterminism.scope:
+        what = "debug.inject_nondeterminism" if cfg.debug.inject_nondeterminism.scope else "trace.level"
+        return [
+            (
+                what,
+                cfg.trace.level if what == "trace.level" else cfg.debug.inject_nondeterminism.scope,
+                "the tracer's capture and fault injection are not built for canonical numerics' per-sequence tree yet",
+                "trace or inject with determinism.numerics=default",
+            )
+        ]
     if t.global_batch & (t.global_batch - 1):
         return [
             (

@@ -71,6 +71,8 @@ def test_config_rules():
         load_config(MESH_CFG, canon + ["mesh.tensor=2"])
     with pytest.raises(ConfigError, match=r"train\.global_batch.*power of two"):
         load_config(MESH_CFG, canon + ["train.global_batch=12", "train.micro_batch=4"])
+    with pytest.raises(ConfigError, match=r"trace\.level.*numerics=default"):
+        load_config(MESH_CFG, canon + ["trace.level=phase", "trace.steps=1"])
     with pytest.raises(ConfigError, match="needs determinism.mode=strict"):
         load_config(MESH_CFG, canon + ["determinism.mode=off"])
     # the mesh and the microbatch size are not part of a canonical run's identity; they are of a default run's
