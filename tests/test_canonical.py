@@ -101,11 +101,12 @@ def _same(a, b) -> bool:
 
 
 def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
-    """Canonical: one device, 8-way data parallel, fsdp 2 x data 4 and another microbatch size give the same
-    parameters and metrics (digests included), byte for byte. Default numerics differ with the microbatch size."""
+    """Canonical: one device and fsdp 2 x data 4 with another microbatch size give the same parameters and
+    metrics (digests included), byte for byte (dp8: the extended resume test and the mesh sweep). Default
+    numerics differ with the microbatch size."""
     canon = ["determinism.numerics=canonical"]
     ref = _one_step(canon + ["mesh.devices=1"])
-    for mesh in (["mesh.data=8"], ["mesh.fsdp=2", "mesh.data=4", "train.micro_batch=2"]):
+    for mesh in (["mesh.fsdp=2", "mesh.data=4", "train.micro_batch=2"],):
         got = _one_step(canon + mesh)
         assert _same(got[0], ref[0]), mesh
         assert json.dumps(jax.tree.map(lambda v: u32(v).tolist(), got[1]["digest"])) == json.dumps(
