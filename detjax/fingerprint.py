@@ -64,13 +64,13 @@ def _element_hashes(bits: jax.Array, salt: np.uint32) -> tuple[jax.Array, jax.Ar
     return _fmix(bits ^ p1), _fmix((bits + p2) * _C1)
 
 
-def _lane_sums(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(sum of lane-1 hashes, sum of lane-2 hashes, count of non-finite elements), uint32. Three reductions of
+def _lane_sums(x: jax.Array, count_nonfinite: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(sum of lane-1 hashes, sum of lane-2 hashes, count of non-finite elements or 0), uint32. Reductions of
     one elementwise producer: XLA fuses them into one kernel that reads the tensor once (stacking the lanes
     first materialised a 2x copy: 9.6 ms/step of digests on gpu_medium, docs/BENCHMARKS.md)."""
     bits = as_u32(x)  # element shape kept (8-byte dtypes add a trailing 2): positions as if flattened
     h1, h2 = _element_hashes(bits, _meta_salt(x))
-    if jnp.issubdtype(x.dtype, jnp.floating):
+    if count_nonfinite and jnp.issubdtype(x.dtype, jnp.floating):
         bad = jnp.sum((~jnp.isfinite(x)).astype(jnp.uint32), dtype=jnp.uint32)
     else:
         bad = jnp.zeros((), jnp.uint32)
@@ -92,10 +92,10 @@ def row_digest(x: jax.Array) -> jax.Array:
 
 def tree_digest(tree: Any) -> jax.Array:
     """uint32[2] over a pytree: leaf digests mixed with each leaf's path, so moved leaves are caught."""
-    return tree_digest_and_finite(tree)[0]
+    return tree_digest_and_finite(tree, count_nonfinite=False)[0]
 
 
-def tree_digest_and_finite(tree: Any) -> tuple[jax.Array, jax.Array]:
+def tree_digest_and_finite(tree: Any, count_nonfinite: bool = True) -> tuple[jax.Array, jax.Array]:
     """(tree_digest, bool[leaves]: each leaf has no inf/NaN), from one pass over each leaf (the non-finite
     guard rides on the digest's reads)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -104,7 +104,7 @@ def tree_digest_and_finite(tree: Any) -> tuple[jax.Array, jax.Array]:
     for path, leaf in leaves:
         key = jax.tree_util.keystr(path).encode()
         salt = np.uint32(int.from_bytes(hashlib.blake2s(key, digest_size=4).digest(), "little"))
-        h1, h2, bad = _lane_sums(leaf)
+        h1, h2, bad = _lane_sums(leaf, count_nonfinite)
         acc = acc + _fmix(jnp.stack([h1, h2]) ^ salt) * np.array([1, 3], np.uint32)
         finite.append(bad == 0)
     return acc, jnp.stack(finite) if finite else jnp.ones((0,), bool)
