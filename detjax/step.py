@@ -62,10 +62,10 @@ class Trainer:
         self.pipelined = layout is not None and layout.degrees["pipeline"] > 1
         self.model = HybridLM(cfg.model, layout)
         self.canonical = cfg.determinism.canonical
-        # canonical numerics run the model per sequence (vmapped): no batch-dimension constraints inside
+        # canonical numerics run the model one sequence at a time inside shard_map: no layout constraints inside
         self.seq_model = HybridLM(cfg.model, None) if self.canonical else None
         shards = self.batch_shards()
-        if self.canonical and (shards & (shards - 1) or cfg.train.global_batch % shards):
+        if self.canonical and (not canonical.is_power_of_two(shards) or cfg.train.global_batch % shards):
             raise ConfigError(
                 f"config key 'determinism.numerics' = 'canonical': the batch is split over {shards} devices "
                 f"(data x fsdp), which must be a power of two dividing train.global_batch = "
@@ -212,8 +212,7 @@ class Trainer:
         adds, the same bits wherever XLA runs them."""
         g_rows, width = batch_GL1.shape
         axes = self.batch_axes()
-        shards = math.prod(self.layout.degrees[a] for a in axes) if axes else 1
-        per_shard = g_rows // shards
+        per_shard = g_rows // self.batch_shards()
         seq_grad = jax.grad(self.seq_objective, has_aux=True)
         acc = canonical.TreeAccumulator(per_shard)
 

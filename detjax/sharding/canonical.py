@@ -7,9 +7,9 @@ where its adds run: a device that holds a contiguous, aligned block of terms com
 and the levels above may run wherever XLA moves the operands. A length that is not a power of two is padded
 with zeros at the end (a fixed structure, a function of the length only).
 
-`TreeAccumulator` walks the same tree over a sequence of subtree results (the microbatches): it keeps one
-pending partial per tree level (a binary counter), so the sum of microbatch subtrees of any power-of-two
-size is the same tree as the sum over all leaves at once, whatever the microbatch size.
+`TreeAccumulator` walks the same tree over a sequence of subtree results pushed in order (the step pushes
+one sequence's gradient at a time): it keeps one pending partial per tree level (a binary counter), so
+pushing aligned power-of-two blocks, of any one size, gives the same tree as summing all leaves at once.
 """
 
 from __future__ import annotations
