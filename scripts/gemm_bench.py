@@ -5,6 +5,7 @@ sets and shape classes (detjax/pallas_kernels/matmul/kernel.py: TILE_SETS, tile_
     python3 scripts/gemm_bench.py                   # the table with the pinned tile sets
     python3 scripts/gemm_bench.py --sweep           # time every candidate tile set per product and shape
     python3 scripts/gemm_bench.py --tile-bits       # do the output bits depend on the tile set? (same block_r)
+    python3 scripts/gemm_bench.py --sweep --kinds dw --no-table   # one product only, no table
 
 Run with XLA's default flags (autotuning on): the XLA column is the GEMM XLA picks for the shape. Times: one
 jitted call runs the product on 8 different input sets (so no launch or host sync is timed per product);
@@ -47,16 +48,23 @@ SHAPES = {
 M = 8192
 SETS = 8
 EXTRA_BF16 = [
-    {"bm": 256, "bn": 128, "block_r": 64, "num_warps": 8, "num_stages": 3},
-    {"bm": 128, "bn": 64, "block_r": 64, "num_warps": 4, "num_stages": 4},
+    {"bm": 256, "bn": 128, "block_r": 64, "num_warps": 8, "num_stages": 3, "split": 0},
+    {"bm": 128, "bn": 64, "block_r": 64, "num_warps": 4, "num_stages": 4, "split": 0},
 ]
 
 
-def candidates(dtype: str) -> list[dict[str, int]]:
+def candidates(dtype: str, kind: str = "fwd") -> list[dict[str, int]]:
+    """The pinned sets of this dtype and the extra ones; for dw each also as a split set (one program per
+    (token chunk, tile)), which gives the same bits (kernel.py docstring)."""
     from detjax.pallas_kernels.matmul.kernel import TILE_SETS
 
-    mine = [t for name, t in TILE_SETS.items() if name.startswith("f32_") == (dtype == "float32")]
-    return mine + (EXTRA_BF16 if dtype == "bfloat16" else [])
+    base = [t for name, t in TILE_SETS.items() if name.startswith("f32_") == (dtype == "float32")]
+    base = [dict(t, split=0) for t in base] + (EXTRA_BF16 if dtype == "bfloat16" else [])
+    uniq = []
+    for t in base + ([dict(t, split=1) for t in base] if kind == "dw" else []):
+        if t not in uniq:
+            uniq.append(t)
+    return uniq
 
 
 KINDS = ("fwd", "dx", "dw")
@@ -145,10 +153,10 @@ def table(reps: int) -> None:
         )
 
 
-def sweep(reps: int) -> None:
+def sweep(reps: int, kinds: tuple[str, ...]) -> None:
     for (k, n, dtype), _users in all_shapes().items():
-        cands = candidates(dtype)
-        for kind in KINDS:
+        for kind in kinds:
+            cands = candidates(dtype, kind)
             sets = inputs(kind, k, n, dtype)
             times = [timed(pallas_fn(kind, dtype, c), sets, reps) for c in cands]
             best = min(range(len(cands)), key=times.__getitem__)
@@ -160,7 +168,7 @@ def tile_bits() -> None:
     """Same product, every candidate tile set with the same block_r: are the output bits identical?"""
     for kind in KINDS:
         for k, n, dtype in ((1024, 1024, "bfloat16"), (1024, 8, "float32")):
-            cands = candidates(dtype)
+            cands = candidates(dtype, kind)
             a, b = inputs(kind, k, n, dtype)[0]
             ref = None
             for c in cands:
@@ -176,13 +184,16 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--tile-bits", action="store_true")
+    ap.add_argument("--kinds", default="fwd,dx,dw", help="products to sweep (comma-separated)")
+    ap.add_argument("--no-table", action="store_true")
     a = ap.parse_args()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, M = {M} rows", flush=True)
     if a.tile_bits:
         tile_bits()
     if a.sweep:
-        sweep(a.reps)
-    table(a.reps)
+        sweep(a.reps, tuple(a.kinds.split(",")))
+    if not a.no_table:
+        table(a.reps)
     return 0
 
 

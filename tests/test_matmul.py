@@ -104,6 +104,28 @@ def test_matmul_float32_is_batch_invariant():
     check_batch_invariance(130, 64, 8, jnp.float32)
 
 
+def test_dw_token_chunks_split_or_not_give_the_same_bits():
+    """dw sums tokens in fixed chunks: one program per tile looping over the chunks and one program per
+    (chunk, tile) with the sums added afterwards give the same bits; masked rows appended across a chunk
+    boundary change nothing; without chunks the bits differ (so the comparison can fail)."""
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x, _, g = _inputs(6, 300, 96, 40, dtype)
+        g = g.astype(dtype)
+        tiles = {"bm": 16, "bn": 16, "block_r": 16, "num_warps": 4, "num_stages": 2, "r_chunk": 64}
+
+        def dw(a, b, **kw):
+            t = tuple(sorted(dict(tiles, **kw).items()))
+            return matmul_kernel(a, b, kind="dw", out_dtype=jnp.float32, interpret=True, sweep_tiles=t)
+
+        loop = dw(x, g, split=0)
+        assert _same(dw(x, g, split=1), loop), dtype
+        x2 = jnp.concatenate([x, jnp.ones((100, 96), dtype)])
+        g2 = jnp.concatenate([g, jnp.zeros((100, 40), dtype)])
+        assert _same(dw(x2, g2, split=1), loop) and _same(dw(x2, g2, split=0), loop), dtype
+        assert not _same(dw(x, g, r_chunk=1024), loop), dtype
+        assert _rel(loop, matmul_ref(x.T, g)) <= 1e-6
+
+
 @pytest.mark.gpu
 def test_matmul_is_batch_invariant_on_gpu():
     """The same properties compiled by Triton on the GPU, at model-like sizes (several tiles each way)."""
@@ -113,7 +135,8 @@ def test_matmul_is_batch_invariant_on_gpu():
 
 @pytest.mark.gpu
 def test_tile_sets_give_the_same_bits_on_gpu():
-    """The shape classes may pick any tile set: on the GPU every set of one dtype gives the same bits."""
+    """The shape classes may pick any tile set: on the GPU every set of one dtype gives the same bits (dw with
+    four token chunks, so split and chunk-looping sets are compared too)."""
     from detjax.pallas_kernels.matmul.kernel import TILE_SETS
 
     for dtype, prefix in ((jnp.bfloat16, ""), (jnp.float32, "f32_")):
@@ -122,7 +145,12 @@ def test_tile_sets_give_the_same_bits_on_gpu():
         for kind, (a, b) in args.items():
             outs = [
                 matmul_kernel(
-                    a, b, kind=kind, out_dtype=jnp.float32, interpret=False, sweep_tiles=tuple(sorted(t.items()))
+                    a,
+                    b,
+                    kind=kind,
+                    out_dtype=jnp.float32,
+                    interpret=False,
+                    sweep_tiles=tuple(sorted(dict(t, **({"r_chunk": 256} if kind == "dw" else {})).items())),
                 )
                 for name, t in TILE_SETS.items()
                 if name.startswith("f32_") == (prefix == "f32_")

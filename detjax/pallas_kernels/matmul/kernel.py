@@ -4,14 +4,21 @@ out[i, j] = sum over the reduction dim R of a[i, r] * b[r, j], where a and b may
 - "fwd": y  = x  @ w     a = x  (M, K),           b = w  (K, N)
 - "dx":  dx = dy @ w^T   a = dy (M, N),           b = w  (K, N) read transposed
 - "dw":  dw = x^T @ dy   a = x  (M, K) read transposed, b = dy (M, N)
-One program per (bm x bn) output tile. Inside it R is reduced by ONE ascending loop over blocks of
-block_r, accumulating in float32: no split-K, no stream-K, no atomics, one writer per output tile.
+One program per (bm x bn) output tile reduces R by ONE ascending loop over blocks of block_r,
+accumulating in float32 -- no stream-K, no atomics, one writer per output element. The weight gradient dw
+(R = tokens) follows one more fixed rule: tokens are taken in chunks of DW_ROW_CHUNK rows (a constant,
+never derived from M); each chunk is reduced by the ascending loop and the chunk sums are added in
+ascending chunk order. A tile set either runs that chunk loop inside one program, or ("split") gives each
+(chunk, tile) its own program and adds the float32 chunk sums afterwards in the same order -- the same
+operations in the same order, so the choice changes speed, never bits. Splitting is how small dw outputs
+(attention o: 1024 x 1024) fill the GPU's 132 SMs without a reduction order that depends on the shape.
 
 Batch invariance by construction: the tile set of every call comes from `tile_set(kind, dtype, weight
 shape)` -- never from the row count M or a run-time measurement --, every set of one dtype reduces in the
-same order, and every operand is zero-padded to whole tiles. An output element therefore sees the same
-reduction order whatever the rows or columns around it and wherever it sits: rows of x[:m] @ w equal the
-same rows of x @ w bit for bit, and zero rows appended to the reduction (masked tokens) add exact zeros.
+same order, and every operand is zero-padded to whole tiles and chunks. An output element therefore sees
+the same reduction order whatever the rows or columns around it and wherever it sits: rows of x[:m] @ w
+equal the same rows of x @ w bit for bit, and zero rows appended to the reduction (masked tokens) add exact
+zeros (a float32 sum that starts at +0 is never -0, so adding +0 leaves it unchanged).
 tests/test_matmul.py checks both properties, on CPU and on the GPU.
 
 The tile sets and shape classes were chosen offline by scripts/gemm_bench.py --sweep on the H200 (table
@@ -34,8 +41,11 @@ from jax.experimental import pallas as pl
 
 from detjax.pallas_kernels.backend import triton_params
 
-# Named tile sets: bm x bn output tile, block_r reduction block, Triton warps and pipeline stages. Every
-# bfloat16 set reduces in blocks of 64 and every float32 set in IEEE float32 FMAs, so the tile set changes
+DW_ROW_CHUNK = 2048  # tokens per chunk of the weight-gradient reduction (see the module docstring)
+
+# Named tile sets: bm x bn output tile, block_r reduction block, Triton warps and pipeline stages, and for
+# dw whether each token chunk gets its own program ("split"). Every bfloat16 set reduces in blocks of 64
+# and every float32 set in IEEE float32 FMAs, and dw always in DW_ROW_CHUNK chunks, so the tile set changes
 # speed, never bits (checked on the H200 for every set: scripts/gemm_bench.py --tile-bits and
 # tests/test_matmul.py::test_tile_sets_give_the_same_bits_on_gpu).
 TILE_SETS: dict[str, dict[str, int]] = {
@@ -44,8 +54,10 @@ TILE_SETS: dict[str, dict[str, int]] = {
     "128x128w4": {"bm": 128, "bn": 128, "block_r": 64, "num_warps": 4, "num_stages": 4},
     "64x128": {"bm": 64, "bn": 128, "block_r": 64, "num_warps": 4, "num_stages": 4},
     "64x64": {"bm": 64, "bn": 64, "block_r": 64, "num_warps": 4, "num_stages": 4},
+    "128x128w4 split": {"bm": 128, "bn": 128, "block_r": 64, "num_warps": 4, "num_stages": 4, "split": 1},
     "f32_16x16": {"bm": 16, "bn": 16, "block_r": 64, "num_warps": 2, "num_stages": 3},
     "f32_64x64": {"bm": 64, "bn": 64, "block_r": 16, "num_warps": 4, "num_stages": 2},
+    "f32_16x16 split": {"bm": 16, "bn": 16, "block_r": 64, "num_warps": 2, "num_stages": 3, "split": 1},
 }
 
 
@@ -54,17 +66,19 @@ def tile_set(kind: str, dtype, k: int, n: int) -> str:
     alone -- never on the number of rows M -- and follows the offline sweep (docs/BENCHMARKS.md)."""
     name = jnp.dtype(dtype).name
     if name == "float32":
-        return "f32_64x64" if kind == "dx" else "f32_16x16"
+        return {"fwd": "f32_16x16", "dx": "f32_64x64", "dw": "f32_16x16 split"}[kind]
     if name != "bfloat16":
         raise ValueError(f"no pinned matmul tiles for {name} operands; use bfloat16 or float32")
     if kind == "fwd":
         return "128x256" if n >= 8192 else "64x128" if n <= 128 else "128x128w8"
     if kind == "dx":
         return "128x128w8" if n <= 128 else "128x256"
-    return "128x256" if k * n >= 1 << 22 else "128x128w4" if k * n >= 1 << 21 else "64x64"  # dw: K x N output
+    return "128x256" if k * n >= 1 << 22 else "128x128w4 split"  # dw: K x N output
 
 
-def _mm_kernel(a_ref, b_ref, o_ref, *, br: int, nr: int, trans_a: bool, trans_b: bool, precision):
+def _mm_kernel(a_ref, b_ref, o_ref, *, br: int, nr: int, chunk: int, trans_a: bool, trans_b: bool, precision):
+    """One output tile: R reduced in blocks of br, ascending; with chunk < nr blocks, in chunks of `chunk`
+    blocks whose sums are added in ascending chunk order (the dw rule, see DW_ROW_CHUNK)."""
     dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
 
     def body(r, acc):
@@ -73,7 +87,13 @@ def _mm_kernel(a_ref, b_ref, o_ref, *, br: int, nr: int, trans_a: bool, trans_b:
         b = b_ref[:, blk] if trans_b else b_ref[blk, :]
         return acc + jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
-    acc = jax.lax.fori_loop(0, nr, body, jnp.zeros(o_ref.shape, jnp.float32))
+    def chunk_sum(c):
+        return jax.lax.fori_loop(c * chunk, c * chunk + chunk, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+    if chunk >= nr:
+        acc = jax.lax.fori_loop(0, nr, body, jnp.zeros(o_ref.shape, jnp.float32))
+    else:  # the first chunk's sum starts the total (no 0 + x), later chunks are added in order
+        acc = jax.lax.fori_loop(1, nr // chunk, lambda c, tot: tot + chunk_sum(c), chunk_sum(0))
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -87,7 +107,7 @@ def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: t
     """The product named by `kind` (see the module docstring); a and b share one dtype.
 
     `sweep_tiles` (sorted (name, value) pairs) replaces the pinned tiles: for the offline sweep in
-    scripts/gemm_bench.py only; the model never passes it."""
+    scripts/gemm_bench.py and the tests only (they may also set `r_chunk`); the model never passes it."""
     if a.dtype != b.dtype:
         raise ValueError(f"matmul operands must share a dtype, got {a.dtype} and {b.dtype}")
     trans_a, trans_b = kind == "dw", kind == "dx"
@@ -96,26 +116,58 @@ def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: t
     bm, bn, br = t["bm"], t["bn"], t["block_r"]
     m = a.shape[1] if trans_a else a.shape[0]
     n = b.shape[0] if trans_b else b.shape[1]
-    a = _pad_to(a, (br, bm) if trans_a else (bm, br))
-    b = _pad_to(b, (bn, br) if trans_b else (br, bn))
+    r = a.shape[0] if trans_a else a.shape[1]
+    # dw reduces over tokens: in chunks of r_chunk rows once there is more than one (rows padded with zeros
+    # to whole chunks, which add exact zeros); fwd and dx reduce over a weight dim in one loop
+    r_chunk = t.get("r_chunk", DW_ROW_CHUNK) if kind == "dw" else r + br  # fwd/dx: never more than one chunk
+    if kind == "dw" and r_chunk % br:
+        raise ValueError(f"r_chunk {r_chunk} is not a multiple of block_r {br}")
+    r_mult = r_chunk if r > r_chunk else br
+    a = _pad_to(a, (r_mult, bm) if trans_a else (bm, r_mult))
+    b = _pad_to(b, (bn, r_mult) if trans_b else (r_mult, bn))
     r = a.shape[0] if trans_a else a.shape[1]
     mp = a.shape[1] if trans_a else a.shape[0]
     np_ = b.shape[0] if trans_b else b.shape[1]
+    n_chunks = max(1, r // r_chunk)
     # float32 operands: IEEE products (HIGHEST), unless the tile set asks for TF32 (Triton's default, HIGH)
     precision = (
         None if a.dtype != jnp.float32 else (jax.lax.Precision.HIGH if t.get("tf32") else jax.lax.Precision.HIGHEST)
     )
-    out = pl.pallas_call(
-        functools.partial(_mm_kernel, br=br, nr=r // br, trans_a=trans_a, trans_b=trans_b, precision=precision),
-        grid=(mp // bm, np_ // bn),
-        in_specs=[
-            pl.BlockSpec((r, bm), lambda i, j: (0, i)) if trans_a else pl.BlockSpec((bm, r), lambda i, j: (i, 0)),
-            pl.BlockSpec((bn, r), lambda i, j: (j, 0)) if trans_b else pl.BlockSpec((r, bn), lambda i, j: (0, j)),
-        ],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        name=f"matmul_{kind}",
-        interpret=interpret,
-        compiler_params=triton_params(t["num_warps"], t["num_stages"], interpret),
-    )(a, b)
+    kernel = functools.partial(_mm_kernel, br=br, trans_a=trans_a, trans_b=trans_b, precision=precision)
+    params = triton_params(t["num_warps"], t["num_stages"], interpret)
+    if t.get("split") and n_chunks > 1:
+        # one program per (chunk, output tile) writes the chunk's float32 sum; the sums are then added in
+        # ascending chunk order -- the same operations, in the same order, as the in-kernel chunk loop
+        mt = mp // bm
+        parts = pl.pallas_call(
+            functools.partial(kernel, nr=r_chunk // br, chunk=r_chunk // br),
+            grid=(n_chunks, mt, np_ // bn),
+            in_specs=[
+                pl.BlockSpec((r_chunk, bm), lambda c, i, j: (c, i)),
+                pl.BlockSpec((r_chunk, bn), lambda c, i, j: (c, j)),
+            ],
+            out_specs=pl.BlockSpec((bm, bn), lambda c, i, j: (c * mt + i, j)),
+            out_shape=jax.ShapeDtypeStruct((n_chunks * mp, np_), jnp.float32),
+            name=f"matmul_{kind}_split",
+            interpret=interpret,
+            compiler_params=params,
+        )(a, b).reshape(n_chunks, mp, np_)
+        acc = parts[0]
+        for c in range(1, n_chunks):
+            acc = acc + parts[c]
+        out = acc.astype(out_dtype)
+    else:
+        out = pl.pallas_call(
+            functools.partial(kernel, nr=r // br, chunk=min(r, r_chunk) // br),
+            grid=(mp // bm, np_ // bn),
+            in_specs=[
+                pl.BlockSpec((r, bm), lambda i, j: (0, i)) if trans_a else pl.BlockSpec((bm, r), lambda i, j: (i, 0)),
+                pl.BlockSpec((bn, r), lambda i, j: (j, 0)) if trans_b else pl.BlockSpec((r, bn), lambda i, j: (0, j)),
+            ],
+            out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+            out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+            name=f"matmul_{kind}",
+            interpret=interpret,
+            compiler_params=params,
+        )(a, b)
     return out[:m, :n] if (mp, np_) != (m, n) else out
