@@ -108,14 +108,15 @@ def test_dw_token_chunks_split_or_not_give_the_same_bits():
     """dw sums tokens in fixed chunks: one program per tile looping over the chunks and one program per
     (chunk, tile) with the sums added afterwards give the same bits; masked rows appended across a chunk
     boundary change nothing; without chunks the bits differ (so the comparison can fail)."""
+    tiles = {"bm": 16, "bn": 16, "block_r": 16, "num_warps": 4, "num_stages": 2, "r_chunk": 64}
+
+    def dw(a, b, **kw):
+        t = tuple(sorted(dict(tiles, **kw).items()))
+        return matmul_kernel(a, b, kind="dw", out_dtype=jnp.float32, interpret=True, sweep_tiles=t)
+
     for dtype in (jnp.bfloat16, jnp.float32):
         x, _, g = _inputs(6, 300, 96, 40, dtype)
         g = g.astype(dtype)
-        tiles = {"bm": 16, "bn": 16, "block_r": 16, "num_warps": 4, "num_stages": 2, "r_chunk": 64}
-
-        def dw(a, b, **kw):
-            t = tuple(sorted(dict(tiles, **kw).items()))
-            return matmul_kernel(a, b, kind="dw", out_dtype=jnp.float32, interpret=True, sweep_tiles=t)
 
         loop = dw(x, g, split=0)
         assert _same(dw(x, g, split=1), loop), dtype
