@@ -50,6 +50,10 @@ SETS = 8
 EXTRA_BF16 = [
     {"bm": 256, "bn": 128, "block_r": 64, "num_warps": 8, "num_stages": 3, "split": 0},
     {"bm": 128, "bn": 64, "block_r": 64, "num_warps": 4, "num_stages": 4, "split": 0},
+    {"bm": 128, "bn": 256, "block_r": 64, "num_warps": 8, "num_stages": 4, "split": 0},
+    {"bm": 128, "bn": 256, "block_r": 128, "num_warps": 8, "num_stages": 2, "split": 0},
+    {"bm": 128, "bn": 128, "block_r": 128, "num_warps": 8, "num_stages": 3, "split": 0},
+    {"bm": 128, "bn": 128, "block_r": 128, "num_warps": 4, "num_stages": 3, "split": 0},
 ]
 
 

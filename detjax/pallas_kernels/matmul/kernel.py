@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from detjax.pallas_kernels.backend import triton_params
 
 DW_ROW_CHUNK = 2048  # tokens per chunk of the weight-gradient reduction (see the module docstring)
+DW_UNCHUNKED_SIZE = 1 << 23  # weights with this many elements or more: dw in one loop (enough tiles already)
 
 # Named tile sets: bm x bn output tile, block_r reduction block, Triton warps and pipeline stages, and for
 # dw whether each token chunk gets its own program ("split"). Every bfloat16 set reduces in blocks of 64
@@ -50,11 +51,11 @@ DW_ROW_CHUNK = 2048  # tokens per chunk of the weight-gradient reduction (see th
 # tests/test_matmul.py::test_tile_sets_give_the_same_bits_on_gpu).
 TILE_SETS: dict[str, dict[str, int]] = {
     "128x256": {"bm": 128, "bn": 256, "block_r": 64, "num_warps": 8, "num_stages": 3},
+    "128x256s4": {"bm": 128, "bn": 256, "block_r": 64, "num_warps": 8, "num_stages": 4},
     "128x128w8": {"bm": 128, "bn": 128, "block_r": 64, "num_warps": 8, "num_stages": 3},
-    "128x128w4": {"bm": 128, "bn": 128, "block_r": 64, "num_warps": 4, "num_stages": 4},
     "64x128": {"bm": 64, "bn": 128, "block_r": 64, "num_warps": 4, "num_stages": 4},
-    "64x64": {"bm": 64, "bn": 64, "block_r": 64, "num_warps": 4, "num_stages": 4},
-    "128x128w4 split": {"bm": 128, "bn": 128, "block_r": 64, "num_warps": 4, "num_stages": 4, "split": 1},
+    "128x256 split": {"bm": 128, "bn": 256, "block_r": 64, "num_warps": 8, "num_stages": 3, "split": 1},
+    "128x128w8 split": {"bm": 128, "bn": 128, "block_r": 64, "num_warps": 8, "num_stages": 3, "split": 1},
     "f32_16x16": {"bm": 16, "bn": 16, "block_r": 64, "num_warps": 2, "num_stages": 3},
     "f32_64x64": {"bm": 64, "bn": 64, "block_r": 16, "num_warps": 4, "num_stages": 2},
     "f32_16x16 split": {"bm": 16, "bn": 16, "block_r": 64, "num_warps": 2, "num_stages": 3, "split": 1},
@@ -70,10 +71,11 @@ def tile_set(kind: str, dtype, k: int, n: int) -> str:
     if name != "bfloat16":
         raise ValueError(f"no pinned matmul tiles for {name} operands; use bfloat16 or float32")
     if kind == "fwd":
-        return "128x256" if n >= 8192 else "64x128" if n <= 128 else "128x128w8"
+        return "128x256" if n >= 8192 else "64x128" if n <= 128 else "128x256s4" if k >= 2048 else "128x128w8"
     if kind == "dx":
-        return "128x128w8" if n <= 128 else "128x256"
-    return "128x256" if k * n >= 1 << 22 else "128x128w4 split"  # dw: K x N output
+        return "128x128w8" if n <= 128 else "128x256s4"
+    # dw (K x N output): small outputs split the token chunks over programs to fill the SMs
+    return "128x256" if k * n >= DW_UNCHUNKED_SIZE else "128x256 split" if k * n <= 1 << 20 else "128x128w8 split"
 
 
 def _mm_kernel(a_ref, b_ref, o_ref, *, br: int, nr: int, chunk: int, trans_a: bool, trans_b: bool, precision):
@@ -117,18 +119,20 @@ def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: t
     m = a.shape[1] if trans_a else a.shape[0]
     n = b.shape[0] if trans_b else b.shape[1]
     r = a.shape[0] if trans_a else a.shape[1]
-    # dw reduces over tokens: in chunks of r_chunk rows once there is more than one (rows padded with zeros
-    # to whole chunks, which add exact zeros); fwd and dx reduce over a weight dim in one loop
-    r_chunk = t.get("r_chunk", DW_ROW_CHUNK) if kind == "dw" else r + br  # fwd/dx: never more than one chunk
-    if kind == "dw" and r_chunk % br:
-        raise ValueError(f"r_chunk {r_chunk} is not a multiple of block_r {br}")
-    r_mult = r_chunk if r > r_chunk else br
+    # dw reduces over tokens: in chunks of DW_ROW_CHUNK rows once there is more than one (rows padded with
+    # zeros to whole chunks, which add exact zeros), except for weights of DW_UNCHUNKED_SIZE elements or
+    # more; fwd and dx reduce over a weight dim in one loop
+    chunk_rows = t.get("r_chunk", DW_ROW_CHUNK if k_w * n_w < DW_UNCHUNKED_SIZE else 0) if kind == "dw" else 0
+    if chunk_rows % br:
+        raise ValueError(f"r_chunk {chunk_rows} is not a multiple of block_r {br}")
+    r_chunk = chunk_rows if 0 < chunk_rows < r else 0
+    r_mult = r_chunk or br
     a = _pad_to(a, (r_mult, bm) if trans_a else (bm, r_mult))
     b = _pad_to(b, (bn, r_mult) if trans_b else (r_mult, bn))
     r = a.shape[0] if trans_a else a.shape[1]
     mp = a.shape[1] if trans_a else a.shape[0]
     np_ = b.shape[0] if trans_b else b.shape[1]
-    n_chunks = max(1, r // r_chunk)
+    n_chunks = r // r_chunk if r_chunk else 1
     # float32 operands: IEEE products (HIGHEST), unless the tile set asks for TF32 (Triton's default, HIGH)
     precision = (
         None if a.dtype != jnp.float32 else (jax.lax.Precision.HIGH if t.get("tf32") else jax.lax.Precision.HIGHEST)
@@ -158,7 +162,7 @@ def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: t
         out = acc.astype(out_dtype)
     else:
         out = pl.pallas_call(
-            functools.partial(kernel, nr=r // br, chunk=min(r, r_chunk) // br),
+            functools.partial(kernel, nr=r // br, chunk=(r_chunk or r) // br),
             grid=(mp // bm, np_ // bn),
             in_specs=[
                 pl.BlockSpec((r, bm), lambda i, j: (0, i)) if trans_a else pl.BlockSpec((bm, r), lambda i, j: (i, 0)),
