@@ -9,7 +9,7 @@ sets and shape classes (detjax/pallas_kernels/matmul/kernel.py: TILE_SETS, tile_
 
 Run with XLA's default flags (autotuning on): the XLA column is the GEMM XLA picks for the shape. Times: one
 jitted call runs the product on 8 different input sets (so no launch or host sync is timed per product);
-median of --reps calls, divided by 8. The aggregate weights each shape by how often one step uses it.
+median of --reps calls, divided by 8; in the table the Pallas and XLA calls alternate. The aggregate weights each shape by how often one step uses it.
 """
 
 from __future__ import annotations
@@ -123,6 +123,19 @@ def timed(fn, sets, reps: int) -> float:
     return 1e3 * statistics.median(ts) / SETS
 
 
+def timed_pair(f1, f2, sets, reps: int) -> tuple[float, float]:
+    """Milliseconds per product of two functions timed alternately (so drifts in clock or load hit both)."""
+    jax.block_until_ready(f1(sets))
+    jax.block_until_ready(f2(sets))
+    ts = ([], [])
+    for _ in range(reps):
+        for f, acc in zip((f1, f2), ts, strict=True):
+            t = time.perf_counter()
+            jax.block_until_ready(f(sets))
+            acc.append(time.perf_counter() - t)
+    return tuple(1e3 * statistics.median(x) / SETS for x in ts)
+
+
 def all_shapes():
     seen = {}
     for cfg, rows in SHAPES.items():
@@ -140,7 +153,7 @@ def table(reps: int) -> None:
     for (k, n, dtype), users in all_shapes().items():
         for kind in KINDS:
             sets = inputs(kind, k, n, dtype)
-            tp, tx = timed(pallas_fn(kind, dtype), sets, reps), timed(xla_fn(kind, dtype), sets, reps)
+            tp, tx = timed_pair(pallas_fn(kind, dtype), xla_fn(kind, dtype), sets, reps)
             fl = 2 * M * k * n
             for cfg, name, count in users:
                 p, x = agg.get(cfg, (0.0, 0.0))
