@@ -9,7 +9,8 @@ sets and shape classes (detjax/pallas_kernels/matmul/kernel.py: TILE_SETS, tile_
 
 Run with XLA's default flags (autotuning on): the XLA column is the GEMM XLA picks for the shape. Times: one
 jitted call runs the product on 8 different input sets (so no launch or host sync is timed per product);
-median of --reps calls, divided by 8; in the table the Pallas and XLA calls alternate. The aggregate weights each shape by how often one step uses it.
+median of --reps calls, divided by 8; in the table the Pallas and XLA calls alternate. The aggregate weights
+each shape by how often one step uses it.
 """
 
 from __future__ import annotations
