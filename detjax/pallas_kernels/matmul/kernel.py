@@ -6,11 +6,12 @@ out[i, j] = sum over the reduction dim R of a[i, r] * b[r, j], where a and b may
 - "dw":  dw = x^T @ dy   a = x  (M, K) read transposed, b = dy (M, N)
 One program per (bm x bn) output tile reduces R by ONE ascending loop over blocks of block_r,
 accumulating in float32 -- no stream-K, no atomics, one writer per output element. The weight gradient dw
-(R = tokens) follows one more fixed rule: tokens are taken in chunks of DW_ROW_CHUNK rows (a constant,
-never derived from M); each chunk is reduced by the ascending loop and the chunk sums are added in
-ascending chunk order. A tile set either runs that chunk loop inside one program, or ("split") gives each
-(chunk, tile) its own program and adds the float32 chunk sums afterwards in the same order -- the same
-operations in the same order, so the choice changes speed, never bits. Splitting is how small dw outputs
+(R = tokens) of a weight with fewer than DW_UNCHUNKED_SIZE elements follows one more fixed rule: tokens are
+taken in chunks of DW_ROW_CHUNK rows (constants, never derived from M); each chunk is reduced by the
+ascending loop and the chunk sums are added in ascending chunk order. A tile set either runs that chunk
+loop inside one program, or ("split") gives each (chunk, tile) its own program and adds the float32 chunk
+sums afterwards in the same order -- the same operations in the same order, so the choice changes speed,
+never bits. Splitting is how small dw outputs
 (attention o: 1024 x 1024) fill the GPU's 132 SMs without a reduction order that depends on the shape.
 
 Batch invariance by construction: the tile set of every call comes from `tile_set(kind, dtype, weight
@@ -25,10 +26,10 @@ The tile sets and shape classes were chosen offline by scripts/gemm_bench.py --s
 and command in docs/BENCHMARKS.md), never at run time. float32 operands (the MoE router) are multiplied as
 IEEE float32 (no TF32).
 
-Speed (H200, `python3 scripts/gemm_bench.py`, docs/BENCHMARKS.md session 5): over every projection shape of
-gpu_dense / gpu_medium, weighted by use, 0.91 / 0.93 x the speed of XLA's autotuned GEMMs -- slower, chiefly
-in dw for outputs of <= 1.5 M elements, where XLA splits the reduction and this kernel does not; the LM
-head forward is 1.27 x faster. fwd+dx+dw at 8192 x 1024 -> 4096: 0.381 ms vs 0.743 ms (kernel_bench).
+Speed (H200, `python3 scripts/gemm_bench.py`, docs/BENCHMARKS.md session 9): over every projection shape of
+gpu_dense / gpu_medium, weighted by use, 0.93 / 0.92 x the speed of XLA's autotuned GEMMs (0.88 / 0.90 on
+another machine) -- slower chiefly in the fwd and dw of K = 1024-2048 weights; the LM head forward is
+faster. In the gpu_medium step the chunked dw made the step 0.8 % faster than one loop (paired runs).
 """
 
 from __future__ import annotations
