@@ -93,6 +93,23 @@ class MTPConfig:
         _check_pattern("model.mtp.pattern", self.pattern)
 
 
+@dataclass(frozen=True)
+class Fp8Config:
+    """FP8 with delayed scaling (detjax/model/fp8.py): e4m3 activations and weights, e5m2 gradients, for the
+    dense projections (attention, MLP, Mamba2 in/out, shared expert, MTP projection). The LM head, the
+    router, the routed experts and the norms stay in bf16 / fp32."""
+
+    enabled: bool = False
+    amax_history_len: int = 16  # steps of amax history behind each scale
+    margin: int = 0  # scale = fp8 max / amax / 2^margin
+
+    def validate(self) -> None:
+        if not 1 <= self.amax_history_len <= 1024:
+            _fail("model.fp8.amax_history_len", self.amax_history_len, "must be in 1..1024", "use e.g. 16")
+        if not 0 <= self.margin <= 16:
+            _fail("model.fp8.margin", self.margin, "must be in 0..16", "use 0")
+
+
 def _check_pattern(key: str, pattern: str) -> None:
     if not pattern:
         _fail(key, pattern, "is empty", "give at least one block letter")
@@ -139,6 +156,7 @@ class ModelConfig:
     mamba: MambaConfig = field(default_factory=MambaConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mtp: MTPConfig = field(default_factory=MTPConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
 
     def validate(self) -> None:
         _check_pattern("model.pattern", self.pattern)
@@ -173,6 +191,7 @@ class ModelConfig:
         self.mamba.validate(self.d_model)
         self.moe.validate()
         self.mtp.validate()
+        self.fp8.validate()
 
 
 @dataclass(frozen=True)
@@ -491,7 +510,7 @@ class Config:
                 "strict mode without XLA's deterministic flag relies on detjax's fixed-order Pallas kernels",
                 "set model.kernels=pallas, or determinism.strategy=xla_flags",
             )
-        for problem in canonical_problems(self):
+        for problem in canonical_problems(self) + fp8_problems(self):
             _fail(*problem)
         if m.mtp.depth and t.seq_len < 3:
             _fail("train.seq_len", t.seq_len, "the MTP head needs seq_len >= 3", "raise seq_len or mtp.depth=0")
@@ -559,6 +578,43 @@ def canonical_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
                 "use 8, 16, 32, ... sequences per step",
             )
         ]
+    return []
+
+
+def fp8_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
+    """Where model.fp8 has no deterministic path yet (each with the fix)."""
+    if not cfg.model.fp8.enabled:
+        return []
+    off = "or set model.fp8.enabled=false"
+    if cfg.mesh.pipeline > 1:
+        key, value, why, fix = "mesh.pipeline", cfg.mesh.pipeline, "the pipeline schedule", "use mesh.pipeline=1"
+    elif cfg.determinism.numerics == "canonical":
+        key, value = "determinism.numerics", "canonical"
+        why, fix = "canonical numerics' per-sequence tree", "use determinism.numerics=default"
+    elif cfg.trace.level != "none" or cfg.debug.inject_nondeterminism.scope:
+        key, value = "trace.level", cfg.trace.level
+        why, fix = "the tracer's instrumented steps", "trace (or inject faults) without fp8"
+    else:
+        return []
+    return [
+        (key, value, f"with model.fp8 enabled: {why} does not carry the fp8 scales and amaxes yet", f"{fix}, {off}")
+    ]
+    off = "or set model.fp8.enabled=false"
+    if cfg.mesh.pipeline > 1:
+        return [
+            (
+                "mesh.pipeline",
+                cfg.mesh.pipeline,
+                "the pipeline schedule does not carry fp8 amaxes yet",
+                f"use mesh.pipeline=1, {off}",
+            )
+        ]
+    if cfg.determinism.numerics == "canonical":
+        why = "canonical numerics' per-sequence tree does not carry fp8 amaxes yet"
+        return [("determinism.numerics", "canonical", why, f"use determinism.numerics=default, {off}")]
+    if cfg.trace.level != "none" or cfg.debug.inject_nondeterminism.scope:
+        why = "the tracer's instrumented steps do not carry the fp8 scales yet"
+        return [("trace.level", cfg.trace.level, why, f"set trace.level=none and no fault injection, {off}")]
     return []
 
 

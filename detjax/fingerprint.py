@@ -131,6 +131,8 @@ def record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
     for k in FLOAT_FIELDS:
         rec[k] = exact(metrics[k])
     rec["digest"] = {k: digest_hex(metrics["digest"][k]) for k in DIGEST_FIELDS}
+    if "collections" in metrics["digest"]:  # model.fp8 only (scales and amax histories): default records unchanged
+        rec["digest"]["collections"] = digest_hex(metrics["digest"]["collections"])
     if "skipped" in metrics:  # train.on_nonfinite=skip_step only: the default record is unchanged
         rec["skipped"] = bool(metrics["skipped"])
     return rec

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from detjax import fingerprint as fp
 from detjax.config import Config, ConfigError
 from detjax.loss import Objective
+from detjax.model import fp8
 from detjax.model.lm import HybridLM, block_class, layer_key
 from detjax.optim import lr_schedule, make_optimizer
 from detjax.sharding import canonical, pipeline
@@ -71,6 +72,17 @@ class Trainer:
                 f"(data x fsdp), which must be a power of two dividing train.global_batch = "
                 f"{cfg.train.global_batch}. Fix: use 1, 2, 4, 8, ... data x fsdp devices"
             )
+        self.fp8 = cfg.model.fp8.enabled
+        if (
+            self.fp8
+            and cfg.determinism.mode == "strict"
+            and cfg.model.kernels != "pallas"
+            and jax.default_backend() == "gpu"
+        ):
+            raise ConfigError(
+                "config key 'model.fp8.enabled' = True: on the GPU, strict mode runs the fp8 products only through "
+                "detjax's fixed-tile matmul (XLA's fp8 GEMMs are picked by autotuning). Fix: set model.kernels=pallas"
+            )
         self.tx = make_optimizer(cfg.train, self.canonical)
         self.schedule = lr_schedule(cfg.train)
         self.objective = Objective.from_config(cfg)
@@ -85,7 +97,13 @@ class Trainer:
         params = nn.unbox(self._boxed_params(seed_key))
         if self.pipelined:  # the same initial values, stacked per pipeline stage
             params = pipeline.stack_params(params, self.cfg)
-        return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), seed_key)
+        collections = {}
+        if self.fp8:  # every projection's scales start at 1 with an empty (zero) amax history
+            t = self.cfg.train
+            ids = jnp.zeros((t.micro_batch, t.seq_len), jnp.int32)
+            scales = self.model.init({"params": jax.random.key(0)}, ids)["fp8"]
+            collections["fp8"] = fp8.init_collection(scales, self.cfg.model.fp8.amax_history_len)
+        return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), seed_key, collections)
 
     def abstract_state(self) -> TrainState:
         return jax.eval_shape(self.init_state, jax.random.key(0))
@@ -135,23 +153,41 @@ class Trainer:
         t = self.cfg.train
         return constrain(batch_GL1.reshape(t.n_micro, t.micro_batch, -1), self.layout, (None, ax.BATCH, None))
 
-    def apply_model(self, params: Any, ids_BL: jax.Array, key: jax.Array):
-        return self.model.apply({"params": params}, ids_BL, train=True, key=key)
+    def apply_model(self, params: Any, ids_BL: jax.Array, key: jax.Array, fp8_scales: Any = None):
+        variables = {"params": params} if fp8_scales is None else {"params": params, "fp8": fp8_scales}
+        return self.model.apply(variables, ids_BL, train=True, key=key)
 
-    def micro_objective(self, params: Any, tokens_BL1: jax.Array, key: jax.Array):
+    def fp8_scales(self, state: TrainState) -> Any:
+        """The scales this step's fp8 projections use (computed at the end of the step before), or None."""
+        return state.collections["fp8"]["scale"] if self.fp8 else None
+
+    def micro_objective(self, params: Any, tokens_BL1: jax.Array, key: jax.Array, fp8_scales: Any = None):
         """(j, (lm sum, MTP sum, aux)) of one microbatch; the gradient is taken of j."""
-        outs = self.apply_model(params, tokens_BL1[:, :-1], key)
+        outs = self.apply_model(params, tokens_BL1[:, :-1], key, fp8_scales)
         with jax.named_scope("loss"):
             terms = self.objective.terms(*outs, tokens_BL1)
         return self.objective.total(terms), terms
 
-    def accumulate(self, params: Any, micro_tokens: jax.Array, step_key: jax.Array, micro_fn: Callable | None = None):
+    def accumulate(
+        self,
+        params: Any,
+        micro_tokens: jax.Array,
+        step_key: jax.Array,
+        micro_fn: Callable | None = None,
+        fp8_scales: Any = None,
+    ):
         """Gradient sums and loss-term sums over the microbatches, in index order (a fixed sequential order).
 
         micro_fn(params, tokens, key, accumulated grads) -> (grads, terms, extras) per microbatch (default:
-        the gradient of micro_objective, no extras); extras come back stacked along the microbatch axis."""
+        the gradient of micro_objective; its extras are the fp8 amaxes when fp8_scales are given -- the
+        "gradient" with respect to the scales, detjax.model.fp8 -- else none); extras come back stacked along
+        the microbatch axis."""
 
         def plain(params, tokens, key, g_acc):
+            if fp8_scales is not None:
+                grad = jax.grad(self.micro_objective, argnums=(0, 3), has_aux=True)
+                (g, amax), terms = grad(params, tokens, key, fp8_scales)
+                return g, terms, amax
             g, terms = jax.grad(self.micro_objective, has_aux=True)(params, tokens, key)
             return g, terms, ()
 
@@ -256,12 +292,14 @@ class Trainer:
         return math.prod(self.layout.degrees[a] for a in self.batch_axes()) if self.layout is not None else 1
 
     def grad_sums(self, state: TrainState, micro_tokens: jax.Array, step_key: jax.Array):
+        """(gradient sums, loss-term sums, the step's fp8 amaxes: the max over microbatches, or None)."""
         if self.pipelined:
-            return pipeline.pipeline_grads(
+            g_sum, sums = pipeline.pipeline_grads(
                 self.pipeline_fns(), self.cfg, self.layout, state.params, micro_tokens, step_key
             )
-        (g_sum, sums), _ = self.accumulate(state.params, micro_tokens, step_key)
-        return g_sum, sums
+            return g_sum, sums, None
+        (g_sum, sums), amax_n = self.accumulate(state.params, micro_tokens, step_key, fp8_scales=self.fp8_scales(state))
+        return g_sum, sums, jax.tree.map(lambda a: jnp.max(a, axis=0), amax_n) if self.fp8 else None
 
     def finish(self, state: TrainState, g_sum: Any, sums: Any, update_fn: Callable | None = None):
         """Scale the gradient sums, apply the optimizer; -> (new state, grads, updates, losses).
@@ -296,6 +334,8 @@ class Trainer:
                     "batch": fp.tensor_digest(batch),
                     "rng": fp.tensor_digest(step_key),
                 }
+                if new_state.collections:  # fp8 scales and amax histories
+                    out["digest"]["collections"] = fp.tree_digest(new_state.collections)
         with jax.named_scope("nonfinite_guard"):  # its own scope: scripts/profile_step.py --scope prices it
             if not self.cfg.run.fingerprints:  # else the params digest's pass counted them
                 params_finite = jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(new_state.params)])
@@ -327,9 +367,14 @@ class Trainer:
         step_key = self.step_key(state)
         if self.canonical:
             g_sum, sums = self.canonical_grad_sums(state.params, batch_GL1, step_key)
+            amax = None
         else:
-            g_sum, sums = self.grad_sums(state, self.micro_tokens(batch_GL1), step_key)
+            g_sum, sums, amax = self.grad_sums(state, self.micro_tokens(batch_GL1), step_key)
         new_state, grads, _, losses = self.finish(state, g_sum, sums)
+        if amax is not None:  # delayed scaling: the next step's scales from the histories through this step
+            with jax.named_scope("fp8_scales"):
+                coll = fp8.update_collection(state.collections["fp8"], amax, self.cfg.model.fp8.margin)
+            new_state = new_state.replace(collections={**new_state.collections, "fp8": coll})
         return self.conclude(state, new_state, grads, losses, batch_GL1, step_key)
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from detjax.model.fp8 import scale_var
 from detjax.model.layers import normal_init, param, proj, proj_many
 from detjax.pallas_kernels.flash_attention.ops import flash_attention, flash_fits
 from detjax.sharding import rules as ax
@@ -53,6 +54,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     impl: str = "reference"
     layout: ax.Layout | None = None
+    fp8: bool = False  # model.fp8.enabled: the projections in fp8 with delayed scaling
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -74,6 +76,7 @@ class Attention(nn.Module):
             [w_q_DHQ, w_k_DKQ, w_v_DKQ],
             self.dtype,
             kernels,
+            scale_var(self, "qkv", self.fp8),
         )
         q_BLHQ = constrain(rope(q_BLHQ, self.rope_theta), lay, q_names, "attn_q")
         k_BLKQ = constrain(rope(k_BLKQ, self.rope_theta), lay, kv_names, "attn_k")
@@ -85,4 +88,4 @@ class Attention(nn.Module):
         else:
             o_BLHQ = attention_reference(q_BLHQ, k_BLKQ, v_BLKQ)
         o_BLHQ = constrain(o_BLHQ, lay, q_names, "attn_out")
-        return proj("blhq,hqd->bld", o_BLHQ, w_o_HQD, self.dtype, kernels)
+        return proj("blhq,hqd->bld", o_BLHQ, w_o_HQD, self.dtype, kernels, scale_var(self, "o", self.fp8))

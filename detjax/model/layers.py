@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from detjax.model.fp8 import fp8_dense_many, scale_var
 from detjax.pallas_kernels.matmul.ops import dense, dense_many
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
@@ -28,17 +29,27 @@ def param(module: nn.Module, name: str, init: nn.initializers.Initializer, shape
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
-def proj(spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype, kernels: str = "reference") -> jax.Array:
+def proj(
+    spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype, kernels: str = "reference", fp8_scale=None
+) -> jax.Array:
     """Einsum in the compute dtype with fp32 accumulation; fp32 masters are cast at use. With
-    kernels=pallas it is detjax's pinned-tile Pallas matmul (forward and both backward products)."""
+    kernels=pallas it is detjax's pinned-tile Pallas matmul (forward and both backward products). With an
+    fp8 scale vector (model.fp8, detjax.model.fp8.scale_var) it runs in fp8 with delayed scaling."""
+    if fp8_scale is not None:
+        return fp8_dense_many([spec], x, [w], dtype, fp8_scale, kernels)[0]
     if kernels == "pallas":
         return dense(spec, x, w, dtype)
     return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
 
 
-def proj_many(specs: list[str], x: jax.Array, ws: list[jax.Array], dtype: jnp.dtype, kernels: str) -> list[jax.Array]:
+def proj_many(
+    specs: list[str], x: jax.Array, ws: list[jax.Array], dtype: jnp.dtype, kernels: str, fp8_scale=None
+) -> list[jax.Array]:
     """Several projections of one input (q/k/v, Mamba2's in-projections, SwiGLU gate/up). With
-    kernels=pallas they are one matmul over the concatenated weights, bit-identical to separate ones."""
+    kernels=pallas they are one matmul over the concatenated weights, bit-identical to separate ones; in fp8
+    one product with one scale set (either kernels setting)."""
+    if fp8_scale is not None:
+        return fp8_dense_many(specs, x, ws, dtype, fp8_scale, kernels)
     if kernels == "pallas":
         return dense_many(specs, x, ws, dtype)
     return [proj(s, x, w, dtype) for s, w in zip(specs, ws, strict=True)]
@@ -119,6 +130,7 @@ class MLP(nn.Module):
     dtype: jnp.dtype
     layout: ax.Layout | None = None
     kernels: str = "reference"
+    fp8: bool = False  # model.fp8.enabled: both products in fp8 with delayed scaling
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -128,7 +140,10 @@ class MLP(nn.Module):
         w_up_DF = param(self, "w_up", init, (d, f), (ax.EMBED, ax.MLP))
         w_down_FD = param(self, "w_down", init, (f, d), (ax.MLP, ax.EMBED))
         names = (ax.BATCH, ax.LENGTH, ax.ACT_MLP)
-        gate_BLF, up_BLF = proj_many(["bld,df->blf"] * 2, x_BLD, [w_gate_DF, w_up_DF], self.dtype, kern)
+        gate_BLF, up_BLF = proj_many(
+            ["bld,df->blf"] * 2, x_BLD, [w_gate_DF, w_up_DF], self.dtype, kern, scale_var(self, "gate_up", self.fp8)
+        )
         gate_BLF = constrain(gate_BLF, self.layout, names, "mlp_hidden")
         up_BLF = constrain(up_BLF, self.layout, names)
-        return proj("blf,fd->bld", nn.silu(gate_BLF) * up_BLF, w_down_FD, self.dtype, kern)
+        h_BLF = nn.silu(gate_BLF) * up_BLF
+        return proj("blf,fd->bld", h_BLF, w_down_FD, self.dtype, kern, scale_var(self, "down", self.fp8))

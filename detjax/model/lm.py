@@ -8,6 +8,7 @@ from flax import linen as nn
 
 from detjax.config import ModelConfig
 from detjax.model.attention import Attention
+from detjax.model.fp8 import scale_var
 from detjax.model.layers import DTYPES, MLP, Embed, RMSNorm, normal_init, param, proj
 from detjax.model.mamba2 import Mamba2
 from detjax.model.moe import MoE
@@ -34,7 +35,9 @@ class Block(nn.Module):
         x_BLD = constrain(x_BLD, lay, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED), "block_in")
         aux = jnp.zeros((), jnp.float32)
         if self.letter == "M":
-            y_BLD = Mamba2(c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, lay, c.kernels, name="mixer")(x_BLD)
+            y_BLD = Mamba2(
+                c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, lay, c.kernels, c.fp8.enabled, name="mixer"
+            )(x_BLD)
         elif self.letter == "*":
             y_BLD = Attention(
                 d_model=c.d_model,
@@ -46,12 +49,13 @@ class Block(nn.Module):
                 dtype=dtype,
                 impl=c.kernels if c.attention_impl == "reference" else c.attention_impl,
                 layout=lay,
+                fp8=c.fp8.enabled,
                 name="mixer",
             )(x_BLD)
         elif self.letter == "E":
-            y_BLD, aux = MoE(c.d_model, c.moe, c.init_std, dtype, lay, c.kernels, name="mixer")(x_BLD)
+            y_BLD, aux = MoE(c.d_model, c.moe, c.init_std, dtype, lay, c.kernels, c.fp8.enabled, name="mixer")(x_BLD)
         elif self.letter == "-":
-            y_BLD = MLP(c.d_model, c.ffn_dim, c.init_std, dtype, lay, c.kernels, name="mixer")(x_BLD)
+            y_BLD = MLP(c.d_model, c.ffn_dim, c.init_std, dtype, lay, c.kernels, c.fp8.enabled, name="mixer")(x_BLD)
         else:
             raise ValueError(f"unknown block letter {self.letter!r}")
         if train and c.dropout > 0.0:
@@ -99,6 +103,8 @@ class HybridLM(nn.Module):
             )
             self.mtp_layers = [block(c, letter, lay, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)]
             self.mtp_final_norm = RMSNorm(c.norm_eps, c.kernels)
+            self.mtp_fp8_h = scale_var(self, "mtp_proj_h", c.fp8.enabled)
+            self.mtp_fp8_e = scale_var(self, "mtp_proj_e", c.fp8.enabled)
 
     def head(self, h_BLD: jax.Array) -> jax.Array:
         logits_BLV = proj("bld,dv->blv", h_BLD, self.w_head_DV, DTYPES[self.cfg.compute_dtype], self.cfg.kernels)
@@ -119,8 +125,8 @@ class HybridLM(nn.Module):
             hn, en = self.mtp_norm_h(h_BLD[:, :-1]), self.mtp_norm_e(e_BLD)
             dtype = DTYPES[c.compute_dtype]
             m_BLD = (
-                proj("bld,de->ble", hn, self.w_mtp_2DD[0], dtype, c.kernels)
-                + proj("bld,de->ble", en, self.w_mtp_2DD[1], dtype, c.kernels)
+                proj("bld,de->ble", hn, self.w_mtp_2DD[0], dtype, c.kernels, self.mtp_fp8_h)
+                + proj("bld,de->ble", en, self.w_mtp_2DD[1], dtype, c.kernels, self.mtp_fp8_e)
             ).astype(jnp.float32)
             for i, layer in enumerate(self.mtp_layers):
                 m_BLD, a = layer(m_BLD, train, layer_key(key, len(c.pattern) + i))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.config import MambaConfig
+from detjax.model.fp8 import scale_var
 from detjax.model.layers import normal_init, param, proj, proj_many
 from detjax.model.ssd import ssd_chunked
 from detjax.pallas_kernels.ssd.ops import ssd
@@ -64,6 +65,7 @@ class Mamba2(nn.Module):
     dtype: jnp.dtype
     layout: ax.Layout | None = None
     kernels: str = "reference"
+    fp8: bool = False  # model.fp8.enabled: the projections in fp8 with delayed scaling
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -94,6 +96,7 @@ class Mamba2(nn.Module):
             [w_z_DHP, w_x_DHP, w_bc_DJN, w_dt_DH],
             self.dtype,
             self.kernels,
+            scale_var(self, "in_proj", self.fp8),
         )
         z_BLHP = constrain(z_BLHP, lay, names, "ssm_z")
         x_BLHP = constrain(x_BLHP, lay, names)
@@ -109,4 +112,4 @@ class Mamba2(nn.Module):
         # gated RMSNorm over the whole inner width (all heads)
         ms_BL11 = jnp.mean(y_BLHP * y_BLHP, axis=(-2, -1), keepdims=True)
         y_BLHP = y_BLHP * jax.lax.rsqrt(ms_BL11 + self.norm_eps) * norm_HP[None, None]
-        return proj("blhp,hpd->bld", y_BLHP, w_out_HPD, self.dtype, self.kernels)
+        return proj("blhp,hpd->bld", y_BLHP, w_out_HPD, self.dtype, self.kernels, scale_var(self, "out_proj", self.fp8))

@@ -88,6 +88,7 @@ class MoE(nn.Module):
     dtype: jnp.dtype
     layout: ax.Layout | None = None
     kernels: str = "reference"
+    fp8: bool = False  # model.fp8.enabled: the shared expert in fp8 (the routed experts and router stay bf16/fp32)
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -106,7 +107,9 @@ class MoE(nn.Module):
         experts = Experts(e, d, f, self.init_std, self.dtype, c.combine, self.layout, gmm, name="experts")
         y_BLD = experts(x_TD, idx_TX, gate_TX).reshape(bsz, length, d)
         if c.shared_expert:
-            y_BLD = y_BLD + MLP(d, f, self.init_std, self.dtype, self.layout, self.kernels, name="shared")(x_BLD)
+            y_BLD = y_BLD + MLP(d, f, self.init_std, self.dtype, self.layout, self.kernels, self.fp8, name="shared")(
+                x_BLD
+            )
         return y_BLD, aux
 
 

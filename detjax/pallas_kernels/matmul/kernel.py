@@ -63,10 +63,14 @@ TILE_SETS: dict[str, dict[str, int]] = {
 }
 
 
+def _is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype).name in ("float8_e4m3fn", "float8_e5m2")
+
+
 def tile_set(kind: str, dtype, k: int, n: int) -> str:
     """The pinned tile set for a product with weight shape (k, n). The shape class depends on the weight
     alone -- never on the number of rows M -- and follows the offline sweep (docs/BENCHMARKS.md)."""
-    name = jnp.dtype(dtype).name
+    name = "bfloat16" if _is_fp8(dtype) else jnp.dtype(dtype).name  # fp8: the bf16 tiles (not swept for fp8)
     if name == "float32":
         return {"fwd": "f32_16x16", "dx": "f32_64x64", "dw": "f32_16x16 split"}[kind]
     if name != "bfloat16":
@@ -107,12 +111,13 @@ def _pad_to(x: jax.Array, mult: tuple[int, int]) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("kind", "out_dtype", "interpret", "sweep_tiles"))
 def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: tuple | None = None):
-    """The product named by `kind` (see the module docstring); a and b share one dtype.
+    """The product named by `kind` (see the module docstring); a and b share one dtype, or are both fp8
+    (e4m3 / e5m2: model.fp8's products, float32 accumulation).
 
     `sweep_tiles` (sorted (name, value) pairs) replaces the pinned tiles: for the offline sweep in
     scripts/gemm_bench.py and the tests only (they may also set `r_chunk`); the model never passes it."""
-    if a.dtype != b.dtype:
-        raise ValueError(f"matmul operands must share a dtype, got {a.dtype} and {b.dtype}")
+    if a.dtype != b.dtype and not (_is_fp8(a.dtype) and _is_fp8(b.dtype)):
+        raise ValueError(f"matmul operands must share a dtype (or both be fp8), got {a.dtype} and {b.dtype}")
     trans_a, trans_b = kind == "dw", kind == "dx"
     k_w, n_w = {"fwd": (b.shape[0], b.shape[1]), "dx": b.shape, "dw": (a.shape[1], b.shape[1])}[kind]
     t = dict(sweep_tiles) if sweep_tiles else TILE_SETS[tile_set(kind, a.dtype, k_w, n_w)]

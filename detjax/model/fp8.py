@@ -1,0 +1,135 @@
+"""FP8 projections with delayed scaling (model.fp8), the recipe Hopper users expect.
+
+A projection y = x @ w runs as x8 @ w8 with fp32 accumulation, where x8 = e4m3(x * s_x), w8 = e4m3(w * s_w)
+and the result is divided by s_x * s_w; its backward quantizes the incoming gradient to e5m2(dy * s_g) and
+runs dx = g8 @ w8^T, dw = x8^T @ g8 the same way. Every projection has a scale vector s = (s_x, s_w, s_g) in
+the "fp8" collection and an amax history (3, H). Delayed scaling: the scales a step uses were computed at the
+end of the step before, from the amax histories up to it:
+
+    s = fmax / (max over the history of amax) / 2^margin      (fmax: 448 for e4m3, 57344 for e5m2)
+
+kept unchanged while that amax is 0 or not finite (step 0 runs with s = 1). After the step each history is
+shifted by one and takes the step's amax (max |x|, max |w|, max |dy| over every microbatch) in front.
+
+How the step's amaxes leave the model: the projection's custom VJP returns them as the "cotangent" of its scale
+vector, so jax.grad of the loss with respect to the fp8 collection gives each projection's amaxes of that
+microbatch (a max over the whole array: under jit with shardings the partitioner reduces it with an exact max,
+whatever the mesh). The trainer takes the max over microbatches (detjax.step) -- order-free and exact, so the
+scales are deterministic like every other leaf; they are checkpointed, digested and checked on restore.
+
+The products themselves are detjax's pinned-tile Pallas matmul with fp8 operands under model.kernels=pallas
+(the bits owned on the GPU), or XLA's dot on fp8 operands otherwise (on the CPU: exact fp8 products, fp32
+sums -- the same math, emulated, so the tests run in CI).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+FMAX = (float(jnp.finfo(E4M3).max), float(jnp.finfo(E4M3).max), float(jnp.finfo(E5M2).max))  # x, w, dy
+
+
+def _quantize(v: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.clip(v.astype(jnp.float32) * scale, -fmax, fmax).astype(dtype)
+
+
+def _amax(v: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(v.astype(jnp.float32)))
+
+
+def _qdot(a, b, kind: str, kernels: str) -> jax.Array:
+    """fp32 product of fp8 operands: fwd a @ b, dx a @ b^T, dw a^T @ b."""
+    if kernels == "pallas":
+        from detjax.pallas_kernels.backend import interpret_mode
+        from detjax.pallas_kernels.matmul.kernel import matmul_kernel
+
+        return matmul_kernel(a, b, kind=kind, out_dtype=jnp.float32, interpret=interpret_mode())
+    dims = {"fwd": ((1,), (0,)), "dx": ((1,), (1,)), "dw": ((0,), (0,))}[kind]
+    return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def fp8_matmul(x_MK: jax.Array, w_KN: jax.Array, scale_3: jax.Array, out_dtype, kernels: str) -> jax.Array:
+    """x @ w through fp8 with the given scales (s_x, s_w, s_g); see the module docstring. x comes in
+    out_dtype (the compute dtype), w is the float32 master."""
+    return _fwd(x_MK, w_KN, scale_3, out_dtype, kernels)[0]
+
+
+def _fwd(x_MK, w_KN, scale_3, out_dtype, kernels):
+    x8, w8 = _quantize(x_MK, scale_3[0], E4M3), _quantize(w_KN, scale_3[1], E4M3)
+    y = (_qdot(x8, w8, "fwd", kernels) * (1.0 / (scale_3[0] * scale_3[1]))).astype(out_dtype)
+    return y, (x8, w8, scale_3, _amax(x_MK), _amax(w_KN))
+
+
+def _bwd(out_dtype, kernels, res, dy_MN):
+    """dx in the compute dtype (x arrives in it, as out_dtype), dw in float32 (the master's dtype)."""
+    x8, w8, scale_3, amax_x, amax_w = res
+    g8 = _quantize(dy_MN, scale_3[2], E5M2)
+    dx = (_qdot(g8, w8, "dx", kernels) * (1.0 / (scale_3[2] * scale_3[1]))).astype(out_dtype)
+    dw = _qdot(x8, g8, "dw", kernels) * (1.0 / (scale_3[0] * scale_3[2]))
+    return dx, dw, jnp.stack([amax_x, amax_w, _amax(dy_MN)])
+
+
+fp8_matmul.defvjp(_fwd, _bwd)
+
+
+def _fold(spec: str) -> int:
+    from detjax.pallas_kernels.matmul.ops import _fold as fold
+
+    return fold(spec)
+
+
+def fp8_dense_many(specs: list[str], x: jax.Array, ws: list[jax.Array], dtype, scale_3, kernels: str):
+    """Several projections of one input as one fp8 product over the weights concatenated along N (one
+    scale set for the fused weight, as one GEMM), split after; specs as in detjax.pallas_kernels.matmul.ops."""
+    cs = {_fold(s) for s in specs}
+    if len(cs) != 1:
+        raise ValueError(f"fp8_dense_many() needs specs contracting the same dims of x, got {specs}")
+    c = cs.pop()
+    lead = x.shape[: x.ndim - c]
+    k = math.prod(x.shape[x.ndim - c :])
+    w2 = [w.reshape(k, -1) for w in ws]
+    w_cat = w2[0] if len(w2) == 1 else jnp.concatenate(w2, axis=1)
+    y = fp8_matmul(x.astype(dtype).reshape(-1, k), w_cat, scale_3, dtype, kernels)
+    outs, start = [], 0
+    for w, w2d in zip(ws, w2, strict=True):
+        outs.append(y[:, start : start + w2d.shape[1]].reshape(*lead, *w.shape[c:]))
+        start += w2d.shape[1]
+    return outs
+
+
+def scale_var(module, name: str, enabled: bool) -> jax.Array | None:
+    """The (s_x, s_w, s_g) scale vector of one projection of `module` (None with fp8 off)."""
+    if not enabled:
+        return None
+    return module.variable("fp8", name, lambda: jnp.ones((3,), jnp.float32)).value
+
+
+# ------------------------------------------------------------------------------------ delayed scaling state
+
+
+def init_collection(scales, history_len: int) -> dict:
+    """TrainState.collections["fp8"]: the scales the next step uses and the amax histories behind them."""
+    return {
+        "scale": scales,
+        "amax_history": jax.tree.map(lambda s: jnp.zeros((3, history_len), jnp.float32), scales),
+    }
+
+
+def next_scales(history_3H: jax.Array, old_3: jax.Array, margin: int) -> jax.Array:
+    amax = jnp.max(history_3H, axis=1)
+    new = jnp.asarray(FMAX, jnp.float32) / amax / (2.0**margin)
+    return jnp.where((amax > 0) & jnp.isfinite(amax), new, old_3)
+
+
+def update_collection(coll: dict, amax_tree, margin: int) -> dict:
+    """The state after a step: each history shifted by one with the step's amaxes in front; new scales."""
+    hist = jax.tree.map(lambda h, a: jnp.concatenate([a[:, None], h[:, :-1]], axis=1), coll["amax_history"], amax_tree)
+    scale = jax.tree.map(lambda h, s: next_scales(h, s, margin), hist, coll["scale"])
+    return {"scale": scale, "amax_history": hist}

@@ -1,0 +1,185 @@
+"""model.fp8: fp8 projections with delayed scaling (emulated with JAX's float8 dtypes on the CPU). The scales
+and amax histories live in TrainState.collections: two runs give the same bytes (L1), a resumed run equals the
+uninterrupted one with the scales and histories included (L2), the scale of step s comes from the amaxes of
+steps < s, and a changed saved scale is refused on restore. Byte equality throughout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from detjax.ckpt import Checkpointer, CheckpointError
+from detjax.ckpt.manager import host_bytes
+from detjax.config import ConfigError, load_config
+from detjax.model import fp8
+from detjax.pallas_kernels.matmul.kernel import matmul_kernel
+from detjax.sharding.mesh import replicated, single_device_mesh
+from detjax.step import Trainer
+from detjax.train import train
+
+STEPS = 5
+BASE = ["model.fp8.enabled=true", "model.fp8.amax_history_len=3", f"train.steps={STEPS}", "train.warmup_steps=2"]
+BASE += ["run.progress=false", "run.log_every=0", "ckpt.every=1", f"ckpt.keep={STEPS + 1}"]
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _same(a, b) -> bool:
+    return np.asarray(a).shape == np.asarray(b).shape and np.array_equal(_bits(a), _bits(b))
+
+
+@pytest.fixture(scope="module")
+def cfg_of(tiny_path):
+    return lambda *extra: load_config(tiny_path, BASE + list(extra))
+
+
+@pytest.fixture(scope="module")
+def reference(cfg_of, tmp_path_factory):
+    return train(cfg_of(), tmp_path_factory.mktemp("fp8") / "run")
+
+
+def _restore(run_dir, cfg, step):
+    trainer = Trainer(cfg)
+    abstract = trainer.abstract_state()
+    ck = Checkpointer(run_dir / "checkpoints", cfg)
+    try:
+        return ck.restore(abstract, jax.tree.map(lambda _: replicated(single_device_mesh()), abstract), step)[0]
+    finally:
+        ck.close()
+
+
+def test_fp8_matmul_uses_the_given_scales_and_returns_the_amaxes():
+    """Forward and both gradients close to the bf16 product; the cotangent of the scales is (max|x|, max|w|,
+    max|dy|) exactly; the product depends on the scales passed in (delayed), and the Pallas kernel path (CPU
+    interpreter) gives the same values as XLA's dot on the same fp8 operands up to summation order."""
+    ks = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(ks[0], (48, 64)).astype(jnp.bfloat16)
+    w = 0.1 * jax.random.normal(ks[1], (64, 40))
+    g = jax.random.normal(ks[2], (48, 40))
+    s = jnp.asarray([100.0, 1000.0, 5000.0], jnp.float32)  # no clipping: |x|, |w|, |g| below fmax / s
+
+    def loss(x, w, s, kernels="reference"):
+        return jnp.sum(fp8.fp8_matmul(x, w, s, jnp.float32, kernels) * g)
+
+    want = jnp.dot(x.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32))
+    y = fp8.fp8_matmul(x, w, s, jnp.float32, "reference")
+    assert float(jnp.max(jnp.abs(y - want)) / jnp.max(jnp.abs(want))) < 0.08
+    dx, dw, amax = jax.grad(loss, argnums=(0, 1, 2))(x, w, s)
+    # dy in e5m2 (2 mantissa bits): gradients within ~1/4 of the largest entry
+    assert float(jnp.max(jnp.abs(dx.astype(jnp.float32) - g @ w.T)) / jnp.max(jnp.abs(g @ w.T))) < 0.25
+    ref_dw = x.astype(jnp.float32).T @ g
+    assert float(jnp.max(jnp.abs(dw - ref_dw)) / jnp.max(jnp.abs(ref_dw))) < 0.25
+    want_amax = [jnp.max(jnp.abs(x.astype(jnp.float32))), jnp.max(jnp.abs(w)), jnp.max(jnp.abs(g))]
+    assert _same(amax, jnp.stack(want_amax))
+    assert not _same(fp8.fp8_matmul(x, w, s * 2, jnp.float32, "reference"), y)  # the scales are used
+    yp = fp8.fp8_matmul(x, w, s, jnp.float32, "pallas")
+    assert float(jnp.max(jnp.abs(yp - y))) <= 1e-5 * float(jnp.max(jnp.abs(y)))
+    with pytest.raises(ValueError, match="share a dtype"):
+        matmul_kernel(x, w.astype(jnp.float8_e4m3fn), kind="fwd", out_dtype=jnp.float32, interpret=True)
+
+
+def test_delayed_scaling_update_rule():
+    hist = jnp.asarray([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0], [4.0, 8.0, 1.0]], jnp.float32)
+    old = jnp.asarray([1.0, 7.0, 3.0], jnp.float32)
+    got = fp8.next_scales(hist, old, margin=1)
+    assert _same(got, jnp.asarray([448.0 / 2 / 2, 7.0, 57344.0 / 8 / 2], jnp.float32))  # amax 0: scale kept
+    assert _same(fp8.next_scales(hist.at[0, 1].set(jnp.nan), old, 0)[0], old[0])  # non-finite amax: kept
+    coll = fp8.init_collection({"p": jnp.ones((3,), jnp.float32)}, 3)
+    new = fp8.update_collection(coll, {"p": jnp.asarray([1.0, 2.0, 4.0])}, 0)
+    assert _same(new["amax_history"]["p"][:, 0], jnp.asarray([1.0, 2.0, 4.0]))
+    assert _same(new["scale"]["p"], jnp.asarray([448.0, 224.0, 57344.0 / 4], jnp.float32))
+
+
+def test_fp8_run_is_repeatable_and_its_scales_come_from_earlier_steps(cfg_of, reference, tmp_path):
+    """L1 in one process (the compiled step is shared; L1 across processes is the GPU figure): the second run's
+    fingerprints -- with the scales' and histories' digest -- and final state equal the first's. Every
+    checkpointed step s: histories are the step before's shifted by one, step 0 starts at scale 1 with zero
+    histories, and the scales equal next_scales of the histories (the amaxes of steps < s); step 1's histories
+    hold step 0's amaxes and zeros behind them."""
+    again = train(cfg_of(), tmp_path / "again")
+    a = (reference.run_dir / "fingerprints.jsonl").read_bytes()
+    assert len(a.splitlines()) == STEPS and '"collections"' in a.decode()
+    assert a == (again.run_dir / "fingerprints.jsonl").read_bytes()
+    assert host_bytes(reference.state) == host_bytes(again.state)
+    cfg = cfg_of()
+    colls = [_restore(reference.run_dir, cfg, s).collections["fp8"] for s in range(1, STEPS + 1)]
+    # before step 0 (not checkpointed): every scale 1, every history zero -- what init_state builds
+    colls.insert(0, fp8.init_collection(jax.tree.map(lambda _: jnp.ones(3, jnp.float32), colls[0]["scale"]), 3))
+    for s in range(1, STEPS + 1):
+        prev, cur = colls[s - 1], colls[s]
+        for hp, hc, sp, sc in zip(
+            *(jax.tree.leaves(t) for t in (prev["amax_history"], cur["amax_history"], prev["scale"], cur["scale"])),
+            strict=True,
+        ):
+            assert _same(hc[:, 1:], hp[:, :-1]), s
+            assert np.all(np.asarray(hc[:, 0]) > 0), s
+            assert _same(sc, fp8.next_scales(hc, sp, 0)), s
+    assert all(not np.any(np.asarray(h[:, 1:])) for h in jax.tree.leaves(colls[1]["amax_history"]))
+    assert not _same(jax.tree.leaves(colls[2]["scale"])[0], jax.tree.leaves(colls[1]["scale"])[0])
+    init = Trainer(cfg).abstract_state().collections["fp8"]  # the state's own initial collection has this shape
+    assert jax.tree.structure(init) == jax.tree.structure(colls[1])
+
+
+def test_fp8_resume_is_bitwise_and_a_changed_scale_is_refused(cfg_of, reference, tmp_path, monkeypatch):
+    """L2: stop after step 3 (odd), resume, finish: fingerprints and state equal the uninterrupted run's.
+    Negative control: a resume whose restored scales are nudged by one ulp diverges. A saved scale whose
+    bytes change between save and restore is refused, naming the leaf."""
+    run = tmp_path / "run"
+    first = train(cfg_of("run.stop_after=3"), run)
+    assert first.stopped_by == "stop_after" and int(first.state.step) == 3
+    got = train(cfg_of(), run, resume=True)
+    assert (reference.run_dir / "fingerprints.jsonl").read_bytes() == (run / "fingerprints.jsonl").read_bytes()
+    assert host_bytes(reference.state) == host_bytes(got.state)
+
+    def nudge(state, batches):
+        scale = jax.tree.map(lambda s: jnp.nextafter(s, jnp.inf), state.collections["fp8"]["scale"])
+        return state.replace(collections={"fp8": {**state.collections["fp8"], "scale": scale}}), batches
+
+    bad = tmp_path / "nudged"
+    train(cfg_of("run.stop_after=3"), bad)
+    nudged = train(cfg_of(), bad, resume=True, after_restore=nudge)
+    assert host_bytes(nudged.state) != host_bytes(reference.state)
+
+    cfg = cfg_of()
+    original = Checkpointer.restore
+
+    def flip_scale(self, *a, **k):
+        real = self.manager.restore
+
+        def corrupt(*ra, **rk):
+            got = real(*ra, **rk)
+            if "state" not in got:  # the meta-only read
+                return got
+            leaf = got["state"]["collections"]["fp8"]["scale"]
+            first_path = jax.tree_util.tree_flatten_with_path(leaf)[0][0][0]
+            raw = np.array(jax.device_get(jax.tree.leaves(leaf)[0]))
+            raw.view(np.uint8)[1] ^= 0x01  # one flipped bit of one saved scale
+            got["state"]["collections"]["fp8"]["scale"] = jax.tree_util.tree_map_with_path(
+                lambda p, x: jnp.asarray(raw) if p == first_path else x, leaf
+            )
+            return got
+
+        self.manager.restore = corrupt
+        return original(self, *a, **k)
+
+    assert _restore(reference.run_dir, cfg, STEPS).step == STEPS  # control: the unaltered checkpoint restores
+    monkeypatch.setattr(Checkpointer, "restore", flip_scale)
+    with pytest.raises(CheckpointError, match=r"leaf \['collections'\]\['fp8'\]\['scale'\].* corrupt"):
+        _restore(reference.run_dir, cfg, STEPS)
+
+
+@pytest.mark.parametrize(
+    "over, key",
+    [
+        (["mesh.devices=2", "mesh.pipeline=2", "model.pattern='--'", "model.mtp.depth=0"], "mesh.pipeline"),
+        (["determinism.numerics=canonical"], "determinism.numerics"),
+        (["trace.level=module", "trace.steps=1"], "trace.level"),
+    ],
+)
+def test_fp8_is_refused_where_it_has_no_deterministic_path(tiny_path, over, key):
+    with pytest.raises(ConfigError, match=rf"'{key}'.*model.fp8.*Fix: .*model.fp8.enabled=false"):
+        load_config(tiny_path, ["model.fp8.enabled=true", *over])
+    load_config(tiny_path, over)  # control: the same settings without fp8 are accepted
