@@ -92,6 +92,8 @@ def _mm_kernel(a_ref, b_ref, o_ref, *, br: int, nr: int, chunk: int, trans_a: bo
         blk = pl.ds(pl.multiple_of(r * br, br), br)
         a = a_ref[blk, :] if trans_a else a_ref[:, blk]
         b = b_ref[:, blk] if trans_b else b_ref[blk, :]
+        if a.dtype != b.dtype:  # e5m2 x e4m3 (fp8 backward): Pallas' Triton dot takes one element type, so both
+            a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)  # go to bf16 -- exactly (fewer bits than bf16)
         return acc + jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
     def chunk_sum(c):
