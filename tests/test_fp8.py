@@ -75,11 +75,17 @@ def test_fp8_matmul_uses_the_given_scales_and_returns_the_amaxes():
     want_amax = [jnp.max(jnp.abs(x.astype(jnp.float32))), jnp.max(jnp.abs(w)), jnp.max(jnp.abs(g))]
     assert _same(amax, jnp.stack(want_amax))
     assert not _same(fp8.fp8_matmul(x, w, s * 2, jnp.float32, "reference"), y)  # the scales are used
-    yp = fp8.fp8_matmul(x, w, s, jnp.float32, "pallas")
-    rel = float(jnp.max(jnp.abs(yp - y))) / float(jnp.max(jnp.abs(y)))
-    assert rel <= 1e-5, rel
-    dxp, dwp = jax.grad(loss, argnums=(0, 1))(x, w, s, "pallas")  # e5m2 x e4m3 products (bf16 MMAs in the kernel)
-    assert float(jnp.max(jnp.abs(dwp - dw))) <= 1e-5 * float(jnp.max(jnp.abs(dw)))
+    # the Pallas kernel (interpreted on the CPU, Triton on the GPU) against float32 sums of the same fp8 values
+    x8, w8 = (fp8._quantize(v, sv, fp8.E4M3).astype(jnp.float32) for v, sv in ((x, s[0]), (w, s[1])))
+    exact = jnp.dot(x8, w8, precision=jax.lax.Precision.HIGHEST) / (s[0] * s[1])
+    for kernels in ("reference", "pallas") if jax.default_backend() == "cpu" else ("pallas",):
+        got = fp8.fp8_matmul(x, w, s, jnp.float32, kernels)
+        rel = float(jnp.max(jnp.abs(got - exact))) / float(jnp.max(jnp.abs(exact)))
+        assert rel <= 1e-5, (kernels, rel)
+    g8 = fp8._quantize(g, s[2], fp8.E5M2).astype(jnp.float32)
+    dw_exact = jnp.dot(x8.T, g8, precision=jax.lax.Precision.HIGHEST) / (s[0] * s[2])
+    dwp = jax.grad(loss, argnums=1)(x, w, s, "pallas")  # e5m2 x e4m3 products (bf16 MMAs in the kernel)
+    assert float(jnp.max(jnp.abs(dwp - dw_exact))) <= 1e-5 * float(jnp.max(jnp.abs(dw_exact)))
     with pytest.raises(ValueError, match="share a dtype"):
         matmul_kernel(x, w.astype(jnp.float8_e4m3fn), kind="fwd", out_dtype=jnp.float32, interpret=True)
 
