@@ -6,13 +6,15 @@ when the run has no final params, a checkpoint through the checked restore), the
 tokenizer: greedy (--top-k 0, the default) or top-k sampling at a temperature. There is no KV cache: every
 new token re-runs the whole context, in one fixed-length buffer (train.seq_len) so the forward compiles once;
 every block is causal and the MoE is dropless, so the padding after the current position does not reach its
-logits. The sampling key of position p is fold_in(key(seed), p): the same seed gives the same text.
+logits. The sampling key of position p is fold_in(key(seed), p): the same seed gives the same text. A run
+trained with model.fp8 samples with its projections in the compute dtype (bf16), not in fp8.
 Exit 0, or 2 on bad input (no such run, no parameters, a prompt longer than the buffer).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -83,7 +85,8 @@ def generate(cfg, params, prompt_ids, max_new: int, top_k: int, temperature: flo
     n = len(prompt_ids)
     if not 0 < n < length:
         raise SampleError(f"the prompt has {n} tokens; it must have 1..{length - 1} (train.seq_len = {length})")
-    model = HybridLM(cfg.model)
+    # fp8 (model.fp8) is a training recipe: sampling runs the same weights' projections in the compute dtype
+    model = HybridLM(dataclasses.replace(cfg.model, fp8=dataclasses.replace(cfg.model.fp8, enabled=False)))
     valid = jnp.arange(cfg.model.vocab_size) < N_IDS  # ids the byte tokenizer can produce
 
     @jax.jit
