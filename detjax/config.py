@@ -96,8 +96,8 @@ class MTPConfig:
 @dataclass(frozen=True)
 class Fp8Config:
     """FP8 with delayed scaling (detjax/model/fp8.py): e4m3 activations and weights, e5m2 gradients, for the
-    dense projections (attention, MLP, Mamba2 in/out, shared expert, MTP projection). The LM head, the
-    router, the routed experts and the norms stay in bf16 / fp32."""
+    dense projections (attention, MLP, Mamba2 in/out, shared expert, MTP projection) and the routed experts'
+    grouped matmuls. The LM head, the router and the norms stay in bf16 / fp32."""
 
     enabled: bool = False
     amax_history_len: int = 16  # steps of amax history behind each scale
@@ -588,6 +588,13 @@ def fp8_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
     off = "or set model.fp8.enabled=false"
     if cfg.mesh.pipeline > 1:
         key, value, why, fix = "mesh.pipeline", cfg.mesh.pipeline, "the pipeline schedule", "use mesh.pipeline=1"
+    elif cfg.mesh.expert > 1:
+        key, value, why, fix = (
+            "mesh.expert",
+            cfg.mesh.expert,
+            "expert parallelism's all-to-all path",
+            "use mesh.expert=1",
+        )
     elif cfg.determinism.numerics == "canonical":
         key, value = "determinism.numerics", "canonical"
         why, fix = "canonical numerics' per-sequence tree", "use determinism.numerics=default"

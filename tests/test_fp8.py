@@ -90,6 +90,30 @@ def test_fp8_matmul_uses_the_given_scales_and_returns_the_amaxes():
         matmul_kernel(x, w.astype(jnp.float8_e4m3fn), kind="fwd", out_dtype=jnp.float32, interpret=True)
 
 
+def test_fp8_grouped_matmul_kernel_and_reference_agree():
+    """The experts' fp8 gmm: the Pallas gmm / tgmm (interpreted) and XLA's ragged_dot reference multiply the same
+    fp8 values (equal up to summation order), and the scales' cotangent is the three amaxes."""
+    ks = jax.random.split(jax.random.key(1), 3)
+    gs = jnp.asarray([5, 0, 19, 8], jnp.int32)
+    x = jax.random.normal(ks[0], (32, 16)).astype(jnp.bfloat16)
+    w = 0.1 * jax.random.normal(ks[1], (4, 16, 32))
+    g = jax.random.normal(ks[2], (32, 32))
+    s = jnp.asarray([100.0, 1000.0, 5000.0], jnp.float32)
+    outs = {}
+    for kernels in ("reference", "pallas"):
+        f = lambda x, w, s, kernels=kernels: jnp.sum(fp8.fp8_grouped_matmul(x, w, gs, s, kernels, x.dtype) * g)  # noqa: E731
+        outs[kernels] = (
+            fp8.fp8_grouped_matmul(x, w, gs, s, kernels, x.dtype),
+            *jax.grad(f, argnums=(0, 1, 2))(x, w, s),
+        )
+    for a, b in zip(outs["reference"], outs["pallas"], strict=True):
+        a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+        assert float(jnp.max(jnp.abs(a32 - b32))) <= 1e-5 * float(jnp.max(jnp.abs(a32))) + 1e-6
+    amax = outs["pallas"][3]
+    assert _same(amax, jnp.stack([jnp.max(jnp.abs(x.astype(jnp.float32))), jnp.max(jnp.abs(w)), jnp.max(jnp.abs(g))]))
+    assert not np.any(np.asarray(outs["pallas"][2][1]))  # the empty group's weight gradient is zero
+
+
 def test_delayed_scaling_update_rule():
     hist = jnp.asarray([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0], [4.0, 8.0, 1.0]], jnp.float32)
     old = jnp.asarray([1.0, 7.0, 3.0], jnp.float32)
@@ -185,6 +209,7 @@ def test_fp8_resume_is_bitwise_and_a_changed_scale_is_refused(cfg_of, reference,
     [
         (["mesh.devices=2", "mesh.pipeline=2", "model.pattern='--'", "model.mtp.depth=0"], "mesh.pipeline"),
         (["determinism.numerics=canonical"], "determinism.numerics"),
+        (["mesh.devices=2", "mesh.expert=2"], "mesh.expert"),
         (["trace.level=module", "trace.steps=1"], "trace.level"),
     ],
 )

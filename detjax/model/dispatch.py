@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from detjax.model.fp8 import fp8_grouped_matmul
 from detjax.pallas_kernels.gmm.ops import grouped_matmul
 
 
@@ -46,12 +47,23 @@ def sort_by_expert(idx_TX: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Ar
 
 
 def expert_ffn(
-    xs_RD: jax.Array, gs_E: jax.Array, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, kernels: str = "reference"
+    xs_RD: jax.Array,
+    gs_E: jax.Array,
+    w_gate_EDF,
+    w_up_EDF,
+    w_down_EFD,
+    dtype,
+    kernels: str = "reference",
+    fp8_scales: tuple | None = None,
 ) -> jax.Array:
     """SwiGLU per expert over rows sorted by expert (group sizes gs_E): grouped matmuls (XLA's ragged_dot,
-    or with kernels=pallas the fixed-order Pallas gmm/tgmm; `kernels` here is the resolved experts_impl)."""
+    or with kernels=pallas the fixed-order Pallas gmm/tgmm; `kernels` here is the resolved experts_impl).
+    fp8_scales: (gate, up, down) scale vectors of model.fp8 (detjax.model.fp8.fp8_grouped_matmul)."""
+    scales = iter(fp8_scales or ())
 
     def gmm(a, w):
+        if fp8_scales is not None:
+            return fp8_grouped_matmul(a.astype(dtype), w, gs_E, next(scales), kernels, dtype)
         if kernels == "pallas":
             return grouped_matmul(a.astype(dtype), w.astype(dtype), gs_E)
         return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)

@@ -19,7 +19,8 @@ scales are deterministic like every other leaf; they are checkpointed, digested 
 
 The products themselves are detjax's pinned-tile Pallas matmul with fp8 operands under model.kernels=pallas
 (the bits owned on the GPU), or XLA's dot on fp8 operands otherwise (on the CPU: exact fp8 products, fp32
-sums -- the same math, emulated, so the tests run in CI).
+sums -- the same math, emulated, so the tests run in CI). The routed experts' grouped matmuls
+(fp8_grouped_matmul) quantize the same way and multiply the fp8 values exactly in bf16 / float32.
 """
 
 from __future__ import annotations
@@ -77,6 +78,65 @@ def _bwd(out_dtype, kernels, res, dy_MN):
 
 
 fp8_matmul.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def fp8_grouped_matmul(x_RK: jax.Array, w_EKN: jax.Array, gs_E: jax.Array, scale_3: jax.Array, kernels: str, x_dtype):
+    """Rows sorted by expert (in x_dtype, the compute dtype) times their expert's weight through fp8 (one scale
+    set for the whole expert stack), float32 out. The fp8 values are multiplied exactly: as bf16 operands of
+    detjax's gmm / tgmm under kernels=pallas (fp8 values convert to bf16 exactly; no fp8 MMA yet), else as
+    float32 operands of XLA's ragged_dot at full precision."""
+    return _gfwd(x_RK, w_EKN, gs_E, scale_3, kernels, x_dtype)[0]
+
+
+def _gmm(a, w, gs, kernels):
+    if kernels == "pallas":
+        from detjax.pallas_kernels.backend import interpret_mode
+        from detjax.pallas_kernels.gmm.kernel import gmm
+
+        return gmm(
+            a.astype(jnp.bfloat16), w.astype(jnp.bfloat16), gs, out_dtype=jnp.float32, interpret=interpret_mode()
+        )
+    f32 = jnp.float32
+    return jax.lax.ragged_dot(
+        a.astype(f32), w.astype(f32), gs, precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32
+    )
+
+
+def _tgmm(a, b, gs, kernels, n_groups: int):
+    if kernels == "pallas":
+        from detjax.pallas_kernels.backend import interpret_mode
+        from detjax.pallas_kernels.gmm.kernel import tgmm
+
+        return tgmm(
+            a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), gs, out_dtype=jnp.float32, interpret=interpret_mode()
+        )
+    f32 = jnp.float32
+    w0 = jnp.zeros((n_groups, a.shape[1], b.shape[1]), f32)
+    _, vjp = jax.vjp(
+        lambda w: jax.lax.ragged_dot(
+            a.astype(f32), w, gs, precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32
+        ),
+        w0,
+    )
+    return vjp(b.astype(f32))[0]
+
+
+def _gfwd(x_RK, w_EKN, gs_E, scale_3, kernels, x_dtype):
+    x8, w8 = _quantize(x_RK, scale_3[0], E4M3), _quantize(w_EKN, scale_3[1], E4M3)
+    y = _gmm(x8, w8, gs_E, kernels) * (1.0 / (scale_3[0] * scale_3[1]))
+    return y, (x8, w8, gs_E, scale_3, _amax(x_RK), _amax(w_EKN))
+
+
+def _gbwd(kernels, x_dtype, res, dy_RN):
+    x8, w8, gs_E, scale_3, amax_x, amax_w = res
+    g8 = _quantize(dy_RN, scale_3[2], E5M2)
+    dx = (_gmm(g8, jnp.swapaxes(w8, 1, 2), gs_E, kernels) * (1.0 / (scale_3[2] * scale_3[1]))).astype(x_dtype)
+    dw = _tgmm(x8, g8, gs_E, kernels, w8.shape[0]) * (1.0 / (scale_3[0] * scale_3[2]))
+    return dx, dw, None, jnp.stack([amax_x, amax_w, _amax(dy_RN)])
+
+
+fp8_grouped_matmul.defvjp(_gfwd, _gbwd)
 
 
 def _fold(spec: str) -> int:

@@ -12,6 +12,7 @@ from flax import linen as nn
 
 from detjax.config import MoEConfig
 from detjax.model.dispatch import combine_slots, expert_ffn, permute_rows, sort_by_expert
+from detjax.model.fp8 import scale_var
 from detjax.model.layers import MLP, normal_init, param, proj
 from detjax.sharding import rules as ax
 from detjax.sharding.expert import expert_parallel_moe
@@ -54,6 +55,7 @@ class Experts(nn.Module):
     combine: str = "gather"
     layout: ax.Layout | None = None
     kernels: str = "reference"
+    fp8: bool = False  # model.fp8.enabled: the grouped matmuls in fp8 with delayed scaling
 
     @nn.compact
     def __call__(self, x_TD: jax.Array, idx_TX: jax.Array, gate_TX: jax.Array) -> jax.Array:
@@ -71,7 +73,8 @@ class Experts(nn.Module):
         self.sow("intermediates", "dispatch_order", order_R)  # row-wise trace tap (detjax.trace)
         x_RD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d)).reshape(-1, d)
         xs_RD = permute_rows(x_RD, order_R, inv_R)
-        ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype, self.kernels).astype(dtype)
+        scales = tuple(scale_var(self, n, True) for n in ("gate", "up", "down")) if self.fp8 else None
+        ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype, self.kernels, scales).astype(dtype)
         if self.combine == "scatter_add":
             # fast, nondeterministic baseline (refused in strict mode): atomics accumulate per token
             tok_R = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k)).reshape(-1)
@@ -88,7 +91,7 @@ class MoE(nn.Module):
     dtype: jnp.dtype
     layout: ax.Layout | None = None
     kernels: str = "reference"
-    fp8: bool = False  # model.fp8.enabled: the shared expert in fp8 (the routed experts and router stay bf16/fp32)
+    fp8: bool = False  # model.fp8.enabled: the experts and shared expert in fp8 (the router stays float32)
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -104,7 +107,7 @@ class MoE(nn.Module):
         aux = load_balance_loss(idx_TX, probs_TE)
         self.sow("intermediates", "routing", idx_TX)  # row-wise trace tap: a swapped pair of rows is caught
         gmm = {"auto": self.kernels, "ragged_dot": "reference", "pallas": "pallas"}[c.experts_impl]
-        experts = Experts(e, d, f, self.init_std, self.dtype, c.combine, self.layout, gmm, name="experts")
+        experts = Experts(e, d, f, self.init_std, self.dtype, c.combine, self.layout, gmm, self.fp8, name="experts")
         y_BLD = experts(x_TD, idx_TX, gate_TX).reshape(bsz, length, d)
         if c.shared_expert:
             y_BLD = y_BLD + MLP(d, f, self.init_std, self.dtype, self.layout, self.kernels, self.fp8, name="shared")(
