@@ -3,6 +3,8 @@ and amax histories live in TrainState.collections: two runs give the same bytes 
 uninterrupted one with the scales and histories included (L2), the scale of step s comes from the amaxes of
 steps < s, and a changed saved scale is refused on restore. Byte equality throughout."""
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +19,11 @@ from detjax.sharding.mesh import replicated, single_device_mesh
 from detjax.step import Trainer
 from detjax.train import train
 
-STEPS = 5
+STEPS = 4
 BASE = ["model.fp8.enabled=true", "model.fp8.amax_history_len=3", f"train.steps={STEPS}", "train.warmup_steps=2"]
+# fp8 products of every kind but Mamba2's (the same proj() path) in two blocks: routed experts + shared expert (MLP),
+# and the MTP projection with an attention block
+BASE += ["model.pattern='E'", "model.mtp.pattern='*'"]
 BASE += ["run.progress=false", "run.log_every=0", "ckpt.every=1", f"ckpt.keep={STEPS + 1}"]
 
 
@@ -160,9 +165,10 @@ def test_fp8_resume_is_bitwise_and_a_changed_scale_is_refused(cfg_of, reference,
     """L2: stop after step 3 (odd), resume, finish: fingerprints and state equal the uninterrupted run's.
     Negative control: a resume whose restored scales are nudged by one ulp diverges. A saved scale whose
     bytes change between save and restore is refused, naming the leaf."""
-    run = tmp_path / "run"
+    run, bad = tmp_path / "run", tmp_path / "nudged"
     first = train(cfg_of("run.stop_after=3"), run)
     assert first.stopped_by == "stop_after" and int(first.state.step) == 3
+    shutil.copytree(run, bad)
     got = train(cfg_of(), run, resume=True)
     assert (reference.run_dir / "fingerprints.jsonl").read_bytes() == (run / "fingerprints.jsonl").read_bytes()
     assert host_bytes(reference.state) == host_bytes(got.state)
@@ -171,8 +177,6 @@ def test_fp8_resume_is_bitwise_and_a_changed_scale_is_refused(cfg_of, reference,
         scale = jax.tree.map(lambda s: jnp.nextafter(s, jnp.inf), state.collections["fp8"]["scale"])
         return state.replace(collections={"fp8": {**state.collections["fp8"], "scale": scale}}), batches
 
-    bad = tmp_path / "nudged"
-    train(cfg_of("run.stop_after=3"), bad)
     nudged = train(cfg_of(), bad, resume=True, after_restore=nudge)
     assert host_bytes(nudged.state) != host_bytes(reference.state)
 
