@@ -598,9 +598,11 @@ def fp8_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
     elif cfg.determinism.numerics == "canonical":
         key, value = "determinism.numerics", "canonical"
         why, fix = "canonical numerics' per-sequence tree", "use determinism.numerics=default"
-    elif cfg.trace.level != "none" or cfg.debug.inject_nondeterminism.scope:
-        key, value = "trace.level", cfg.trace.level
-        why, fix = "the tracer's instrumented steps", "trace (or inject faults) without fp8"
+    elif cfg.trace.level != "none":
+        key, value, why, fix = "trace.level", cfg.trace.level, "the tracer's instrumented steps", "trace without fp8"
+    elif cfg.debug.inject_nondeterminism.scope:
+        key, value = "debug.inject_nondeterminism.scope", cfg.debug.inject_nondeterminism.scope
+        why, fix = "fault injection's instrumented steps", "inject faults without fp8"
     else:
         return []
     return [
