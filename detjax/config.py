@@ -606,7 +606,12 @@ def fp8_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
     else:
         return []
     return [
-        (key, value, f"with model.fp8 enabled: {why} does not carry the fp8 scales and amaxes yet", f"{fix}, {off}")
+        (
+            key,
+            value,
+            f"with model.fp8 enabled: the fp8 scales and amaxes are not carried through {why} yet",
+            f"{fix}, {off}",
+        )
     ]
     off = "or set model.fp8.enabled=false"
     if cfg.mesh.pipeline > 1:
