@@ -5,10 +5,12 @@ from _cells import CELLS, Reference, check_cell
 
 DENSE = [c for c, m in CELLS.items() if m.get("pipeline", 1) == 1]
 HEAVY = {"tp2-ep4", "fsdp8-ep4"}
-# Covered in kind by the default cells (tp4 splits tensors, fsdp8-ep4 shards params and experts, dp8 splits
-# the batch; sequence parallel's shardings are pinned by test_mesh.py's golden files): run them with
+# Covered in kind by the default cells (fsdp8-ep4 shards params and experts, dp8 splits the batch), by the
+# dp2-tp2-pp2 cell of test_mesh.py's two-process test (tensor parallelism run end to end), by
+# test_tensor_parallel_step_gathers_no_vocab_and_no_float_tensors below (the tp4 step compiled) and
+# by test_mesh.py's golden shardings (every cell, sequence parallel included): run them with
 # `pytest -m extended` or scripts/mesh_sweep.py.
-EXTENDED = {"tp8", "fsdp8", "ep2", "tp2-ep4", "tp4-sp", "tp2-ep2"}
+EXTENDED = {"tp4", "tp8", "fsdp8", "ep2", "tp2-ep4", "tp4-sp", "tp2-ep2"}
 
 
 def _mark(c: str):
@@ -43,7 +45,7 @@ def test_tensor_parallel_step_gathers_no_vocab_and_no_float_tensors():
     ss, bs = tr.state_shardings(), tr.batch_sharding()
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32, sharding=bs)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tr.abstract_state(), ss)
-    # The step the training loop runs (the tp4 cell above compiled it in this process: reused, not rebuilt).
+    # The step the training loop runs (compile_train_step: reused if the tp4 cell ran in this process).
     text = compile_train_step(tr, ss, bs).lower(state, batch).compile().as_text()
     gathers = [line for line in text.splitlines() if re.search(r"= \S+\[[^\]]*\][^=]*all-gather(-start)?\(", line)]
     vocab = str(cfg.model.vocab_size)
