@@ -175,8 +175,8 @@ def test_config_and_shape_mismatch_are_refused(cfg_of, continuous):
     ck.close()
 
 
-def test_restore_onto_another_mesh_and_continue(cfg_of, continuous):
-    """Saved on one device; restored with fsdp-style shardings over 8 devices; trains on."""
+def _restore_on_fsdp8(cfg_of, continuous):
+    """Checkpoint 6, saved on one device, restored with fsdp-style shardings over 8 devices."""
     cfg = cfg_of()
     trainer = Trainer(cfg)
     abstract = trainer.abstract_state()
@@ -188,12 +188,24 @@ def test_restore_onto_another_mesh_and_continue(cfg_of, continuous):
 
     shardings = jax.tree.map(pick, abstract)
     ck = Checkpointer(continuous.run_dir / "checkpoints", cfg)
-    state, data, _ = ck.restore(abstract, shardings, step=6)
+    state, _, _ = ck.restore(abstract, shardings, step=6)
     ck.close()
+    return cfg, trainer, mesh, state
+
+
+def test_restore_onto_another_mesh(cfg_of, continuous):
+    """The restored arrays are sharded over the 8 devices and hold the bytes of the one-device restore."""
+    cfg, _, mesh, state = _restore_on_fsdp8(cfg_of, continuous)
     ref, _ = _restore_at(continuous.run_dir, cfg, 6)
     assert host_bytes(state) == host_bytes(ref)
     w = state.params["layer_3"]["mixer"]["w_gate"]
     assert w.sharding == NamedSharding(mesh, PartitionSpec("fsdp")) and len(w.sharding.device_set) == 8
+
+
+@pytest.mark.extended  # compiles the step over 8 devices (~2 min); training on fsdp meshes: test_mesh_cells.py
+def test_restore_onto_another_mesh_and_continue(cfg_of, continuous):
+    """Restored onto fsdp 8 as above, then trains on."""
+    cfg, trainer, mesh, state = _restore_on_fsdp8(cfg_of, continuous)
     step = jax.jit(trainer.train_step)
     from detjax.data.pipeline import make_dataset
 
