@@ -26,7 +26,6 @@ sums -- the same math, emulated, so the tests run in CI). The routed experts' gr
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -139,29 +138,12 @@ def _gbwd(kernels, x_dtype, res, dy_RN):
 fp8_grouped_matmul.defvjp(_gfwd, _gbwd)
 
 
-def _fold(spec: str) -> int:
-    from detjax.pallas_kernels.matmul.ops import _fold as fold
-
-    return fold(spec)
-
-
 def fp8_dense_many(specs: list[str], x: jax.Array, ws: list[jax.Array], dtype, scale_3, kernels: str):
     """Several projections of one input as one fp8 product over the weights concatenated along N (one
-    scale set for the fused weight, as one GEMM), split after; specs as in detjax.pallas_kernels.matmul.ops."""
-    cs = {_fold(s) for s in specs}
-    if len(cs) != 1:
-        raise ValueError(f"fp8_dense_many() needs specs contracting the same dims of x, got {specs}")
-    c = cs.pop()
-    lead = x.shape[: x.ndim - c]
-    k = math.prod(x.shape[x.ndim - c :])
-    w2 = [w.reshape(k, -1) for w in ws]
-    w_cat = w2[0] if len(w2) == 1 else jnp.concatenate(w2, axis=1)
-    y = fp8_matmul(x.astype(dtype).reshape(-1, k), w_cat, scale_3, dtype, kernels)
-    outs, start = [], 0
-    for w, w2d in zip(ws, w2, strict=True):
-        outs.append(y[:, start : start + w2d.shape[1]].reshape(*lead, *w.shape[c:]))
-        start += w2d.shape[1]
-    return outs
+    scale set for the fused weight, as one GEMM), split after (detjax.pallas_kernels.matmul.ops.dense_many)."""
+    from detjax.pallas_kernels.matmul.ops import dense_many
+
+    return dense_many(specs, x, ws, dtype, product=lambda x2d, w: fp8_matmul(x2d, w, scale_3, dtype, kernels))
 
 
 def scale_var(module, name: str, enabled: bool) -> jax.Array | None:

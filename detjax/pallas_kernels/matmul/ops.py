@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -62,11 +63,14 @@ def dense(spec: str, x: jax.Array, w: jax.Array, dtype, out_dtype=None) -> jax.A
     return dense_many([spec], x, [w], dtype, out_dtype)[0]
 
 
-def dense_many(specs: list[str], x: jax.Array, ws: list[jax.Array], dtype, out_dtype=None) -> list[jax.Array]:
+def dense_many(
+    specs: list[str], x: jax.Array, ws: list[jax.Array], dtype, out_dtype=None, product: Callable | None = None
+) -> list[jax.Array]:
     """Several projections of one input as ONE matmul over the weights concatenated along N, split after.
 
     Bit-identical to separate products: an output column's reduction does not depend on the columns
-    beside it (the kernel's batch invariance), so fusing changes speed only."""
+    beside it (the kernel's batch invariance), so fusing changes speed only. `product(x2d, w_cat)` replaces
+    the Pallas matmul (detjax.model.fp8: the fp8 product; no tile padding then)."""
     cs = {_fold(s) for s in specs}
     if len(cs) != 1:
         raise ValueError(f"dense_many() needs specs contracting the same dims of x, got {specs}")
@@ -74,10 +78,11 @@ def dense_many(specs: list[str], x: jax.Array, ws: list[jax.Array], dtype, out_d
     lead = x.shape[: x.ndim - c]
     k = math.prod(x.shape[x.ndim - c :])
     w2 = [w.reshape(k, -1) for w in ws]
-    pad = -sum(w.shape[1] for w in w2) % FUSED_COLUMN_MULTIPLE if len(w2) > 1 else 0
+    pad = -sum(w.shape[1] for w in w2) % FUSED_COLUMN_MULTIPLE if len(w2) > 1 and product is None else 0
     # zero columns inside the concatenation (a copy anyway) spare the kernel a padded copy of the activations
     w_cat = w2[0] if len(w2) == 1 else jnp.concatenate(w2 + [jnp.zeros((k, pad), w2[0].dtype)] * bool(pad), axis=1)
-    y = matmul(x.astype(dtype).reshape(-1, k), w_cat, out_dtype or dtype)
+    x2d = x.astype(dtype).reshape(-1, k)
+    y = matmul(x2d, w_cat, out_dtype or dtype) if product is None else product(x2d, w_cat)
     outs, start = [], 0
     for w, w2d in zip(ws, w2, strict=True):
         outs.append(y[:, start : start + w2d.shape[1]].reshape(*lead, *w.shape[c:]))
