@@ -338,7 +338,7 @@ class Trainer:
                     out["digest"]["collections"] = fp.tree_digest(new_state.collections)
         with jax.named_scope("nonfinite_guard"):  # its own scope: scripts/profile_step.py --scope prices it
             if not self.cfg.run.fingerprints:  # else the params digest's pass counted them
-                params_finite = jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(new_state.params)])
+                params_finite = jnp.stack([fp.nonfinite_count(p) == 0 for p in jax.tree.leaves(new_state.params)])
             out["finite"] = {"grads": jnp.stack([jnp.isfinite(sq) for sq in squares]), "params": params_finite}
         return out
 
