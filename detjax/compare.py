@@ -63,6 +63,12 @@ def _show(v: Any) -> str:
     return repr(v)
 
 
+def record_differences(ra: dict[str, Any], rb: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Every leaf field whose exact value differs between two records of one step: (name, a, b)."""
+    fa, fb = _flatten(ra), _flatten(rb)
+    return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if _exact(fa.get(k)) != _exact(fb.get(k))]
+
+
 def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any] | None:
     """None when identical; else {'step', 'fields': [(name, a, b)], 'note'}."""
     by_a = {r["step"]: r for r in a}
@@ -71,8 +77,7 @@ def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[s
         ra, rb = by_a.get(step), by_b.get(step)
         if ra is None or rb is None:
             return {"step": step, "fields": [], "note": f"step {step} is only in run {'A' if ra else 'B'}"}
-        fa, fb = _flatten(ra), _flatten(rb)
-        diffs = [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if _exact(fa.get(k)) != _exact(fb.get(k))]
+        diffs = record_differences(ra, rb)
         if diffs:
             return {"step": step, "fields": diffs, "note": ""}
     return None

@@ -379,6 +379,9 @@ class DebugConfig:
     # ulp at a position drawn from os.urandom, so two runs differ there and only there.
     inject_nondeterminism: InjectConfig = field(default_factory=InjectConfig)
     allow_injection_in_strict: bool = False
+    # false drops the non-finite guard's on-device checks from the step (the losses are still computed, but
+    # nothing stops the run). Only for pricing the guard: scripts/det_tax.py "strict-kernels+debug.nonfinite_guard=false".
+    nonfinite_guard: bool = True
 
     def validate(self) -> None:
         inj = self.inject_nondeterminism
@@ -512,6 +515,13 @@ class Config:
             )
         for problem in canonical_problems(self) + fp8_problems(self):
             _fail(*problem)
+        if t.on_nonfinite == "skip_step" and not self.debug.nonfinite_guard:
+            _fail(
+                "train.on_nonfinite",
+                "skip_step",
+                "skipping non-finite steps needs the guard's checks, and debug.nonfinite_guard is false",
+                "set debug.nonfinite_guard=true (the default)",
+            )
         if m.mtp.depth and t.seq_len < 3:
             _fail("train.seq_len", t.seq_len, "the MTP head needs seq_len >= 3", "raise seq_len or mtp.depth=0")
         for problem in layout_problems(self):

@@ -336,6 +336,8 @@ class Trainer:
                 }
                 if new_state.collections:  # fp8 scales and amax histories
                     out["digest"]["collections"] = fp.tree_digest(new_state.collections)
+        if not self.cfg.debug.nonfinite_guard:
+            return out
         with jax.named_scope("nonfinite_guard"):  # its own scope: scripts/profile_step.py --scope prices it
             if not self.cfg.run.fingerprints:  # else the params digest's pass counted them
                 params_finite = jnp.stack([fp.nonfinite_count(p) == 0 for p in jax.tree.leaves(new_state.params)])

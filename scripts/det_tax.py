@@ -18,6 +18,9 @@ Modes (each a separate process, since XLA reads its flags once):
               XLA deterministic flag, XLA autotuning off; the step is checked for scatter and XLA GEMMs
   canonical   strict-kernels with determinism.numerics=canonical (mesh-invariant sums: one sequence at a time,
               gradients summed by the pair tree)
+A mode may carry overrides of its own after "+": `strict-kernels+debug.nonfinite_guard=false` is strict-kernels
+without the non-finite guard (its cost is the difference). The trailing key=value arguments apply to every mode;
+run.fingerprints is on unless they say otherwise.
 Rounds alternate the modes (fastest, strict, ..., fastest, strict, ...) so drift hits all alike. Reported:
 median steady-state step time per mode (warm-up steps dropped; each step synchronised), MFU (detjax.flops),
 peak device memory, and the tax (mode / baseline - 1) x 100 %, the baseline being `fastest` when it runs
@@ -67,9 +70,10 @@ def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int
         import plain_step
 
         return plain_step.measure(load_config(config, overrides + ["determinism.mode=off"]), steps, warmup)
-    overrides = MODES[mode] + overrides
+    name, *extra = mode.split("+")
+    overrides = ["run.fingerprints=true"] + MODES[name] + extra + overrides
 
-    cfg = load_config(config, overrides + ["run.fingerprints=true"])
+    cfg = load_config(config, overrides)
     determinism.apply_config_environment(cfg)
     determinism.check_features(cfg)
     import jax
@@ -125,7 +129,7 @@ def main() -> int:
         print("RESULT " + json.dumps(worker(a.config, a.worker, a.overrides, a.steps, a.warmup)))
         return 0
     modes = a.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m.split("+")[0] not in MODES]
     if unknown:
         print(f"error: unknown mode(s) {unknown}; choose from {list(MODES)}", file=sys.stderr)
         return 2
