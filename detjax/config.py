@@ -380,7 +380,8 @@ class DebugConfig:
     inject_nondeterminism: InjectConfig = field(default_factory=InjectConfig)
     allow_injection_in_strict: bool = False
     # false drops the non-finite guard's on-device checks from the step (the losses are still computed, but
-    # nothing stops the run). Only for pricing the guard: scripts/det_tax.py "strict-kernels+debug.nonfinite_guard=false".
+    # nothing stops the run). Only for pricing the guard:
+    # scripts/det_tax.py --modes strict-kernels,strict-kernels+debug.nonfinite_guard=false
     nonfinite_guard: bool = True
 
     def validate(self) -> None:

@@ -53,7 +53,10 @@ def divergence_strip(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[
     first = None
     for step in sorted(set(by_a) | set(by_b)):
         ra, rb = by_a.get(step), by_b.get(step)
-        fields = ["(step in one run only)"] if ra is None or rb is None else [f for f, _, _ in record_differences(ra, rb)]
+        if ra is None or rb is None:
+            fields = ["(step in one run only)"]
+        else:
+            fields = [f for f, _, _ in record_differences(ra, rb)]
         for f in fields:
             rows.setdefault(_group(f), []).append(step)
         if fields and first is None:
