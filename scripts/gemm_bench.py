@@ -96,7 +96,7 @@ def inputs(kind, k, n, dtype):
 def pallas_fn(kind, dtype, tiles=None):
     from detjax.pallas_kernels.matmul.kernel import matmul_kernel
 
-    out_dtype = jnp.float32 if kind == "dw" else jnp.dtype(dtype)
+    out_dtype = jnp.float32 if kind == "dw" or "float8" in dtype else jnp.dtype(dtype)
     st = tuple(sorted(tiles.items())) if tiles else None
     one = lambda a, b: matmul_kernel(a, b, kind=kind, out_dtype=out_dtype, interpret=False, sweep_tiles=st)  # noqa: E731
     return jax.jit(lambda sets: [one(a, b) for a, b in sets])
@@ -182,6 +182,38 @@ def sweep(reps: int, kinds: tuple[str, ...]) -> None:
             print(f"sweep {kind} {M}x{k}x{n} {dtype}: {cells}  best #{best} {cands[best]}", flush=True)
 
 
+FP8_TILES = [
+    {"bm": 128, "bn": 256, "block_r": 64, "num_warps": 8, "num_stages": 4, "split": 0},
+    {"bm": 128, "bn": 256, "block_r": 128, "num_warps": 8, "num_stages": 3, "split": 0},
+    {"bm": 128, "bn": 256, "block_r": 128, "num_warps": 8, "num_stages": 4, "split": 0},
+    {"bm": 128, "bn": 128, "block_r": 128, "num_warps": 8, "num_stages": 4, "split": 0},
+    {"bm": 128, "bn": 128, "block_r": 128, "num_warps": 4, "num_stages": 4, "split": 0},
+    {"bm": 256, "bn": 128, "block_r": 128, "num_warps": 8, "num_stages": 3, "split": 0},
+]
+
+
+def fp8_sweep(reps: int) -> None:
+    """e4m3 x e4m3 products in the K-major layout Hopper's fp8 MMA takes (every product as a @ b^T, the "dx"
+    kind: forward x8 @ (w8 as N x K)^T, dx g8 @ w8^T, dw (x8^T as K x M) @ (g8^T as N x M)^T), each tile
+    candidate, against the pinned bf16 product of the same shape (gpu_dense's projections). An experiment for
+    model.fp8 (issue #15)."""
+    e4 = jnp.float8_e4m3fn
+    for _, k, n, _, _ in SHAPES["gpu_dense"]:
+        for prod, (sa, sb) in {"fwd": ((M, k), (n, k)), "dx": ((M, n), (k, n)), "dw": ((k, M), (n, M))}.items():
+            sets = [
+                tuple(
+                    jax.random.normal(jax.random.key(10 * i + j), sh, jnp.float32).astype(e4)
+                    for j, sh in enumerate((sa, sb))
+                )
+                for i in range(SETS)
+            ]
+            base = timed(pallas_fn(prod, "bfloat16"), inputs(prod, k, n, "bfloat16"), reps)
+            times = [timed(pallas_fn("dx", "float8_e4m3fn", c), sets, reps) for c in FP8_TILES]
+            b = min(range(len(times)), key=times.__getitem__)
+            cells = " ".join(f"{t:.4f}" for t in times)
+            print(f"fp8 {prod} {M}x{k}x{n}: bf16 {base:.4f} | fp8 {cells} | best #{b} bf16/fp8 {base / times[b]:.2f}")
+
+
 def tile_bits() -> None:
     """Same product, every candidate tile set with the same block_r: are the output bits identical?"""
     for kind in KINDS:
@@ -204,12 +236,15 @@ def main() -> int:
     ap.add_argument("--tile-bits", action="store_true")
     ap.add_argument("--kinds", default="fwd,dx,dw", help="products to sweep (comma-separated)")
     ap.add_argument("--no-table", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="time e4m3 products in K-major layouts (model.fp8 experiment)")
     a = ap.parse_args()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, M = {M} rows", flush=True)
     if a.tile_bits:
         tile_bits()
     if a.sweep:
         sweep(a.reps, tuple(a.kinds.split(",")))
+    if a.fp8:
+        fp8_sweep(a.reps)
     if not a.no_table:
         table(a.reps)
     return 0
