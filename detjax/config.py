@@ -261,19 +261,42 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: Literal["builtin", "arrayrecord"] = "builtin"
-    path: str = ""  # glob of ArrayRecord shards written by `python -m detjax.data.prepare`
+    path: str = ""  # the directory `python -m detjax.data.prepare` wrote (meta.json + ArrayRecord shards)
     builtin_sentences: int = 20000
+    # The tokenizer the prepared corpus was written with (sha256, from its meta.json). Empty: filled in at a
+    # run's first start, so it is part of the config hash; a set value must match the data.
+    tokenizer_sha256: str = ""
 
     def validate(self) -> None:
         if self.builtin_sentences < 1:
             _fail("data.builtin_sentences", self.builtin_sentences, "must be >= 1", "use e.g. 20000")
+
         if self.source == "arrayrecord" and not self.path:
             _fail(
                 "data.path",
                 self.path,
                 "data.source is 'arrayrecord' but no path was given",
-                "set data.path to the shard glob written by `python -m detjax.data.prepare`",
+                "set data.path to the directory written by `python -m detjax.data.prepare`",
             )
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: every `every` steps (0: never) the LM loss over `steps` fixed batches of the eval
+    split (train.global_batch rows each, the same batches every time), after that step's update. Reported as
+    eval_loss / eval_ppl in metrics.jsonl and as `eval` (loss and a digest of the batch sums) in the fingerprints."""
+
+    every: int = 0
+    steps: int = 2
+    builtin_sentences: int = 2000  # data.source=builtin: the held-out text (another seed of its generator)
+
+    def validate(self) -> None:
+        if self.builtin_sentences < 1:
+            _fail("eval.builtin_sentences", self.builtin_sentences, "must be >= 1", "use e.g. 2000")
+        if self.every < 0:
+            _fail("eval.every", self.every, "must be >= 0", "use 0 (off) or a step interval, e.g. 100")
+        if self.steps < 1:
+            _fail("eval.steps", self.steps, "must be >= 1", "use e.g. 4")
 
 
 @dataclass(frozen=True)
@@ -308,8 +331,17 @@ class RunConfig:
     stop_after: int = 0  # >0: stop (with a checkpoint) once the state has this many steps; 0: run to train.steps
     # "A-B": a jax.profiler trace of steps A..B-1 in <run>/profile/ (open with xprof / TensorBoard); "" = off
     profile_steps: str = ""
+    # Metric sinks beside metrics.jsonl: TensorBoard event files in <run>/tensorboard (tensorboardX), and
+    # Weights & Biases when this names a project (needs `pip install wandb`).
+    tensorboard: bool = True
+    wandb_project: str = ""
 
     def validate(self) -> None:
+        if self.wandb_project:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                _fail("run.wandb_project", self.wandb_project, "W&B is not installed", "pip install wandb, or unset it")
         if self.stop_after < 0:
             _fail("run.stop_after", self.stop_after, "must be >= 0", "use 0 to run to train.steps")
         self.profile_range()
@@ -472,7 +504,7 @@ class DistConfig:
 
 
 # Sections that may change between a save and a resume: they never touch the trajectory.
-RESUME_MUTABLE_SECTIONS = ("run", "ckpt", "trace", "dist")
+RESUME_MUTABLE_SECTIONS = ("run", "ckpt", "trace", "dist", "eval")
 
 
 @dataclass(frozen=True)
@@ -480,6 +512,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
     run: RunConfig = field(default_factory=RunConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -496,6 +529,7 @@ class Config:
         self.model.validate()
         self.train.validate()
         self.data.validate()
+        self.eval.validate()
         self.run.validate()
         self.ckpt.validate()
         m, t = self.model, self.train
@@ -516,6 +550,13 @@ class Config:
             )
         for problem in canonical_problems(self) + fp8_problems(self):
             _fail(*problem)
+        if self.eval.every and (self.mesh.pipeline > 1 or d.canonical):
+            _fail(
+                "eval.every",
+                self.eval.every,
+                "held-out evaluation does not run under pipeline parallelism or canonical numerics yet",
+                "set eval.every=0 for this run, or evaluate a checkpoint of it on another mesh",
+            )
         if t.on_nonfinite == "skip_step" and not self.debug.nonfinite_guard:
             _fail(
                 "train.on_nonfinite",

@@ -140,7 +140,18 @@ def record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         rec["digest"]["collections"] = digest_hex(metrics["digest"]["collections"])
     if "skipped" in metrics:  # train.on_nonfinite=skip_step only: the default record is unchanged
         rec["skipped"] = bool(metrics["skipped"])
+    if "eval" in metrics:  # steps that ran the held-out evaluation (eval.every) only
+        loss, digest = eval_summary(metrics["eval"])
+        rec["eval"] = {"loss": exact(loss), "digest": digest}
     return rec
+
+
+def eval_summary(ev: dict[str, Any]) -> tuple[float, str]:
+    """ev = {"sums": each held-out batch's float32 cross-entropy sum, "tokens": the tokens they cover} ->
+    (the held-out loss: the sums added in order in float64, over the tokens; a digest of the sums' bits)."""
+    arr = np.asarray(ev["sums"], dtype=np.float32).reshape(-1)
+    digest = hashlib.blake2s(arr.tobytes(), digest_size=8).hexdigest()
+    return float(np.sum(arr.astype(np.float64)) / int(ev["tokens"])), digest
 
 
 def dumps(rec: dict[str, Any]) -> str:

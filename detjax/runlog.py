@@ -7,6 +7,7 @@ after dispatching step N+1 (`push`), so the device never waits for the host.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,7 @@ class RunLog:
         self._local = [d for d in self.devices if d.process_index == jax.process_index()]
         self.records = list(history)
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-        self._pending: tuple[int, Any] | None = None
+        self._pending: tuple[int, Any, float | None] | None = None
         self._fp = None
         if cfg.run.fingerprints and primary:
             # Rewritten from the checkpoint's history: steps after the checkpoint are redone, bit for bit.
@@ -85,15 +86,17 @@ class RunLog:
             for r in self.records:
                 self._fp.write(fp.dumps(r) + "\n")
         self._metrics = _metrics_file(run_dir / "metrics.jsonl", start) if primary else None
+        self._sinks = open_sinks(cfg, run_dir, start) if primary else []
         show = cfg.run.progress and primary
         self._bar = tqdm(total=end, initial=start, disable=not show, desc=cfg.run.name, dynamic_ncols=True)
         self._primary = primary
         self._t_last = time.perf_counter()
 
-    def push(self, step: int, metrics: Any) -> None:
-        """Record the previous step (its metrics are ready by now) and hold on to this one."""
+    def push(self, step: int, metrics: Any, data_wait: float | None = None) -> None:
+        """Record the previous step (its metrics are ready by now) and hold on to this one. `data_wait`: the
+        seconds the loop spent getting this step's batch onto the devices."""
         self.flush()
-        self._pending = (step, metrics)
+        self._pending = (step, metrics, data_wait)
 
     def flush(self) -> None:
         """Record the held step now (before a checkpoint: the saved history must reach it)."""
@@ -101,7 +104,7 @@ class RunLog:
             self._emit(*self._pending)
             self._pending = None
 
-    def _emit(self, step: int, metrics: Any) -> None:
+    def _emit(self, step: int, metrics: Any, data_wait: float | None = None) -> None:
         # Host sync: reading step `step`'s metrics waits for that step only; the next step is already queued.
         host = jax.device_get(metrics)
         now = time.perf_counter()
@@ -117,11 +120,18 @@ class RunLog:
             "mfu": mfu(self.cfg, dt, len(self.devices)),
             "peak_mem_bytes": peak_memory_bytes(self._local),
         }
+        if data_wait is not None:
+            line["data_wait_s"] = data_wait
         if "skipped" in host:  # train.on_nonfinite=skip_step
             line["skipped"] = bool(host["skipped"])
+        if "eval" in host:  # a step that ran the held-out evaluation
+            line["eval_loss"] = fp.eval_summary(host["eval"])[0]
+            line["eval_ppl"] = math.exp(min(line["eval_loss"], 700.0))
         if self._metrics is not None:
             self._metrics.write(json.dumps(line) + "\n")
             self._metrics.flush()
+        for sink in self._sinks:
+            sink.write(step, line)
         if "skipped" in host:  # the step kept the old state: say so and go on
             if line["skipped"] and self._primary:
                 why = _skip_reason(host)
@@ -149,9 +159,60 @@ class RunLog:
     def close(self) -> None:
         self.flush()
         self._bar.close()
+        for sink in self._sinks:
+            sink.close()
         for f in (self._metrics, self._fp):
             if f is not None:
                 f.close()
+
+
+SINK_FIELDS = (
+    "lm_loss", "mtp_loss", "aux_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "mfu", "peak_mem_bytes",
+    "data_wait_s", "eval_loss", "eval_ppl",
+)  # fmt: skip
+
+
+class TensorBoardSink:
+    """Scalars of every step as TensorBoard event files in <run>/tensorboard (tensorboardX). On a resume the
+    events of steps >= the restored step are purged (the steps are redone)."""
+
+    def __init__(self, run_dir: Path, start: int) -> None:
+        from tensorboardX import SummaryWriter
+
+        self._w = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start if start > 0 else None)
+
+    def write(self, step: int, line: dict[str, Any]) -> None:
+        for k in SINK_FIELDS:
+            if line.get(k) is not None:
+                self._w.add_scalar(f"train/{k}" if not k.startswith("eval") else f"eval/{k[5:]}", line[k], step)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class WandbSink:
+    """The same scalars to Weights & Biases (run.wandb_project), the run named after the run directory."""
+
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        import wandb
+
+        self._run = wandb.init(project=cfg.run.wandb_project, name=run_dir.name, config=cfg.to_dict(), resume="allow")
+
+    def write(self, step: int, line: dict[str, Any]) -> None:
+        self._run.log({k: line[k] for k in SINK_FIELDS if line.get(k) is not None}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def open_sinks(cfg: Config, run_dir: Path, start: int) -> list[Any]:
+    sinks: list[Any] = []
+    if cfg.run.tensorboard:
+        sinks.append(TensorBoardSink(run_dir, start))
+    if cfg.run.wandb_project:
+        sinks.append(WandbSink(cfg, run_dir))
+    return sinks
 
 
 def _skip_reason(host: dict[str, Any]) -> str:

@@ -72,14 +72,36 @@ def load_params(run: Path, cfg, step: int | None):
     return state.params
 
 
-def generate(cfg, params, prompt_ids, max_new: int, top_k: int, temperature: float, seed: int) -> list[int]:
+def run_tokenizer(cfg):
+    """The tokenizer the run's data was written with: the byte tokenizer for the builtin corpus, else the one
+    in the prepared corpus's directory (checked against its meta.json and the run's data.tokenizer_sha256)."""
+    from detjax.data import tokenizer as tk
+
+    if cfg.data.source != "arrayrecord":
+        return tk.ByteTokenizer()
+    from detjax.data.pipeline import DataError, read_meta
+
+    try:
+        meta = read_meta(cfg.data.path)
+        tok = tk.from_meta(meta, Path(meta["dir"]))
+    except (DataError, tk.TokenizerError) as e:
+        raise SampleError(f"cannot load the run's tokenizer: {e}") from None
+    if cfg.data.tokenizer_sha256 and tok.sha256 != cfg.data.tokenizer_sha256:
+        raise SampleError(f"{meta['dir']} now holds another tokenizer than the run was trained with")
+    return tok
+
+
+def generate(cfg, params, prompt_ids, max_new: int, top_k: int, temperature: float, seed: int, tok=None) -> list[int]:
     """Token ids after the prompt (stops at EOS, after max_new tokens, or when the buffer is full)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from detjax.data.tokenizer import EOS, N_IDS, PAD
+    from detjax.data.tokenizer import ByteTokenizer
     from detjax.model.lm import HybridLM
+
+    tok = tok or ByteTokenizer()
+    eos, pad = tok.eos_id, tok.eos_id if tok.pad_id is None else tok.pad_id
 
     length = cfg.train.seq_len
     n = len(prompt_ids)
@@ -87,7 +109,7 @@ def generate(cfg, params, prompt_ids, max_new: int, top_k: int, temperature: flo
         raise SampleError(f"the prompt has {n} tokens; it must have 1..{length - 1} (train.seq_len = {length})")
     # fp8 (model.fp8) is a training recipe: sampling runs the same weights' projections in the compute dtype
     model = HybridLM(dataclasses.replace(cfg.model, fp8=dataclasses.replace(cfg.model.fp8, enabled=False)))
-    valid = jnp.arange(cfg.model.vocab_size) < N_IDS  # ids the byte tokenizer can produce
+    valid = jnp.arange(cfg.model.vocab_size) < tok.vocab_size  # ids the tokenizer can produce
 
     @jax.jit
     def next_token(params, buf_1L, pos, key):
@@ -98,16 +120,16 @@ def generate(cfg, params, prompt_ids, max_new: int, top_k: int, temperature: flo
         vals, idx = jax.lax.top_k(logits, top_k)
         return idx[jax.random.categorical(jax.random.fold_in(key, pos), vals / temperature)]
 
-    buf = np.full((1, length), PAD, np.int32)
+    buf = np.full((1, length), pad, np.int32)
     buf[0, :n] = prompt_ids
     key = jax.random.key(seed)
     out: list[int] = []
     for pos in range(n, min(length, n + max_new)):
-        tok = int(next_token(params, jnp.asarray(buf), pos, key))
-        out.append(tok)
-        if tok == EOS:
+        nxt = int(next_token(params, jnp.asarray(buf), pos, key))
+        out.append(nxt)
+        if nxt == eos:
             break
-        buf[0, pos] = tok
+        buf[0, pos] = nxt
     return out
 
 
@@ -128,17 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = run_config(run)
     if cfg is None:
         return 2
-    from detjax.data.tokenizer import decode, encode
-
     try:
+        tok = run_tokenizer(cfg)
         params = load_params(run, cfg, args.step)
-        ids = generate(
-            cfg, params, encode(args.prompt, eos=False), args.max_new, args.top_k, args.temperature, args.seed
-        )
+        prompt = tok.encode(args.prompt, eos=False)
+        ids = generate(cfg, params, prompt, args.max_new, args.top_k, args.temperature, args.seed, tok)
     except SampleError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(args.prompt + decode(ids))
+    print(args.prompt + tok.decode(ids))
     return 0
 
 

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from detjax import fingerprint as fp
 from detjax.config import Config, ConfigError
-from detjax.loss import Objective
+from detjax.loss import Objective, token_ce_sum
 from detjax.model import fp8
 from detjax.model.lm import HybridLM, block_class, layer_key
 from detjax.optim import lr_schedule, make_optimizer
@@ -379,6 +379,20 @@ class Trainer:
             new_state = new_state.replace(collections={**new_state.collections, "fp8": coll})
         return self.conclude(state, new_state, grads, losses, batch_GL1, step_key)
 
+    # ------------------------------------------------------------------------------------------ eval
+    def eval_sums(self, state: TrainState, batch_GL1: jax.Array) -> jax.Array:
+        """The LM cross-entropy sum (float32) of one held-out batch under the state's parameters: no dropout,
+        the microbatches in order (lax.scan), the same kernels and sums as training's forward."""
+        scales = self.fp8_scales(state)
+        variables = {"params": state.params} | ({"fp8": scales} if scales is not None else {})
+
+        def body(acc, tokens_BL1):
+            logits_BLV = self.model.apply(variables, tokens_BL1[:, :-1], train=False)[0]
+            return acc + token_ce_sum(logits_BLV, tokens_BL1[:, 1:]), None
+
+        total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), self.micro_tokens(batch_GL1))
+        return total
+
 
 def cache_key(trainer: Trainer, kind: str, *shardings: Any) -> Any:
     """What a compiled variant of the step depends on: the trajectory config and the shardings."""
@@ -407,6 +421,14 @@ def compile_train_step(trainer: Trainer, state_sharding: Any, batch_sharding: An
             out_shardings=(state_sharding, None),
             donate_argnums=(0,),
         ),
+    )
+
+
+def compile_eval_step(trainer: Trainer, state_sharding: Any, batch_sharding: Any):
+    """The held-out loss sum of one batch (eval.every); the state is read, not donated."""
+    return compile_cached(
+        cache_key(trainer, "eval", state_sharding, batch_sharding),
+        lambda: jax.jit(trainer.eval_sums, in_shardings=(state_sharding, batch_sharding)),
     )
 
 

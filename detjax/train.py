@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,10 +168,11 @@ def train(
 
     from detjax import rundir
     from detjax.ckpt import Checkpointer, CheckpointError, StopSignals
-    from detjax.data.pipeline import BatchIterator, make_dataset
+    from detjax.data.pipeline import BatchIterator, eval_batches, make_dataset, resolve_data
+    from detjax.data.tokenizer import ByteTokenizer
     from detjax.runlog import NonFiniteError, RunLog
     from detjax.sharding.mesh import build_layout
-    from detjax.step import Trainer, compile_init, compile_train_step
+    from detjax.step import Trainer, compile_eval_step, compile_init, compile_train_step
     from detjax.trace.driver import step_runner
 
     primary = is_primary()
@@ -183,6 +185,7 @@ def train(
             "config key 'ckpt.enabled' = False: resume asks for a checkpoint but checkpoints are off. "
             "Fix: set ckpt.enabled=true"
         )
+    cfg = resolve_data(cfg)  # the prepared corpus's tokenizer hash joins the config (and its hash)
     run_dir = rundir.choose(cfg, run_dir, resume, jax.process_count(), must_exist=require_checkpoint)
     with rundir.locked(run_dir, primary):  # one process at a time per run directory
         ckptr = Checkpointer(Path(cfg.ckpt.dir or run_dir / "checkpoints"), cfg) if cfg.ckpt.enabled else None
@@ -201,13 +204,19 @@ def train(
         if ckptr is not None:
             ckptr.cfg = cfg
         policy = determinism.policy_record(cfg)
+        policy["tokenizer"] = {
+            "kind": "bytes (builtin corpus)" if cfg.data.source == "builtin" else "from data.path meta.json",
+            "sha256": cfg.data.tokenizer_sha256 or ByteTokenizer.sha256,
+        }
 
         layout = build_layout(cfg)  # impossible meshes fail here, before anything compiles
         policy["mesh_resolved"] = {**layout.degrees, "devices": int(layout.mesh.devices.size)}
         trainer = Trainer(cfg, layout=layout)
         state_sh, batch_sh = trainer.state_shardings(), trainer.batch_sharding()
         shape = (cfg.train.global_batch, cfg.train.seq_len + 1)
-        batches = BatchIterator(make_dataset(cfg, rows=process_rows(batch_sh, shape)))
+        rows = process_rows(batch_sh, shape)
+        batches = BatchIterator(make_dataset(cfg, rows=rows))
+        held_out = eval_batches(cfg, rows) if cfg.eval.every else []
         if restore_step is not None:
             state, history = _restore(ckptr, trainer, state_sh, batches, policy, restore_step)
         else:
@@ -224,6 +233,7 @@ def train(
         if primary:
             rundir.write_description(run_dir, cfg, policy)
         run_step = step_runner(cfg, trainer, step_fn, run_dir, state_sh, batch_sh)
+        eval_fn = compile_eval_step(trainer, state_sh, batch_sh) if held_out else None
 
         def put(batch: Any) -> Any:
             if jax.process_count() == 1:
@@ -233,6 +243,8 @@ def train(
         start = int(jax.device_get(state.step))
         end = min(cfg.train.steps, cfg.run.stop_after) if cfg.run.stop_after else cfg.train.steps
         param_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
+        held_out = [put(b) for b in held_out]
+        eval_tokens = len(held_out) * cfg.train.global_batch * cfg.train.seq_len
         log = RunLog(cfg, run_dir, history, start, end, primary, list(layout.mesh.devices.flat), param_paths)
         stopped_by = "steps" if end == cfg.train.steps else "stop_after"
         saved_at = start
@@ -244,12 +256,18 @@ def train(
                     if prof is not None and step == prof[0]:
                         jax.profiler.start_trace(str(run_dir / "profile"))
                         tracing = True
-                    state, metrics = run_step(step, state, put(np.asarray(next(batches))))
+                    t_data = time.perf_counter()
+                    batch = put(np.asarray(next(batches)))
+                    data_wait = time.perf_counter() - t_data
+                    state, metrics = run_step(step, state, batch)
+                    if eval_fn is not None and (step + 1) % cfg.eval.every == 0:  # queued after the step
+                        sums = jax.numpy.stack([eval_fn(state, b) for b in held_out])
+                        metrics = {**metrics, "eval": {"sums": sums, "tokens": eval_tokens}}
                     if tracing and step == prof[1] - 1:
                         jax.block_until_ready(state)
                         jax.profiler.stop_trace()
                         tracing = False
-                    log.push(step, metrics)  # records step - 1, whose metrics are ready: step is already queued
+                    log.push(step, metrics, data_wait)  # records step - 1, whose metrics are ready: step is queued
                     done = step + 1
                     stop = sig.stop_at(done)
                     if ckptr is not None and ckptr.due(done, stop):

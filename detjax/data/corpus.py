@@ -55,6 +55,9 @@ def sentences(n: int, seed: int = 1234) -> Iterator[str]:
             yield f"a {noun} is {r.pick(_ADJ)}, and the {noun} {r.pick(_VERB)} a {r.pick(_NOUN)}."
 
 
-def builtin_tokens(n_sentences: int) -> np.ndarray:
+BUILTIN_EVAL_SEED = 98765  # the held-out stream's seed (the training text's is sentences()' default)
+
+
+def builtin_tokens(n_sentences: int, seed: int = 1234) -> np.ndarray:
     """The built-in corpus as one uint16 token stream (each sentence ends with EOS)."""
-    return np.concatenate([encode(s) for s in sentences(n_sentences)])
+    return np.concatenate([encode(s) for s in sentences(n_sentences, seed)])

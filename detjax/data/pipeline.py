@@ -3,20 +3,27 @@
 Windows of seq_len+1 tokens are cut from one token stream; Grain shuffles window indices with the
 seed (a new permutation each epoch) and batches them. Indexing the dataset at s (`make_dataset(cfg)[s]`)
 and the iterator (whose state is checkpointed) give the same batches.
+
+The stream is the builtin corpus (generated in memory) or a corpus `python -m detjax.data.prepare` wrote
+(data.path = its directory): there each window is read from the ArrayRecord blocks it spans (StreamSource),
+so nothing is loaded whole and each process reads only its own rows' windows. The held-out split (`eval`)
+is read in order, without shuffling: the same eval.steps batches at every evaluation.
 """
 
 from __future__ import annotations
 
-import glob
-import os
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grain
 import numpy as np
 
 from detjax.config import Config
-from detjax.data.corpus import builtin_tokens
+from detjax.data.corpus import BUILTIN_EVAL_SEED, builtin_tokens
+from detjax.data.prepare import FORMAT
 
 
 class DataError(ValueError):
@@ -38,37 +45,130 @@ class WindowSource:
         return self.tokens[start : start + self.seq_len + 1].astype(np.int32)
 
 
-def read_arrayrecord_tokens(pattern: str) -> np.ndarray:
-    """Concatenate the uint16 token records of every shard matching `pattern`, shards in sorted order."""
-    paths = sorted(glob.glob(pattern))
-    if not paths:
+@dataclass(frozen=True)
+class StreamSource:
+    """(seq_len + 1)-token windows of a prepared split, read through its block index: window i starts at
+    token i * seq_len, so it lies in blocks start // block ... (start + seq_len) // block, and only those records
+    are read (the corpus is never loaded whole). The same windows as WindowSource over the concatenated stream."""
+
+    paths: tuple[str, ...]
+    n_tokens: int
+    block: int
+    dtype: str
+    seq_len: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_src", grain.sources.ArrayRecordDataSource(list(self.paths)))
+
+    def __len__(self) -> int:
+        return max(self.n_tokens - 1, 0) // self.seq_len
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = int(i) * self.seq_len
+        b0, b1 = start // self.block, (start + self.seq_len) // self.block
+        parts = [np.frombuffer(self._src[b], dtype=self.dtype) for b in range(b0, b1 + 1)]
+        run = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        off = start - b0 * self.block
+        return run[off : off + self.seq_len + 1].astype(np.int32)
+
+
+def corpus_dir(path: str) -> Path:
+    """The directory `prepare` wrote, from data.path (the directory or its meta.json)."""
+    p = Path(path)
+    if p.name == "meta.json":
+        p = p.parent
+    if not p.is_dir():
+        hint = " (a glob of shards is the old format: give the directory)" if any(c in path for c in "*?[") else ""
         raise DataError(
-            f"data.path={pattern!r} matches no files. Fix: run `python -m detjax.data.prepare` and point "
-            "data.path at its *.arrayrecord shards"
+            f"data.path={path!r} is not a directory{hint}. Fix: point data.path at the directory written by "
+            "`python -m detjax.data.prepare`"
         )
-    for p in paths:
-        if not os.path.isfile(p) or os.path.getsize(p) == 0:
-            raise DataError(f"data file {p} is empty or not a file. Fix: point data.path at the shards `prepare` wrote")
+    if not (p / "meta.json").is_file():
+        raise DataError(
+            f"data.path={path!r} holds no meta.json, so it was not written by this version's prepare. Fix: run "
+            "`python -m detjax.data.prepare --input GLOB --output DIR` and set data.path=DIR"
+        )
+    return p
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    """The prepared corpus's meta.json, checked: format, dtype, every shard present and non-empty."""
+    d = corpus_dir(path)
     try:
-        src = grain.sources.ArrayRecordDataSource(paths)
-        records = [np.frombuffer(src[i], dtype=np.uint16) for i in range(len(src))]
+        meta = json.loads((d / "meta.json").read_text())
+        fmt, dtype, splits = meta["format"], np.dtype(meta["dtype"]), meta["splits"]
+        int(meta["block_tokens"]), meta["tokenizer"]["sha256"], int(meta["tokenizer"]["vocab_size"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise DataError(f"{d / 'meta.json'} is malformed ({type(e).__name__}: {e}). Fix: re-run prepare") from None
+    if fmt != FORMAT:
+        raise DataError(f"{d / 'meta.json'}: format {fmt}, this version reads {FORMAT}. Fix: re-run prepare")
+    if dtype.kind != "u":
+        raise DataError(f"{d / 'meta.json'}: token dtype {dtype} is not unsigned. Fix: re-run prepare")
+    for split in splits.values():
+        for sh in split["shards"]:
+            f = d / sh["file"]
+            if not f.is_file() or f.stat().st_size == 0:
+                raise DataError(f"data file {f} is missing or empty. Fix: re-run prepare into an empty directory")
+    meta["dir"] = str(d)
+    return meta
+
+
+def split_source(meta: dict[str, Any], split: str, seq_len: int) -> StreamSource:
+    sp = meta["splits"][split]
+    paths = tuple(str(Path(meta["dir"]) / sh["file"]) for sh in sp["shards"])
+    if not paths:
+        raise DataError(f"{meta['dir']}: the {split} split is empty. Fix: re-run prepare (--eval-fraction for eval)")
+    try:
+        src = StreamSource(paths, int(sp["tokens"]), int(meta["block_tokens"]), meta["dtype"], seq_len)
+        n = len(src._src)  # type: ignore[attr-defined]
     except (RuntimeError, ValueError, OSError) as e:
         first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise DataError(
-            f"data.path={pattern!r}: cannot read the shards as ArrayRecord ({first}). Fix: point data.path at the "
-            "*.arrayrecord shards written by `python -m detjax.data.prepare`"
+            f"data.path={meta['dir']!r}: cannot read the {split} shards as ArrayRecord ({first}). Fix: re-run "
+            "`python -m detjax.data.prepare` into an empty directory"
         ) from None
-    if not records:
+    want = sum(int(sh["records"]) for sh in sp["shards"])
+    if n != want:
         raise DataError(
-            f"data.path={pattern!r}: the shards hold no records. Fix: re-run `python -m detjax.data.prepare`"
+            f"data.path={meta['dir']!r}: the {split} shards hold {n} records, meta.json says {want}. "
+            "Fix: re-run prepare"
         )
-    return np.concatenate(records)
+    return src
 
 
-def load_tokens(cfg: Config) -> np.ndarray:
-    if cfg.data.source == "builtin":
+def resolve_data(cfg: Config) -> Config:
+    """The config with data.tokenizer_sha256 filled in from the prepared corpus (so it enters the config hash
+    and a resume onto data written with another tokenizer is refused); checks the vocabulary fits the model.
+    The builtin corpus (byte tokenizer) leaves it empty."""
+    if cfg.data.source != "arrayrecord":
+        return cfg
+    meta = read_meta(cfg.data.path)
+    tok = meta["tokenizer"]
+    if tok["vocab_size"] > cfg.model.vocab_size:
+        raise DataError(
+            f"data.path={cfg.data.path!r}: the tokenizer has {tok['vocab_size']} ids, more than model.vocab_size="
+            f"{cfg.model.vocab_size}. Fix: set model.vocab_size >= {tok['vocab_size']}"
+        )
+    want = cfg.data.tokenizer_sha256
+    if want and want != tok["sha256"]:
+        raise DataError(
+            f"data.tokenizer_sha256={want!r}, but {meta['dir']} was written with tokenizer {tok['sha256']!r}: "
+            "the token ids would mean other text. Fix: point data.path at data of that tokenizer, or leave "
+            "data.tokenizer_sha256 empty in a new run"
+        )
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer_sha256=tok["sha256"]))
+
+
+def _builtin(cfg: Config, split: str) -> np.ndarray:
+    if split == "train":
         return builtin_tokens(cfg.data.builtin_sentences)
-    return read_arrayrecord_tokens(cfg.data.path)
+    return builtin_tokens(cfg.eval.builtin_sentences, seed=BUILTIN_EVAL_SEED)
+
+
+def window_source(cfg: Config, split: str = "train") -> WindowSource | StreamSource:
+    if cfg.data.source == "builtin":
+        return WindowSource(_builtin(cfg, split), cfg.train.seq_len)
+    return split_source(read_meta(cfg.data.path), split, cfg.train.seq_len)
 
 
 def make_dataset(
@@ -80,8 +180,7 @@ def make_dataset(
     batch): only those windows are read, and the rows are the same whatever the process count.
     """
     t = cfg.train
-    tokens = load_tokens(cfg) if tokens is None else tokens
-    src = WindowSource(tokens, t.seq_len)
+    src = window_source(cfg) if tokens is None else WindowSource(tokens, t.seq_len)
     if len(src) < t.global_batch:
         raise DataError(
             f"the corpus has {len(src)} windows of {t.seq_len + 1} tokens, fewer than train.global_batch="
@@ -97,6 +196,22 @@ def make_dataset(
     g = t.global_batch
     local = grain.MapDataset.range(len(windows) // g * n).map(lambda k: windows[(k // n) * g + lo + k % n])
     return local.batch(n, drop_remainder=True)
+
+
+def eval_batches(cfg: Config, rows: tuple[int, int] | None = None) -> list[np.ndarray]:
+    """The eval.steps held-out batches (rows lo..hi-1 of each): windows k * global_batch ... of the eval split,
+    in order. The builtin corpus's held-out text is a separately seeded stream of the same generator (its
+    training text has no documents to split by hash); a prepared corpus has its eval split by document hash."""
+    g, steps = cfg.train.global_batch, cfg.eval.steps
+    src = window_source(cfg, "eval")
+    if len(src) < steps * g:
+        raise DataError(
+            f"the eval split has {len(src)} windows of {cfg.train.seq_len + 1} tokens, fewer than eval.steps x "
+            f"train.global_batch = {steps * g}. Fix: lower eval.steps, or hold out more text (prepare "
+            "--eval-fraction, eval.builtin_sentences)"
+        )
+    lo, hi = rows or (0, g)
+    return [np.stack([src[k * g + r] for r in range(lo, hi)]) for k in range(steps)]
 
 
 class BatchIterator:

@@ -1,55 +1,240 @@
-"""`python -m detjax.data.prepare --input 'GLOB' --output DIR`: text files -> ArrayRecord token shards.
+"""`python -m detjax.data.prepare --input 'GLOB' --output DIR [--train-bpe N | --tokenizer FILE]`: text -> token shards.
 
-Each record holds one document's byte-tokenizer ids (uint16, EOS-terminated). Files are read in sorted
-path order, so shards are a pure function of the inputs. Use with `data.source=arrayrecord
-data.path='DIR/*.arrayrecord'`.
+Streams the documents (each file one document, or each non-empty line with --split-lines; files in sorted path
+order), tokenizes them in parallel worker processes (results taken in input order, so the output is a pure
+function of the inputs and the tokenizer, whatever the worker count), and writes two token streams, `train` and
+`eval`: a document goes to `eval` when the hash of its text falls under --eval-fraction (a deterministic split
+by document hash). Each stream is cut into records of --block-tokens tokens (the last one shorter) in the
+narrowest unsigned dtype that holds the vocabulary, in ArrayRecord shards of --blocks-per-shard records.
+Memory stays bounded: one batch of documents per worker in flight and one block per stream (a document is held
+whole while it is tokenized, so the largest document sets the bound).
+
+DIR/meta.json records the format, the tokenizer (kind, sha256, vocabulary size, EOS id), the dtype, the block
+size and every shard's record and token counts; DIR/tokenizer.json holds a BPE tokenizer. Train with
+`data.source=arrayrecord data.path=DIR`; the batch at step s stays a pure function of (seed, s).
+
+The tokenizer: the byte tokenizer (the default), `--train-bpe N` (a byte-level BPE of N ids trained on the
+train documents, streamed, before tokenizing) or `--tokenizer FILE` (an existing HF tokenizer.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
+import json
+import multiprocessing
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from detjax.data.tokenizer import encode
+import numpy as np
+
+from detjax.data import tokenizer as tk
+
+FORMAT = 2
+SPLITS = ("train", "eval")
 
 
-def prepare(pattern: str, out_dir: str, docs_per_shard: int = 1000, split_lines: bool = False) -> list[Path]:
-    from array_record.python.array_record_module import ArrayRecordWriter
+class PrepareError(ValueError):
+    pass
 
-    paths = sorted(glob.glob(pattern, recursive=True))
+
+def documents(paths: list[str], split_lines: bool) -> Iterator[str]:
+    """Every document of the inputs, streamed (a file is read line by line with --split-lines)."""
+    for p in paths:
+        if split_lines:
+            with open(p, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    line = line.rstrip("\n")
+                    if line.strip():
+                        yield line
+        else:
+            yield Path(p).read_text(encoding="utf-8", errors="replace")
+
+
+def is_eval(text: str, fraction: float) -> bool:
+    """The held-out split: the first 8 bytes of the text's BLAKE2b hash, as a fraction of 2^64, < fraction."""
+    if fraction <= 0:
+        return False
+    h = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+    return h < fraction * 2.0**64
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tok_json: str | None, fraction: float) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER["tok"] = tk.ByteTokenizer() if tok_json is None else tk.BPETokenizer(tok_json)
+    _WORKER["fraction"] = fraction
+
+
+def _encode_batch(texts: list[str]) -> list[tuple[bool, np.ndarray]]:
+    tok, fraction = _WORKER["tok"], _WORKER["fraction"]
+    return [(is_eval(t, fraction), tok.encode(t)) for t in texts]
+
+
+def _batches(docs: Iterator[str], max_chars: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for d in docs:
+        batch.append(d)
+        size += len(d)
+        if size >= max_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+class _Stream:
+    """One split's token stream, written in blocks of `block` tokens into shards of `per_shard` records."""
+
+    def __init__(self, out: Path, split: str, dtype: np.dtype, block: int, per_shard: int) -> None:
+        self.out, self.split, self.dtype, self.block, self.per_shard = out, split, dtype, block, per_shard
+        self.buf = np.empty(block, dtype)
+        self.fill = 0
+        self.shards: list[dict[str, Any]] = []
+        self.writer = None
+        self.documents = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        self.documents += 1
+        pos = 0
+        while pos < len(ids):
+            take = min(len(ids) - pos, self.block - self.fill)
+            self.buf[self.fill : self.fill + take] = ids[pos : pos + take]
+            self.fill += take
+            pos += take
+            if self.fill == self.block:
+                self._write()
+
+    def _write(self) -> None:
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        if self.writer is None or self.shards[-1]["records"] == self.per_shard:
+            if self.writer is not None:
+                self.writer.close()
+            name = f"{self.split}-{len(self.shards):05d}.arrayrecord"
+            self.writer = ArrayRecordWriter(str(self.out / name), "group_size:1,uncompressed")
+            self.shards.append({"file": name, "records": 0, "tokens": 0})
+        self.writer.write(self.buf[: self.fill].tobytes())
+        self.shards[-1]["records"] += 1
+        self.shards[-1]["tokens"] += self.fill
+        self.fill = 0
+
+    def close(self) -> dict[str, Any]:
+        if self.fill:
+            self._write()
+        if self.writer is not None:
+            self.writer.close()
+        return {"shards": self.shards, "tokens": sum(s["tokens"] for s in self.shards), "documents": self.documents}
+
+
+def prepare(
+    pattern: str,
+    out_dir: str,
+    *,
+    split_lines: bool = False,
+    tokenizer: str = "bytes",
+    train_bpe: int = 0,
+    eval_fraction: float = 0.01,
+    block_tokens: int = 1 << 16,
+    blocks_per_shard: int = 1024,
+    workers: int = 0,
+) -> dict[str, Any]:
+    """Write the shards and meta.json (see the module docstring); -> the meta record."""
+    paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
     if not paths:
-        raise SystemExit(f"error: --input {pattern!r} matches no files. Fix: quote the glob and check the path")
+        raise PrepareError(f"--input {pattern!r} matches no files. Fix: quote the glob and check the path")
+    if not 0 <= eval_fraction < 1:
+        raise PrepareError(f"--eval-fraction {eval_fraction} is not in [0, 1). Fix: e.g. 0.01")
+    if block_tokens < 1 or blocks_per_shard < 1:
+        raise PrepareError("--block-tokens and --blocks-per-shard must be >= 1")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("*.arrayrecord")):
-        raise SystemExit(f"error: {out} already holds *.arrayrecord shards; refusing to mix. Fix: pick an empty dir")
-    docs: list[str] = []
-    for p in paths:
-        text = Path(p).read_text(encoding="utf-8", errors="replace")
-        docs.extend([ln for ln in text.splitlines() if ln.strip()] if split_lines else [text])
-    shards: list[Path] = []
-    for s in range(0, len(docs), docs_per_shard):
-        shard = out / f"tokens-{len(shards):05d}.arrayrecord"
-        w = ArrayRecordWriter(str(shard), "group_size:1")
-        for d in docs[s : s + docs_per_shard]:
-            w.write(encode(d).tobytes())
-        w.close()
-        shards.append(shard)
-    return shards
+    if any(out.glob("*.arrayrecord")) or (out / "meta.json").exists():
+        raise PrepareError(f"{out} already holds shards; refusing to mix. Fix: pick an empty directory")
+    if train_bpe:
+        train_docs = (d for d in documents(paths, split_lines) if not is_eval(d, eval_fraction))
+        tok: tk.ByteTokenizer | tk.BPETokenizer = tk.train_bpe(train_docs, train_bpe)
+    else:
+        tok = tk.load(tokenizer)
+    tok_json = tok.to_json()
+    if tok_json is not None:
+        (out / "tokenizer.json").write_text(tok_json, encoding="utf-8")
+    dtype = tk.id_dtype(tok.vocab_size)
+    streams = {s: _Stream(out, s, dtype, block_tokens, blocks_per_shard) for s in SPLITS}
+    batches = _batches(documents(paths, split_lines), max_chars=1 << 20)
+    workers = workers or min(os.cpu_count() or 1, 16)
+    if workers == 1:
+        _init_worker(tok_json, eval_fraction)
+        results = map(_encode_batch, batches)
+        pool = None
+    else:  # spawn: no fork of a process whose tokenizer threads may be running
+        pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tok_json, eval_fraction))
+        results = pool.imap(_encode_batch, batches)  # in input order
+    try:
+        for batch in results:
+            for ev, ids in batch:
+                streams["eval" if ev else "train"].add(ids.astype(dtype, copy=False))
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    meta = {
+        "format": FORMAT,
+        "tokenizer": {"kind": tok.kind, "sha256": tok.sha256, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
+        "dtype": dtype.name,
+        "block_tokens": block_tokens,
+        "eval_fraction": eval_fraction,
+        "inputs": len(paths),
+        "splits": {s: streams[s].close() for s in SPLITS},
+    }
+    if not meta["splits"]["train"]["tokens"]:
+        raise PrepareError(f"--input {pattern!r}: no training text (empty files, or every document went to eval)")
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m detjax.data.prepare", description=__doc__.splitlines()[0])
     ap.add_argument("--input", required=True, help="glob of UTF-8 text files (quote it)")
     ap.add_argument("--output", required=True, help="directory for the shards (must hold none yet)")
-    ap.add_argument("--docs-per-shard", type=int, default=1000)
     ap.add_argument("--split-lines", action="store_true", help="one document per non-empty line")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--tokenizer", default="bytes", help="'bytes' (default) or an HF tokenizer.json")
+    g.add_argument("--train-bpe", type=int, default=0, metavar="N", help="train a byte-level BPE of N ids first")
+    ap.add_argument("--eval-fraction", type=float, default=0.01, help="held-out share of documents (by hash)")
+    ap.add_argument("--block-tokens", type=int, default=1 << 16, help="tokens per record")
+    ap.add_argument("--blocks-per-shard", type=int, default=1024, help="records per shard file")
+    ap.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: one per core, at most 16)")
     a = ap.parse_args(argv)
-    shards = prepare(a.input, a.output, a.docs_per_shard, a.split_lines)
-    print(f"wrote {len(shards)} shard(s) to {a.output}")
-    print(f"use: data.source=arrayrecord data.path='{a.output}/*.arrayrecord'")
+    try:
+        meta = prepare(
+            a.input,
+            a.output,
+            split_lines=a.split_lines,
+            tokenizer=a.tokenizer,
+            train_bpe=a.train_bpe,
+            eval_fraction=a.eval_fraction,
+            block_tokens=a.block_tokens,
+            blocks_per_shard=a.blocks_per_shard,
+            workers=a.workers,
+        )
+    except (PrepareError, tk.TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sp = meta["splits"]
+    print(
+        f"wrote {sp['train']['tokens']:,} train tokens ({sp['train']['documents']:,} documents) and "
+        f"{sp['eval']['tokens']:,} eval tokens ({sp['eval']['documents']:,} documents) as {meta['dtype']} to "
+        f"{a.output} (tokenizer {meta['tokenizer']['kind']}, {meta['tokenizer']['vocab_size']} ids)"
+    )
+    print(f"use: data.source=arrayrecord data.path={a.output} model.vocab_size>={meta['tokenizer']['vocab_size']}")
     return 0
 
 
