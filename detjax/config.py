@@ -160,13 +160,8 @@ class ModelConfig:
 
     def validate(self) -> None:
         _check_pattern("model.pattern", self.pattern)
-        if self.vocab_size < 259:
-            _fail(
-                "model.vocab_size",
-                self.vocab_size,
-                "the byte tokenizer needs 256 bytes + BOS/EOS/PAD = 259 ids",
-                "use vocab_size >= 259 (264 is a multiple of 8)",
-            )
+        if self.vocab_size < 1:
+            _fail("model.vocab_size", self.vocab_size, "must be >= 1", "use the tokenizer's vocabulary size")
         for name in ("d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
             if getattr(self, name) <= 0:
                 _fail(f"model.{name}", getattr(self, name), "must be positive", "use a value >= 1")
@@ -539,6 +534,13 @@ class Config:
                 m.mamba.chunk_size,
                 f"must divide train.seq_len = {t.seq_len}",
                 "choose a chunk_size dividing seq_len",
+            )
+        if self.data.source == "builtin" and m.vocab_size < 259:  # a prepared corpus: checked against its meta
+            _fail(
+                "model.vocab_size",
+                m.vocab_size,
+                "the byte tokenizer needs 256 bytes + BOS/EOS/PAD = 259 ids",
+                "use vocab_size >= 259 (264 is a multiple of 8)",
             )
         d = self.determinism
         if d.mode == "strict" and d.strategy == "kernels" and m.kernels != "pallas":

@@ -45,24 +45,20 @@ def test_prepare_then_train_config(tmp_path, python, tiny_path):
     for i in range(3):
         (src / f"doc{i}.txt").write_text(("the quick brown fox jumps over the lazy dog. " * 40) + str(i))
     out = tmp_path / "shards"
-    r = subprocess.run(
-        [python, "-m", "detjax.data.prepare", "--input", str(src / "*.txt"), "--output", str(out)],
-        capture_output=True,
-        text=True,
-    )
+    cmd = [python, "-m", "detjax.data.prepare", "--input", str(src / "*.txt"), "--output", str(out), "--workers", "1"]
+    r = subprocess.run([*cmd, "--eval-fraction", "0"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    cfg = load_config(tiny_path, ["data.source=arrayrecord", f"data.path={out}/*.arrayrecord"])
+    cfg = load_config(tiny_path, ["data.source=arrayrecord", f"data.path={out}"])
     ds = make_dataset(cfg)
     assert "quick brown fox" in decode(ds[0][0])
-    r2 = subprocess.run(
-        [python, "-m", "detjax.data.prepare", "--input", str(src / "*.txt"), "--output", str(out)],
-        capture_output=True,
-        text=True,
-    )
-    assert r2.returncode != 0 and "refusing to mix" in r2.stderr
+    r2 = subprocess.run(cmd, capture_output=True, text=True)
+    assert r2.returncode == 2 and r2.stderr.startswith("error: ") and "refusing to mix" in r2.stderr
 
 
 def test_missing_shards_error(tiny_path, tmp_path):
     cfg = load_config(tiny_path, ["data.source=arrayrecord", f"data.path={tmp_path}/none*.arrayrecord"])
-    with pytest.raises(DataError, match="matches no files"):
+    with pytest.raises(DataError, match=r"is not a directory \(a glob of shards is the old format"):
+        make_dataset(cfg)
+    cfg = load_config(tiny_path, ["data.source=arrayrecord", f"data.path={tmp_path}"])
+    with pytest.raises(DataError, match="holds no meta.json"):
         make_dataset(cfg)

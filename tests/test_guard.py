@@ -122,19 +122,37 @@ def test_resume_without_a_checkpoint_is_refused(tiny_path, tmp_path, capsys):
 
 
 def test_bad_data_files_get_one_line_errors(tiny_path, tmp_path, capsys):
-    from detjax.data.pipeline import DataError, read_arrayrecord_tokens
+    import json
+
+    from detjax.data.pipeline import DataError, make_dataset
+    from detjax.data.prepare import prepare
     from detjax.train import main
 
-    (tmp_path / "empty.arrayrecord").write_bytes(b"")
-    with pytest.raises(DataError, match=r"empty or not a file\. Fix: "):
-        read_arrayrecord_tokens(str(tmp_path / "empty.arrayrecord"))
-    (tmp_path / "junk.arrayrecord").write_bytes(b"not an array record file\n" * 10)
-    with pytest.raises(DataError, match=r"cannot read the shards as ArrayRecord .*\. Fix: "):
-        read_arrayrecord_tokens(str(tmp_path / "junk.arrayrecord"))
-    over = ["data.source=arrayrecord", f"data.path={tmp_path / 'nothing*.arrayrecord'}", f"run.out_dir={tmp_path}"]
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    good = tmp_path / "good"
+    prepare(str(tmp_path / "t.txt"), str(good), eval_fraction=0, block_tokens=512, workers=1)
+    cfg = load_config(tiny_path, ["data.source=arrayrecord", f"data.path={good}"])
+    assert make_dataset(cfg)[0].shape == (cfg.train.global_batch, cfg.train.seq_len + 1)  # control: it reads
+    shard = good / "train-00000.arrayrecord"
+    data = shard.read_bytes()
+    shard.write_bytes(b"")
+    with pytest.raises(DataError, match=r"is missing or empty\. Fix: "):
+        make_dataset(cfg)
+    shard.write_bytes(b"not an array record file\n" * 10)
+    with pytest.raises(DataError, match=r"cannot read the train shards as ArrayRecord .*\. Fix: "):
+        make_dataset(cfg)
+    shard.write_bytes(data)
+    meta = json.loads((good / "meta.json").read_text())
+    (good / "meta.json").write_text(json.dumps(meta | {"format": 1}))
+    with pytest.raises(DataError, match=r"format 1, this version reads 2\. Fix: re-run prepare"):
+        make_dataset(cfg)
+    (good / "meta.json").write_text("{")
+    with pytest.raises(DataError, match=r"meta.json is malformed"):
+        make_dataset(cfg)
+    over = ["data.source=arrayrecord", f"data.path={tmp_path / 'nothing'}", f"run.out_dir={tmp_path}"]
     assert main(["--config", str(tiny_path), *over]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: data.path=") and "matches no files. Fix: " in err[0]
+    assert len(err) == 1 and err[0].startswith("error: data.path=") and "is not a directory. Fix: " in err[0]
 
 
 def test_resume_with_another_resolved_mesh_is_refused(python, tiny_path, tmp_path):

@@ -1,0 +1,98 @@
+"""Data-pipeline benchmark: prepare throughput and peak memory on a generated corpus, then the training
+reader's throughput against a step's consumption.
+
+    python scripts/data_bench.py --mb 1100 --workdir /tmp/db [--workers 0] [--seconds 20] [--consume 221800]
+
+Writes MB megabytes of text (the builtin generator's sentences, one document per line) to WORKDIR/text, runs
+`python -m detjax.data.prepare` on it in a child process (byte tokenizer: one token per byte, so 1100 MB is
+about 1.15 B tokens with EOS), and reports its wall time, tokens/s and peak RSS (the prepare process and its
+workers, from getrusage). Then it reads batches of configs/gpu_medium.yaml's shape (16 x 2049 tokens) through
+make_dataset at the steps the trainer would (a shuffled window order over the whole corpus) for --seconds, and
+reports tokens/s and that rate over --consume (gpu_medium's tokens/s in training: 32768 / 0.1477 s on one H200,
+docs/BENCHMARKS.md session 10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def write_text(path: Path, mb: int) -> int:
+    from detjax.data.corpus import sentences
+
+    pool = list(sentences(50_000, seed=7))
+    n = i = 0
+    with path.open("w") as f:
+        while n < mb << 20:
+            chunk = "\n".join(pool[(i * 7919) % 49_000 : (i * 7919) % 49_000 + 1000]) + "\n"
+            f.write(chunk)
+            n += len(chunk)
+            i += 1
+    return n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=int, default=1100)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--consume", type=float, default=32768 / 0.1477)
+    a = ap.parse_args()
+    wd = Path(a.workdir)
+    shutil.rmtree(wd, ignore_errors=True)
+    (wd / "text").mkdir(parents=True)
+    t0 = time.perf_counter()
+    size = write_text(wd / "text" / "corpus.txt", a.mb)
+    print(f"wrote {size / 2**20:.0f} MB of text in {time.perf_counter() - t0:.0f} s", flush=True)
+    cmd = [sys.executable, "-m", "detjax.data.prepare", "--input", str(wd / "text" / "*.txt"), "--output",
+           str(wd / "shards"), "--split-lines", "--workers", str(a.workers)]  # fmt: skip
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    if r.returncode:
+        print(r.stderr[-2000:], file=sys.stderr)
+        return 1
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    meta = json.loads((wd / "shards" / "meta.json").read_text())
+    n_tok = sum(s["tokens"] for s in meta["splits"].values())
+    workers = a.workers or min(os.cpu_count() or 1, 16)
+    print(
+        f"prepare: {n_tok:,} tokens in {dt:.1f} s = {n_tok / dt:,.0f} tokens/s with {workers}"
+        f" workers on {os.cpu_count()} cores; peak RSS of one process (largest of prepare and its workers) "
+        f"{peak:.0f} MB",
+        flush=True,
+    )
+    shutil.rmtree(wd / "text")
+    from detjax.config import load_config
+    from detjax.data.pipeline import BatchIterator, make_dataset
+
+    cfg = load_config(
+        str(Path(__file__).resolve().parents[1] / "configs/gpu_medium.yaml"),
+        ["data.source=arrayrecord", f"data.path={wd / 'shards'}"],
+    )
+    it = BatchIterator(make_dataset(cfg))
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < a.seconds:
+        n += next(it).size
+    rate = n / (time.perf_counter() - t0)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(
+        f"reader: {rate:,.0f} tokens/s (one process, gpu_medium batches) = {rate / a.consume:.1f} x the gpu_medium "
+        f"step's {a.consume:,.0f} tokens/s; reader process peak RSS {rss:.0f} MB"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
