@@ -335,9 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         description="Train the detjax hybrid LM.",
         epilog=(
             "Config sections: model (shape, block pattern, mamba, moe, mtp, kernels), train (batch, steps, "
-            "optimizer, schedule, on_nonfinite), data, mesh (data/fsdp/tensor/pipeline/expert), determinism "
-            "(mode, strategy), run (name, out_dir, logging), ckpt, trace, dist. --print-config lists every key "
-            "with its value; README.md and docs/ (DETERMINISM, MESHES, CHECKPOINTS, TRACING) explain them. "
+            "optimizer, schedule, on_nonfinite), data (builtin or a prepared directory), eval (held-out loss), "
+            "mesh (data/fsdp/tensor/pipeline/expert), determinism (mode, strategy), run (name, out_dir, logging, "
+            "TensorBoard / W&B), ckpt, trace, dist. --print-config lists every key with its value; README.md and "
+            "docs/ (DETERMINISM, MESHES, CHECKPOINTS, TRACING) explain them. "
             "Exit status: 0 done, 2 bad input, 3 non-finite, 128+N stopped by signal N."
         ),
     )

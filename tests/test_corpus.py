@@ -207,3 +207,15 @@ def test_prepare_and_read_memory_does_not_grow_with_the_corpus(tmp_path, python)
     assert tokens > 8e6
     assert big - small < 3.0, (base, small, big)  # 4x the corpus, no growth beyond allocator noise
     assert read - opened < 1.0, (opened, read)  # 3000 windows at random positions: nothing accumulates
+
+
+def test_wandb_asked_for_but_missing_is_a_clear_error(tiny_path):
+    import importlib.util
+
+    from detjax.config import ConfigError
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    with pytest.raises(ConfigError, match=r"'run.wandb_project' = 'p': W&B is not installed\. Fix: pip install wandb"):
+        load_config(tiny_path, ["run.wandb_project=p"])
+    assert load_config(tiny_path).run.tensorboard  # TensorBoard is the default sink
