@@ -179,13 +179,14 @@ class TensorBoardSink:
     def __init__(self, run_dir: Path, start: int) -> None:
         from tensorboardX import SummaryWriter
 
-        self._w = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start if start > 0 else None)
+        # written by tensorboardX's own thread, flushed every 10 s and at close (metrics.jsonl is the per-step,
+        # crash-safe record)
+        self._w = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start if start > 0 else None, flush_secs=10)
 
     def write(self, step: int, line: dict[str, Any]) -> None:
         for k in SINK_FIELDS:
             if line.get(k) is not None:
                 self._w.add_scalar(f"train/{k}" if not k.startswith("eval") else f"eval/{k[5:]}", line[k], step)
-        self._w.flush()
 
     def close(self) -> None:
         self._w.close()

@@ -5,12 +5,13 @@ from _cells import CELLS, Reference, check_cell
 
 DENSE = [c for c, m in CELLS.items() if m.get("pipeline", 1) == 1]
 HEAVY = {"tp2-ep4", "fsdp8-ep4"}
-# Covered in kind by the default cells (fsdp8-ep4 shards params and experts, dp8 splits the batch), by the
-# dp2-tp2-pp2 cell of test_mesh.py's two-process test (tensor parallelism run end to end), by
+# Covered in kind by the default cell (fsdp8-ep4 shards params and experts and splits the batch over 8
+# devices), by the dp2-tp2-pp2 cell of test_mesh.py's two-process test (data and tensor parallelism run end
+# to end), by test_canonical.py's dp8 step, by
 # test_tensor_parallel_step_gathers_no_vocab_and_no_float_tensors below (the tp4 step compiled) and
 # by test_mesh.py's golden shardings (every cell, sequence parallel included): run them with
 # `pytest -m extended` or scripts/mesh_sweep.py.
-EXTENDED = {"tp4", "tp8", "fsdp8", "ep2", "tp2-ep4", "tp4-sp", "tp2-ep2"}
+EXTENDED = {"dp8", "tp4", "tp8", "fsdp8", "ep2", "tp2-ep4", "tp4-sp", "tp2-ep2"}
 
 
 def _mark(c: str):
