@@ -205,7 +205,7 @@ def train(
             ckptr.cfg = cfg
         policy = determinism.policy_record(cfg)
         policy["tokenizer"] = {
-            "kind": "bytes (builtin corpus)" if cfg.data.source == "builtin" else "from data.path meta.json",
+            "kind": "bytes (builtin corpus)" if cfg.data.source == "builtin" else "recorded in data.path/meta.json",
             "sha256": cfg.data.tokenizer_sha256 or ByteTokenizer.sha256,
         }
 
