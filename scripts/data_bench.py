@@ -24,17 +24,24 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def write_text(path: Path, mb: int) -> int:
+def write_text(path: Path, mb: int, doc_chars: int) -> int:
+    """MB megabytes of the generator's sentences: one sentence per line, or lines of about doc_chars characters
+    (sentences joined by spaces) when doc_chars > 0."""
     from detjax.data.corpus import sentences
 
     pool = list(sentences(50_000, seed=7))
+    sep = " " if doc_chars else "\n"
+    per_line = max(1, doc_chars // (sum(map(len, pool[:1000])) // 1000 + 1)) if doc_chars else 1
     n = i = 0
     with path.open("w") as f:
         while n < mb << 20:
-            chunk = "\n".join(pool[(i * 7919) % 49_000 : (i * 7919) % 49_000 + 1000]) + "\n"
+            rows = pool[(i * 7919) % 49_000 : (i * 7919) % 49_000 + 1000]
+            chunk = "\n".join(sep.join(rows[j : j + per_line]) for j in range(0, 1000, per_line)) + "\n"
             f.write(chunk)
             n += len(chunk)
             i += 1
@@ -48,12 +55,13 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--consume", type=float, default=32768 / 0.1477)
+    ap.add_argument("--doc-chars", type=int, default=0, help="documents of about N characters (0: one sentence)")
     a = ap.parse_args()
     wd = Path(a.workdir)
     shutil.rmtree(wd, ignore_errors=True)
     (wd / "text").mkdir(parents=True)
     t0 = time.perf_counter()
-    size = write_text(wd / "text" / "corpus.txt", a.mb)
+    size = write_text(wd / "text" / "corpus.txt", a.mb, a.doc_chars)
     print(f"wrote {size / 2**20:.0f} MB of text in {time.perf_counter() - t0:.0f} s", flush=True)
     cmd = [sys.executable, "-m", "detjax.data.prepare", "--input", str(wd / "text" / "*.txt"), "--output",
            str(wd / "shards"), "--split-lines", "--workers", str(a.workers)]  # fmt: skip
@@ -82,14 +90,20 @@ def main() -> int:
         ["data.source=arrayrecord", f"data.path={wd / 'shards'}"],
     )
     it = BatchIterator(make_dataset(cfg))
+    next(it)
+    before = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     t0, n = time.perf_counter(), 0
     while time.perf_counter() - t0 < a.seconds:
         n += next(it).size
     rate = n / (time.perf_counter() - t0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    after = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     print(
         f"reader: {rate:,.0f} tokens/s (one process, gpu_medium batches) = {rate / a.consume:.1f} x the gpu_medium "
-        f"step's {a.consume:,.0f} tokens/s; reader process peak RSS {rss:.0f} MB"
+        f"step's {a.consume:,.0f} tokens/s; reader process peak RSS {rss:.0f} MB (RSS {before:.0f} MB after the "
+        f"first batch, {after:.0f} MB after {n:,} tokens read); corpus tokens on disk "
+        f"{n_tok * np.dtype(meta['dtype']).itemsize / 2**20:,.0f} MB = {n_tok * np.dtype(meta['dtype']).itemsize / 2**20 / peak:.0f} x "
+        f"prepare's peak RSS, {n_tok * np.dtype(meta['dtype']).itemsize / 2**20 / rss:.0f} x the reader's"
     )
     return 0
 

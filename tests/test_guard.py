@@ -139,10 +139,15 @@ def test_bad_data_files_get_one_line_errors(tiny_path, tmp_path, capsys):
     with pytest.raises(DataError, match=r"is missing or empty\. Fix: "):
         make_dataset(cfg)
     shard.write_bytes(b"not an array record file\n" * 10)
-    with pytest.raises(DataError, match=r"cannot read the train shards as ArrayRecord .*\. Fix: "):
+    with pytest.raises(DataError, match=r"cannot read the train shards as the ArrayRecord files meta.json .*\. Fix: "):
         make_dataset(cfg)
     shard.write_bytes(data)
     meta = json.loads((good / "meta.json").read_text())
+    bad = json.loads(json.dumps(meta))
+    bad["splits"]["train"]["shards"][0]["records"] += 1
+    (good / "meta.json").write_text(json.dumps(bad))
+    with pytest.raises(DataError, match=r"holds \d+ records, meta.json says \d+\)\. Fix: re-run"):
+        make_dataset(cfg)
     (good / "meta.json").write_text(json.dumps(meta | {"format": 1}))
     with pytest.raises(DataError, match=r"format 1, this version reads 2\. Fix: re-run prepare"):
         make_dataset(cfg)

@@ -12,8 +12,10 @@ is read in order, without shuffling: the same eval.steps batches at every evalua
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,31 +47,72 @@ class WindowSource:
         return self.tokens[start : start + self.seq_len + 1].astype(np.int32)
 
 
-@dataclass(frozen=True)
 class StreamSource:
     """(seq_len + 1)-token windows of a prepared split, read through its block index: window i starts at
     token i * seq_len, so it lies in blocks start // block ... (start + seq_len) // block, and only those records
-    are read (the corpus is never loaded whole). The same windows as WindowSource over the concatenated stream."""
+    are read (the corpus is never loaded whole). The same windows as WindowSource over the concatenated stream.
 
-    paths: tuple[str, ...]
-    n_tokens: int
-    block: int
-    dtype: str
-    seq_len: int
+    A random-access source for Grain's MapDataset. The records are read with ArrayRecord's reader, at most
+    MAX_OPEN shard files open at once (least recently used closed first): Grain's own ArrayRecordDataSource
+    keeps about 0.2 MB per shard file it has opened for the life of the process (measured, docs/BENCHMARKS.md),
+    which for a corpus of thousands of shards would grow every process's memory with the corpus."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_src", grain.sources.ArrayRecordDataSource(list(self.paths)))
+    MAX_OPEN = 16
+
+    def __init__(self, paths: tuple[str, ...], records: tuple[int, ...], n_tokens: int, block: int, dtype: str,
+                 seq_len: int) -> None:  # fmt: skip
+        self.paths, self.records, self.n_tokens = tuple(paths), tuple(records), n_tokens
+        self.block, self.dtype, self.seq_len = block, np.dtype(dtype), seq_len
+        self.first = np.concatenate([[0], np.cumsum(self.records)]).astype(np.int64)  # first block of each shard
+        self._readers: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # for Grain's worker processes: readers are reopened there
+        return {k: v for k, v in self.__dict__.items() if k not in ("_readers", "_lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._readers, self._lock = collections.OrderedDict(), threading.Lock()
 
     def __len__(self) -> int:
         return max(self.n_tokens - 1, 0) // self.seq_len
 
+    def _reader(self, shard: int) -> Any:
+        r = self._readers.pop(shard, None)
+        if r is None:
+            from array_record.python.array_record_module import ArrayRecordReader
+
+            r = ArrayRecordReader(self.paths[shard], "readahead_buffer_size:0")
+            if len(self._readers) >= self.MAX_OPEN:
+                self._readers.popitem(last=False)[1].close()
+        self._readers[shard] = r
+        return r
+
+    def block_bytes(self, b: int) -> bytes:
+        shard = int(np.searchsorted(self.first, b, side="right")) - 1
+        with self._lock:
+            return self._reader(shard).read([b - int(self.first[shard])])[0]
+
     def __getitem__(self, i: int) -> np.ndarray:
         start = int(i) * self.seq_len
         b0, b1 = start // self.block, (start + self.seq_len) // self.block
-        parts = [np.frombuffer(self._src[b], dtype=self.dtype) for b in range(b0, b1 + 1)]
+        parts = [np.frombuffer(self.block_bytes(b), dtype=self.dtype) for b in range(b0, b1 + 1)]
         run = parts[0] if len(parts) == 1 else np.concatenate(parts)
         off = start - b0 * self.block
         return run[off : off + self.seq_len + 1].astype(np.int32)
+
+    def check(self) -> None:
+        """Open each shard once (one at a time) and check its record count against meta.json."""
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        for path, want in zip(self.paths, self.records, strict=True):
+            r = ArrayRecordReader(path, "readahead_buffer_size:0")
+            try:
+                n = r.num_records()
+            finally:
+                r.close()
+            if n != want:
+                raise ValueError(f"{path} holds {n} records, meta.json says {want}")
 
 
 def corpus_dir(path: str) -> Path:
@@ -119,20 +162,15 @@ def split_source(meta: dict[str, Any], split: str, seq_len: int) -> StreamSource
     if not paths:
         raise DataError(f"{meta['dir']}: the {split} split is empty. Fix: re-run prepare (--eval-fraction for eval)")
     try:
-        src = StreamSource(paths, int(sp["tokens"]), int(meta["block_tokens"]), meta["dtype"], seq_len)
-        n = len(src._src)  # type: ignore[attr-defined]
+        src = StreamSource(paths, tuple(int(sh["records"]) for sh in sp["shards"]), int(sp["tokens"]),
+                           int(meta["block_tokens"]), meta["dtype"], seq_len)  # fmt: skip
+        src.check()
     except (RuntimeError, ValueError, OSError) as e:
         first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise DataError(
-            f"data.path={meta['dir']!r}: cannot read the {split} shards as ArrayRecord ({first}). Fix: re-run "
-            "`python -m detjax.data.prepare` into an empty directory"
+            f"data.path={meta['dir']!r}: cannot read the {split} shards as the ArrayRecord files meta.json describes ({first}). "
+            "Fix: re-run `python -m detjax.data.prepare` into an empty directory"
         ) from None
-    want = sum(int(sh["records"]) for sh in sp["shards"])
-    if n != want:
-        raise DataError(
-            f"data.path={meta['dir']!r}: the {split} shards hold {n} records, meta.json says {want}. "
-            "Fix: re-run prepare"
-        )
     return src
 
 

@@ -6,8 +6,9 @@ function of the inputs and the tokenizer, whatever the worker count), and writes
 `eval`: a document goes to `eval` when the hash of its text falls under --eval-fraction (a deterministic split
 by document hash). Each stream is cut into records of --block-tokens tokens (the last one shorter) in the
 narrowest unsigned dtype that holds the vocabulary, in ArrayRecord shards of --blocks-per-shard records.
-Memory stays bounded: one batch of documents per worker in flight and one block per stream (a document is held
-whole while it is tokenized, so the largest document sets the bound).
+Memory stays bounded: at most two batches of documents per worker in flight, one block per stream and the open
+shard writers' buffers (ArrayRecord's writer holds up to about 16 MB, whatever the shard size); a document is
+held whole while it is tokenized, so the largest document also sets the bound.
 
 DIR/meta.json records the format, the tokenizer (kind, sha256, vocabulary size, EOS id), the dtype, the block
 size and every shard's record and token counts; DIR/tokenizer.json holds a BPE tokenizer. Train with
@@ -20,6 +21,7 @@ train documents, streamed, before tokenizing) or `--tokenizer FILE` (an existing
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import hashlib
 import json
@@ -88,6 +90,18 @@ def _batches(docs: Iterator[str], max_chars: int) -> Iterator[list[str]]:
             batch, size = [], 0
     if batch:
         yield batch
+
+
+def _in_order(pool: Any, batches: Iterator[list[str]], window: int) -> Iterator[list[tuple[bool, np.ndarray]]]:
+    """The workers' results in input order, with at most `window` batches submitted and not yet taken (Pool.imap
+    would queue finished results without limit whenever the writer falls behind the workers)."""
+    pending: collections.deque[Any] = collections.deque()
+    for batch in batches:
+        pending.append(pool.apply_async(_encode_batch, (batch,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 class _Stream:
@@ -172,11 +186,11 @@ def prepare(
     workers = workers or min(os.cpu_count() or 1, 16)
     if workers == 1:
         _init_worker(tok_json, eval_fraction)
-        results = map(_encode_batch, batches)
+        results: Iterator[list[tuple[bool, np.ndarray]]] = map(_encode_batch, batches)
         pool = None
     else:  # spawn: no fork of a process whose tokenizer threads may be running
         pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tok_json, eval_fraction))
-        results = pool.imap(_encode_batch, batches)  # in input order
+        results = _in_order(pool, batches, window=2 * workers)
     try:
         for batch in results:
             for ev, ids in batch:
