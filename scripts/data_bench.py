@@ -55,9 +55,13 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--consume", type=float, default=32768 / 0.1477)
+    ap.add_argument("--reader-only", action="store_true", help="time the reader on WORKDIR/shards from an earlier run")
     ap.add_argument("--doc-chars", type=int, default=0, help="documents of about N characters (0: one sentence)")
     a = ap.parse_args()
     wd = Path(a.workdir)
+    if a.reader_only:
+        meta = json.loads((wd / "shards" / "meta.json").read_text())
+        return read(a, wd, meta, sum(s["tokens"] for s in meta["splits"].values()), None)
     shutil.rmtree(wd, ignore_errors=True)
     (wd / "text").mkdir(parents=True)
     t0 = time.perf_counter()
@@ -82,6 +86,10 @@ def main() -> int:
         flush=True,
     )
     shutil.rmtree(wd / "text")
+    return read(a, wd, meta, n_tok, peak)
+
+
+def read(a: argparse.Namespace, wd: Path, meta: dict, n_tok: int, peak: float | None) -> int:
     from detjax.config import load_config
     from detjax.data.pipeline import BatchIterator, make_dataset
 
@@ -97,13 +105,15 @@ def main() -> int:
         n += next(it).size
     rate = n / (time.perf_counter() - t0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    disk = n_tok * np.dtype(meta["dtype"]).itemsize / 2**20
     after = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     print(
         f"reader: {rate:,.0f} tokens/s (one process, gpu_medium batches) = {rate / a.consume:.1f} x the gpu_medium "
         f"step's {a.consume:,.0f} tokens/s; reader process peak RSS {rss:.0f} MB (RSS {before:.0f} MB after the "
         f"first batch, {after:.0f} MB after {n:,} tokens read); corpus tokens on disk "
-        f"{n_tok * np.dtype(meta['dtype']).itemsize / 2**20:,.0f} MB = {n_tok * np.dtype(meta['dtype']).itemsize / 2**20 / peak:.0f} x "
-        f"prepare's peak RSS, {n_tok * np.dtype(meta['dtype']).itemsize / 2**20 / rss:.0f} x the reader's"
+        f"{disk:,.0f} MB = "
+        + (f"{disk / peak:.0f} x prepare's peak RSS, " if peak else "")
+        + f"{disk / rss:.0f} x the reader's"
     )
     return 0
 

@@ -71,6 +71,12 @@ def test_prepare_streams_the_in_memory_windows_whatever_the_workers(tmp_path, ti
         assert isinstance(src, StreamSource) and len(src) == len(mem)
         for i in range(len(mem)):  # windows spanning 1..2 blocks of 97 tokens, across shard files
             np.testing.assert_array_equal(src[i], mem[i])
+    src, mem = split_source(meta, "train", 64), WindowSource(ref["train"], 64)
+    src.MAX_OPEN = 2  # more shard files than open readers: least recently used ones closed and reopened
+    assert len(src.paths) > 4
+    for i in np.random.default_rng(0).permutation(len(mem)):
+        np.testing.assert_array_equal(src[int(i)], mem[int(i)])
+    assert len(src._readers) == 2
     over = ["data.source=arrayrecord", f"data.path={tmp_path / 'a'}", "train.seq_len=64"]
     cfg = resolve_data(load_config(tiny_path, over))
     assert cfg.data.tokenizer_sha256 == tk.ByteTokenizer.sha256

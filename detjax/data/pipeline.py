@@ -12,8 +12,10 @@ is read in order, without shuffling: the same eval.steps batches at every evalua
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import itertools
 import json
 import threading
 from dataclasses import dataclass
@@ -53,17 +55,18 @@ class StreamSource:
     are read (the corpus is never loaded whole). The same windows as WindowSource over the concatenated stream.
 
     A random-access source for Grain's MapDataset. The records are read with ArrayRecord's reader, at most
-    MAX_OPEN shard files open at once (least recently used closed first): Grain's own ArrayRecordDataSource
-    keeps about 0.2 MB per shard file it has opened for the life of the process (measured, docs/BENCHMARKS.md),
-    which for a corpus of thousands of shards would grow every process's memory with the corpus."""
+    MAX_OPEN shard files open at once (least recently used closed first; 256 shards of the default size are
+    16 Gi tokens). Grain's own ArrayRecordDataSource, used before, kept about 0.2 MB per shard file for the
+    life of the process (measured, docs/BENCHMARKS.md session 11), which on a corpus of thousands of shards
+    would grow every process's memory with the corpus; an open reader here costs a few KB."""
 
-    MAX_OPEN = 16
+    MAX_OPEN = 256
 
     def __init__(self, paths: tuple[str, ...], records: tuple[int, ...], n_tokens: int, block: int, dtype: str,
                  seq_len: int) -> None:  # fmt: skip
         self.paths, self.records, self.n_tokens = tuple(paths), tuple(records), n_tokens
         self.block, self.dtype, self.seq_len = block, np.dtype(dtype), seq_len
-        self.first = np.concatenate([[0], np.cumsum(self.records)]).astype(np.int64)  # first block of each shard
+        self.first = [0, *itertools.accumulate(self.records)]  # the first block of each shard
         self._readers: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -82,16 +85,16 @@ class StreamSource:
         if r is None:
             from array_record.python.array_record_module import ArrayRecordReader
 
-            r = ArrayRecordReader(self.paths[shard], "readahead_buffer_size:0")
+            r = ArrayRecordReader(self.paths[shard], "readahead_buffer_size:0", file_reader_buffer_size=32768)
             if len(self._readers) >= self.MAX_OPEN:
                 self._readers.popitem(last=False)[1].close()
         self._readers[shard] = r
         return r
 
     def block_bytes(self, b: int) -> bytes:
-        shard = int(np.searchsorted(self.first, b, side="right")) - 1
+        shard = bisect.bisect_right(self.first, b) - 1
         with self._lock:
-            return self._reader(shard).read([b - int(self.first[shard])])[0]
+            return self._reader(shard).read([b - self.first[shard]])[0]
 
     def __getitem__(self, i: int) -> np.ndarray:
         start = int(i) * self.seq_len
@@ -168,8 +171,8 @@ def split_source(meta: dict[str, Any], split: str, seq_len: int) -> StreamSource
     except (RuntimeError, ValueError, OSError) as e:
         first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise DataError(
-            f"data.path={meta['dir']!r}: cannot read the {split} shards as the ArrayRecord files meta.json describes ({first}). "
-            "Fix: re-run `python -m detjax.data.prepare` into an empty directory"
+            f"data.path={meta['dir']!r}: cannot read the {split} shards as the ArrayRecord files meta.json describes "
+            f"({first}). Fix: re-run `python -m detjax.data.prepare` into an empty directory"
         ) from None
     return src
 
