@@ -115,3 +115,33 @@ def test_sort_by_expert_sorts_once_and_inverts_exactly():
 
     jaxpr = jax.make_jaxpr(lambda i: sort_by_expert(i, 8))(jnp.zeros((16, 2), jnp.int32))
     assert sum(eq.primitive.name == "sort" for eq in iter_eqns(jaxpr.jaxpr)) == 1
+
+
+def test_xla_projection_backward_multiplies_in_the_compute_dtype():
+    """model.kernels=xla: proj's backward products take bf16 operands (float32 accumulation), not the float32
+    cotangent times an upcast operand (float32 GEMMs on the GPU), and its gradients are autodiff's of the
+    same einsum up to the cotangent's rounding to bf16; the weight gradient is float32."""
+    from detjax.jaxprs import iter_eqns
+    from detjax.model.layers import proj
+
+    x = jax.random.normal(jax.random.key(0), (2, 8, 16), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (16, 4, 8), jnp.float32) * 0.1
+
+    def loss(f):
+        return lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2)
+
+    ours = loss(lambda x, w: proj("bld,dhq->blhq", x, w, jnp.bfloat16))
+    ref = loss(
+        lambda x, w: jnp.einsum(
+            "bld,dhq->blhq", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32
+        ).astype(jnp.bfloat16)
+    )
+    jaxpr = jax.make_jaxpr(jax.grad(ours, argnums=(0, 1)))(x, w)
+    dots = [e for e in iter_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == 3 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars), dots
+    ref_dots = [e for e in iter_eqns(jax.make_jaxpr(jax.grad(ref, argnums=(0, 1)))(x, w).jaxpr)]
+    assert any(v.aval.dtype == jnp.float32 for e in ref_dots if e.primitive.name == "dot_general" for v in e.invars)
+    (dx, dw), (rx, rw) = jax.grad(ours, argnums=(0, 1))(x, w), jax.grad(ref, argnums=(0, 1))(x, w)
+    assert dx.dtype == jnp.float32 and dw.dtype == jnp.float32
+    np.testing.assert_allclose(dx, rx, rtol=2e-2, atol=1e-2)
+    np.testing.assert_allclose(dw, rw, rtol=2e-2, atol=1e-2)

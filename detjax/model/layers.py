@@ -39,7 +39,7 @@ def proj(
         return fp8_dense_many([spec], x, [w], dtype, fp8_scale, kernels)[0]
     if kernels == "pallas":
         return dense(spec, x, w, dtype)
-    return _xla_dense(spec, jnp.dtype(dtype), x, w)
+    return _xla_dense(spec, jnp.dtype(dtype), x.dtype, w.dtype, x, w)
 
 
 def _transposed_specs(spec: str) -> tuple[str, str]:
@@ -49,8 +49,8 @@ def _transposed_specs(spec: str) -> tuple[str, str]:
     return f"{y},{w}->{x}", f"{x},{y}->{w}"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _xla_dense(spec: str, dtype: jnp.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _xla_dense(spec: str, dtype: jnp.dtype, x_dtype, w_dtype, x: jax.Array, w: jax.Array) -> jax.Array:
     """XLA's einsum in `dtype` with float32 accumulation (model.kernels=xla). Its own backward keeps both
     backward products in `dtype` with float32 accumulation, as the Pallas matmul's does: JAX's transpose of a
     dtype x dtype -> float32 dot multiplies the float32 cotangent with the other operand, which XLA runs as
@@ -59,18 +59,17 @@ def _xla_dense(spec: str, dtype: jnp.dtype, x: jax.Array, w: jax.Array) -> jax.A
     return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
 
 
-def _xla_dense_fwd(spec, dtype, x, w):
+def _xla_dense_fwd(spec, dtype, x_dtype, w_dtype, x, w):
     xc, wc = x.astype(dtype), w.astype(dtype)
-    y = jnp.einsum(spec, xc, wc, preferred_element_type=jnp.float32).astype(dtype)
-    return y, (xc, wc, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    return jnp.einsum(spec, xc, wc, preferred_element_type=jnp.float32).astype(dtype), (xc, wc)
 
 
-def _xla_dense_bwd(spec, dtype, res, dy):
-    xc, wc, x_dt, w_dt = res
+def _xla_dense_bwd(spec, dtype, x_dtype, w_dtype, res, dy):
+    xc, wc = res
     dx_spec, dw_spec = _transposed_specs(spec)
     dy = dy.astype(dtype)
-    dx = jnp.einsum(dx_spec, dy, wc, preferred_element_type=jnp.float32).astype(dtype).astype(x_dt.dtype)
-    dw = jnp.einsum(dw_spec, xc, dy, preferred_element_type=jnp.float32).astype(w_dt.dtype)
+    dx = jnp.einsum(dx_spec, dy, wc, preferred_element_type=jnp.float32).astype(dtype).astype(x_dtype)
+    dw = jnp.einsum(dw_spec, xc, dy, preferred_element_type=jnp.float32).astype(w_dtype)
     return dx, dw
 
 
