@@ -2,14 +2,18 @@
 reader's throughput against a step's consumption.
 
     python scripts/data_bench.py --mb 1100 --workdir /tmp/db [--workers 0] [--seconds 20] [--consume 221800]
+        [--doc-chars 4096]
+    python scripts/data_bench.py --workdir /tmp/db --reader-only    # the reader again, on WORKDIR/shards
 
-Writes MB megabytes of text (the builtin generator's sentences, one document per line) to WORKDIR/text, runs
+Writes MB megabytes of text (the builtin generator's sentences, one document per line, or documents of about
+--doc-chars characters) to WORKDIR/text, runs
 `python -m detjax.data.prepare` on it in a child process (byte tokenizer: one token per byte, so 1100 MB is
 about 1.15 B tokens with EOS), and reports its wall time, tokens/s and peak RSS (the prepare process and its
 workers, from getrusage). Then it reads batches of configs/gpu_medium.yaml's shape (16 x 2049 tokens) through
 make_dataset at the steps the trainer would (a shuffled window order over the whole corpus) for --seconds, and
 reports tokens/s and that rate over --consume (gpu_medium's tokens/s in training: 32768 / 0.1477 s on one H200,
-docs/BENCHMARKS.md session 10).
+docs/BENCHMARKS.md session 10), the reader's RSS after its first batch and at the end, and the corpus's size on
+disk over both peak RSS figures.
 """
 
 from __future__ import annotations
