@@ -33,6 +33,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def rss_mb() -> float:
+    """This process's resident set now (MB), from /proc."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def write_text(path: Path, mb: int, doc_chars: int) -> int:
     """MB megabytes of the generator's sentences: one sentence per line, or lines of about doc_chars characters
     (sentences joined by spaces) when doc_chars > 0."""
@@ -103,14 +108,14 @@ def read(a: argparse.Namespace, wd: Path, meta: dict, n_tok: int, peak: float | 
     )
     it = BatchIterator(make_dataset(cfg))
     next(it)
-    before = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    before = rss_mb()
     t0, n = time.perf_counter(), 0
     while time.perf_counter() - t0 < a.seconds:
         n += next(it).size
     rate = n / (time.perf_counter() - t0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     disk = n_tok * np.dtype(meta["dtype"]).itemsize / 2**20
-    after = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    after = rss_mb()
     print(
         f"reader: {rate:,.0f} tokens/s (one process, gpu_medium batches) = {rate / a.consume:.1f} x the gpu_medium "
         f"step's {a.consume:,.0f} tokens/s; reader process peak RSS {rss:.0f} MB (RSS {before:.0f} MB after the "

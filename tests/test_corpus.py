@@ -206,10 +206,11 @@ print(warm, big, opened, peak(), tokens * np.dtype(meta["dtype"]).itemsize / 2**
 
 
 def test_prepare_and_read_memory_is_bounded_on_a_corpus_100x_the_bound(tmp_path, python):
-    """Peak RSS growth (MB) while preparing a 160 MB text corpus (336 MB of uint16 tokens) and then reading
+    """Peak RSS growth (MB) while preparing a 160 MiB text corpus (320 MiB of uint16 tokens) and then reading
     5000 windows at random positions of it is bounded by 3 MB: the corpus is > 100 x the bound. Measured after a
-    warm-up prepare of 24 MB, which brings in the interpreter's libraries and fills the ArrayRecord shard
-    writer's buffer (about 16 MB, fixed whatever the shard or corpus size); loading the corpus, or holding any
+    warm-up (prepare 24 MiB, read from it, prepare it again) that brings in the libraries and the reader's
+    threads and fills the ArrayRecord shard writer's buffer (about 16 MB, fixed whatever the shard or corpus
+    size); loading the corpus, or holding any
     per-block state, would show as growth. Eval off, so one writer is open. The absolute figures (peak RSS of
     prepare and the reader on multi-GB corpora) are in docs/BENCHMARKS.md (scripts/data_bench.py)."""
     r = subprocess.run([python, "-c", _RSS, str(tmp_path)], capture_output=True, text=True)

@@ -7,7 +7,7 @@ DENSE = [c for c, m in CELLS.items() if m.get("pipeline", 1) == 1]
 HEAVY = {"tp2-ep4", "fsdp8-ep4"}
 # Covered in kind by the default cell (fsdp8-ep4 shards params and experts and splits the batch over 8
 # devices), by the dp2-tp2-pp2 cell of test_mesh.py's two-process test (data and tensor parallelism run end
-# to end), by test_canonical.py's dp8 step, by
+# to end), by test_canonical.py's fsdp 2 x data 4 step, by
 # test_tensor_parallel_step_gathers_no_vocab_and_no_float_tensors below (the tp4 step compiled) and
 # by test_mesh.py's golden shardings (every cell, sequence parallel included): run them with
 # `pytest -m extended` or scripts/mesh_sweep.py.

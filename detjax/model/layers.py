@@ -56,7 +56,7 @@ def _xla_dense(spec: str, dtype: jnp.dtype, x_dtype, w_dtype, x: jax.Array, w: j
     dtype x dtype -> float32 dot multiplies the float32 cotangent with the other operand, which XLA runs as
     float32 (TF32) GEMMs on the GPU at about half the bf16 rate (docs/BENCHMARKS.md session 11). The weight
     gradient is returned in the weight's dtype (the float32 master) without a round trip through `dtype`."""
-    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+    return _xla_dense_fwd(spec, dtype, x_dtype, w_dtype, x, w)[0]
 
 
 def _xla_dense_fwd(spec, dtype, x_dtype, w_dtype, x, w):
