@@ -42,15 +42,26 @@ FLASH_BWD = [
     {"block_q": 128, "block_k": 128, "num_warps": 8, "num_stages": 2},
     {"block_q": 32, "block_k": 128, "num_warps": 8, "num_stages": 2},
 ]
-RMSNORM = [
-    {"block_rows": 16, "num_warps": 4},
-    {"block_rows": 8, "num_warps": 4},
-    {"block_rows": 32, "num_warps": 4},
-    {"block_rows": 32, "num_warps": 8},
-    {"block_rows": 64, "num_warps": 8},
-    {"block_rows": 64, "num_warps": 16},
-    {"block_rows": 128, "num_warps": 16},
+RMSNORM_FWD = [
+    {"rows": 8, "block_rows": 8, "num_warps": 4, "num_stages": 1},
+    {"rows": 32, "block_rows": 8, "num_warps": 4, "num_stages": 2},
+    {"rows": 64, "block_rows": 8, "num_warps": 4, "num_stages": 2},
+    {"rows": 32, "block_rows": 16, "num_warps": 8, "num_stages": 2},
+    {"rows": 64, "block_rows": 16, "num_warps": 8, "num_stages": 2},
+    {"rows": 16, "block_rows": 16, "num_warps": 8, "num_stages": 1},
+    {"rows": 4, "block_rows": 4, "num_warps": 4, "num_stages": 1},
 ]
+RMSNORM_BWD = [
+    {"rows": 8, "block_rows": 8, "num_warps": 4, "num_stages": 1},
+    {"rows": 32, "block_rows": 8, "num_warps": 4, "num_stages": 2},
+    {"rows": 64, "block_rows": 8, "num_warps": 4, "num_stages": 2},
+    {"rows": 64, "block_rows": 8, "num_warps": 8, "num_stages": 2},
+    {"rows": 32, "block_rows": 16, "num_warps": 8, "num_stages": 2},
+    {"rows": 64, "block_rows": 16, "num_warps": 8, "num_stages": 2},
+    {"rows": 128, "block_rows": 16, "num_warps": 8, "num_stages": 2},
+    {"rows": 128, "block_rows": 8, "num_warps": 4, "num_stages": 3},
+]
+RMSNORM_WGRAD = [{"block_cols": 128}, {"block_cols": 32}, {"block_cols": 16}]
 SSD_WARPS = [4, 2, 8]
 GMM = [
     {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3},
@@ -134,19 +145,23 @@ def sweep_flash(reps: int) -> None:
 def sweep_rmsnorm(reps: int) -> None:
     from detjax.pallas_kernels.rmsnorm import kernel as rk
 
-    n, d = 8192, 1024  # one microbatch of 4 x 2048 tokens, d_model 1024, bf16 activations
+    # one microbatch of 4 x 2048 tokens at d_model 1024, as a block's norm sees it: the float32 residual
+    # stream in, bf16 out (the projections' dtype), the bf16 gradient back
+    n, d = 8192, 1024
     ks = jax.random.split(jax.random.key(1), 3)
-    x, dy = _stack(ks[0], (n, d), jnp.bfloat16), _stack(ks[1], (n, d), jnp.bfloat16)
+    x, dy = _stack(ks[0], (n, d), jnp.float32), _stack(ks[1], (n, d), jnp.bfloat16)
     w = _stack(ks[2], (d,), jnp.float32)
 
     def fwd(x, w):
-        return rk.rmsnorm_fwd(x, w, eps=1e-5, interpret=False)
+        return rk.rmsnorm_fwd(x, w, eps=1e-5, interpret=False, out_dtype=jnp.bfloat16)
 
     def bwd(x, w, dy):
-        _, rstd = rk.rmsnorm_fwd(x, w, eps=1e-5, interpret=False)
+        _, rstd = rk.rmsnorm_fwd(x, w, eps=1e-5, interpret=False, out_dtype=jnp.bfloat16)
         return rk.rmsnorm_bwd(x, w, rstd, dy, interpret=False)
 
-    _sweep("rmsnorm", rk.TILES, None, RMSNORM, [("fwd", fwd, (x, w)), ("fwd+bwd", bwd, (x, w, dy))], reps)
+    _sweep("rmsnorm fwd", rk.TILES, "fwd", RMSNORM_FWD, [("fwd", fwd, (x, w))], reps)
+    _sweep("rmsnorm bwd (+fwd)", rk.TILES, "bwd", RMSNORM_BWD, [("fwd+bwd", bwd, (x, w, dy))], reps)
+    _sweep("rmsnorm wgrad (+fwd+bwd)", rk.TILES, "wgrad", RMSNORM_WGRAD, [("fwd+bwd", bwd, (x, w, dy))], reps)
 
 
 def sweep_ssd(reps: int, old_src: str | None) -> None:

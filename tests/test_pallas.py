@@ -64,6 +64,43 @@ def test_rmsnorm_replays_bit_exact():
     assert_replays_bit_exact(fwd_bwd, (x, w), replays=3, contention=matmul_contention(256, 5))
 
 
+def _u32(tree):
+    return [np.asarray(a).view(np.uint32 if a.dtype.itemsize == 4 else np.uint16) for a in jax.tree.leaves(tree)]
+
+
+def test_rmsnorm_multi_block_tiles_pad_rows_and_write_the_compute_dtype(monkeypatch):
+    from detjax.pallas_kernels.rmsnorm import kernel as rk
+
+    # programs of 32 rows walked in 8-row sub-blocks; 72 rows is not a whole number of programs (zero-padded)
+    tiles = {**rk.TILES, "fwd": {**rk.TILES["fwd"], "rows": 32}, "bwd": {**rk.TILES["bwd"], "rows": 32}}
+    monkeypatch.setattr(rk, "TILES", tiles)
+    jax.clear_caches()
+    x, w, g = _rms_inputs(2, n=72)
+    assert _rel(rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5)) <= TOL_FWD
+    grads = _rms_grads(lambda x, w: rmsnorm(x, w, 1e-5), x, w, g)
+    for a, b in zip(grads, _rms_grads(lambda x, w: rmsnorm_ref(x, w, 1e-5), x, w, g), strict=True):
+        assert _rel(a, b) <= TOL_GRAD
+    # a bf16 output straight from the kernel has the bits of the float32 output cast to bf16, and the same
+    # gradients (the bf16 cotangent's values are read exactly)
+    g16 = g.astype(jnp.bfloat16)
+    y16 = rmsnorm(x, w, 1e-5, jnp.dtype(jnp.bfloat16))
+    assert y16.dtype == jnp.bfloat16
+    assert np.array_equal(_u32(y16)[0], _u32(rmsnorm(x, w, 1e-5).astype(jnp.bfloat16))[0])
+    grads16 = jax.grad(lambda x, w: jnp.sum(rmsnorm(x, w, 1e-5, jnp.dtype(jnp.bfloat16)) * g16), argnums=(0, 1))(x, w)
+    grads32 = jax.grad(
+        lambda x, w: jnp.sum(rmsnorm(x, w, 1e-5).astype(jnp.bfloat16) * g16), argnums=(0, 1)
+    )(x, w)
+    for a, b in zip(_u32(grads16), _u32(grads32), strict=True):
+        assert np.array_equal(a, b)
+    # zero rows appended (masked tokens) add exact zeros to the weight gradient; other rows change it
+    dw = _u32(_rms_grads(lambda x, w: rmsnorm(x, w, 1e-5), x, w, g)[1])[0]
+    for extra in (jnp.zeros((40, 64)), jnp.ones((40, 64))):
+        xx, gg = jnp.concatenate([x, extra]), jnp.concatenate([g, extra])
+        dw2 = _u32(_rms_grads(lambda x, w: rmsnorm(x, w, 1e-5), xx, w, gg)[1])[0]
+        assert np.array_equal(dw, dw2) == (not bool(extra.any()))
+    jax.clear_caches()
+
+
 def _seg_inputs(seed=0, t=200, d=64, v=37):
     k = jax.random.split(jax.random.key(seed), 2)
     ids = jax.random.randint(k[0], (t,), 0, v // 3)  # many repeats: the case atomics get wrong

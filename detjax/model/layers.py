@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -90,18 +91,24 @@ def proj_many(
 
 
 class RMSNorm(nn.Module):
+    """y = x * rsqrt(mean(x^2) + eps) * scale, computed in float32 and returned in `out_dtype` (float32 by
+    default; a block's norm returns the compute dtype its projections take, which the Pallas kernel then
+    writes directly)."""
+
     eps: float = 1e-5
     kernels: str = "reference"
+    out_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         w_D = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (ax.NORM,))
         if self.kernels == "pallas" and rmsnorm_fits(x.size // x.shape[-1]):
             d = x.shape[-1]
-            return rmsnorm(x.astype(jnp.float32).reshape(-1, d), w_D, self.eps).reshape(x.shape)
+            out_dtype = jnp.dtype(self.out_dtype)
+            return rmsnorm(x.astype(jnp.float32).reshape(-1, d), w_D, self.eps, out_dtype).reshape(x.shape)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return y * w_D.reshape((1,) * (y.ndim - 1) + (-1,))
+        return (y * w_D.reshape((1,) * (y.ndim - 1) + (-1,))).astype(self.out_dtype)
 
 
 # --------------------------------------------------------------------------- gathers without scatter-add

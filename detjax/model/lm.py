@@ -31,7 +31,7 @@ class Block(nn.Module):
     def __call__(self, h_BLD: jax.Array, train: bool, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         c, lay = self.cfg, self.layout
         dtype = DTYPES[c.compute_dtype]
-        x_BLD = RMSNorm(c.norm_eps, c.kernels, name="norm")(h_BLD).astype(dtype)
+        x_BLD = RMSNorm(c.norm_eps, c.kernels, dtype, name="norm")(h_BLD)
         x_BLD = constrain(x_BLD, lay, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED), "block_in")
         aux = jnp.zeros((), jnp.float32)
         if self.letter == "M":

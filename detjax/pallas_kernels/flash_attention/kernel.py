@@ -68,8 +68,8 @@ def _causal(s, i, j, bq, bk):
     return jnp.where(rows >= cols, s, _NEG)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, bq, bk):
-    i = pl.program_id(1)
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, bq, bk, n_q):
+    i = n_q - 1 - pl.program_id(1)  # the longest rows first (see _heavy_first)
     q = q_ref[...]
     d = q.shape[-1]
 
@@ -125,8 +125,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, bq, bk):
-    i = pl.program_id(1)
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, bq, bk, n_q):
+    i = n_q - 1 - pl.program_id(1)  # the longest rows first (see _heavy_first)
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
 
@@ -147,6 +147,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
+def _heavy_first(n_q: int):
+    """Index map of a query-block operand for grid (head, step): step 0 is the LAST query block. Under a causal
+    mask query block i does i + 1 blocks of work, and the GPU launches programs in grid order (the head axis
+    fastest), so the longest programs start first and the short ones fill the tail. Which program runs when
+    never changes what it computes: the order changes time, not bits."""
+    return lambda h, i: (h, n_q - 1 - i, 0)
+
+
 def _check(length: int, d: int, which: str) -> tuple[int, int]:
     b = blocks(length, which)
     if b is None or d & (d - 1) or d < 16:
@@ -164,16 +172,16 @@ def flash_fwd(q, k, v, *, g: int, interpret: bool):
     scale = d**-0.5
     t = TILES["fwd"]
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, bq=bq, bk=bk),
+        functools.partial(_fwd_kernel, scale=scale, bq=bq, bk=bk, n_q=length // bq),
         grid=(bh, length // bq),
         in_specs=[
-            pl.BlockSpec((None, bq, d), lambda h, i: (h, i, 0)),
+            pl.BlockSpec((None, bq, d), _heavy_first(length // bq)),
             pl.BlockSpec((None, length, d), lambda h, i: (h // g, 0, 0)),
             pl.BlockSpec((None, length, d), lambda h, i: (h // g, 0, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, bq, d), lambda h, i: (h, i, 0)),
-            pl.BlockSpec((None, bq, 1), lambda h, i: (h, i, 0)),
+            pl.BlockSpec((None, bq, d), _heavy_first(length // bq)),
+            pl.BlockSpec((None, bq, 1), _heavy_first(length // bq)),
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((bh, length, 1), jnp.float32)],
         name="flash_attention_fwd",
@@ -204,11 +212,11 @@ def flash_bwd(q, k, v, o, lse, do, *, g: int, interpret: bool):
         interpret=interpret,
         compiler_params=params,
     )(q, k, v, do, lse, delta)
-    q_blk = pl.BlockSpec((None, bq, d), lambda h, i: (h, i, 0))
-    r_blk = pl.BlockSpec((None, bq, 1), lambda h, i: (h, i, 0))
+    q_blk = pl.BlockSpec((None, bq, d), _heavy_first(length // bq))
+    r_blk = pl.BlockSpec((None, bq, 1), _heavy_first(length // bq))
     kv_full = pl.BlockSpec((None, length, d), lambda h, i: (h // g, 0, 0))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, bq=bq, bk=bk),
+        functools.partial(_dq_kernel, scale=scale, bq=bq, bk=bk, n_q=length // bq),
         grid=(bh, length // bq),
         in_specs=[q_blk, kv_full, kv_full, q_blk, r_blk, r_blk],
         out_specs=q_blk,
