@@ -100,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    va, vb = a[0].get("digest_version", 1), b[0].get("digest_version", 1)  # records before version 2 had none
+    if va != vb:
+        print(
+            f"error: {args.run_a} holds version-{va} digests and {args.run_b} version-{vb} digests "
+            "(written by different detjax versions); re-run one of them with this detjax to compare them",
+            file=sys.stderr,
+        )
+        return 2
     d = first_divergence(a, b)
     if d is None:
         print(f"identical: {len(a)} steps (steps {a[0]['step']}..{a[-1]['step']}), every field bit-equal")

@@ -357,3 +357,50 @@ def _with_d_model(config: dict, value: int) -> dict:
     out = json.loads(json.dumps(config))
     out["model"]["d_model"] = value
     return out
+
+
+def test_checkpoints_of_the_older_digest_version_restore_and_unknown_versions_are_refused(cfg_of, continuous, tmp_path):
+    """A checkpoint written before digest version 2 (no `digest_version`, version-1 leaf digests) restores and
+    is still checked leaf by leaf (a version-1 digest edited by one digit is refused); an unknown version is a
+    one-line error."""
+    from detjax.ckpt.manager import json_sha256, leaf_digests
+
+    src = continuous.run_dir / "checkpoints" / str(STEPS)
+    cfg = cfg_of()
+    abstract = Trainer(cfg).abstract_state()
+    shardings = jax.tree.map(lambda _: replicated(single_device_mesh()), abstract)
+    ref, _ = _restore_at(continuous.run_dir, cfg, STEPS)
+    v1 = leaf_digests(
+        {"step": ref.step, "params": ref.params, "opt_state": ref.opt_state, "rng": jax.random.key_data(ref.rng),
+         "collections": ref.collections},
+        version=1,
+    )
+
+    def rewrite(d, meta_edit):
+        ck_dir = tmp_path / d / "checkpoints"
+        shutil.copytree(src, ck_dir / str(STEPS))
+        f = _json_item(ck_dir, "meta")
+        m = meta_edit(json.loads(f.read_text()))
+        m["meta_sha256"] = json_sha256({k: v for k, v in m.items() if k != "meta_sha256"})
+        f.write_text(json.dumps(m))
+        return Checkpointer(ck_dir, cfg)
+
+    def as_v1(m):
+        assert m.pop("digest_version") == 2 and set(m["digests"]) == set(v1) and m["digests"] != v1
+        return {**m, "digests": v1}
+
+    ck = rewrite("old", as_v1)
+    state, _, _ = ck.restore(abstract, shardings)
+    assert host_bytes(state) == host_bytes(ref)
+    ck.close()
+    k0 = sorted(v1)[0]
+    edited = dict(v1, **{k0: ("0" if v1[k0][0] != "0" else "1") + v1[k0][1:]})
+    ck = rewrite("old-edited", lambda m: {**as_v1(m), "digests": edited})
+    with pytest.raises(CheckpointError, match=rf"leaf {__import__('re').escape(k0)} has digest .* corrupt"):
+        ck.restore(abstract, shardings)
+    ck.close()
+    ck = rewrite("future", lambda m: {**m, "digest_version": 99})
+    with pytest.raises(CheckpointError, match=r"digests are version 99, which this detjax does not know") as e:
+        ck.restore(abstract, shardings)
+    assert "\n" not in str(e.value)
+    ck.close()

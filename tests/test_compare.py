@@ -46,3 +46,12 @@ def test_bad_input(tmp_path, capsys):
     (bad / "fingerprints.jsonl").write_text("{not json\n")
     assert main([good, str(bad)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_runs_with_different_digest_versions_are_refused(tmp_path, capsys):
+    old = _write(tmp_path / "old", [_rec(0, 1.5)])  # records before digest version 2 carry no version
+    new = _write(tmp_path / "new", [{**_rec(0, 1.5), "digest_version": 2}])
+    assert main([old, new]) == 2
+    err = capsys.readouterr().err
+    assert "version-1 digests" in err and "version-2 digests" in err and err.count("\n") == 1
+    assert main([new, _write(tmp_path / "new2", [{**_rec(0, 1.5), "digest_version": 2}])]) == 0  # control

@@ -45,18 +45,20 @@ def test_tree_digest_sees_moved_leaves():
 
 
 def test_digest_values_are_pinned():
-    """The digest is a file format (fingerprints.jsonl, checkpoint meta): these values were produced by the
-    first implementation (two separate reductions); the current one (one reduction over both lanes) must
-    give the same bits, sharded or not, so that old runs and checkpoints stay comparable."""
+    """The digest is a file format (fingerprints.jsonl, checkpoint meta): each version's values are pinned.
+    Version 1's were produced by the first implementation (two separate reductions) and must stay, so that
+    checkpoints written with it still verify; version 2 is the current one. Sharded or not, the same bits."""
     f32 = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) / 7
-    assert digest_hex(tensor_digest(f32)) == "e236fcd004494196"
-    assert digest_hex(row_digest(f32)) == "e92d87c7c7d88f2cbf74d7affe1a9ac08aa63a0f39b01f00"
-    assert digest_hex(tensor_digest((jnp.arange(10, dtype=jnp.float32) - 5).astype(jnp.bfloat16))) == (
-        "6d36d1ba419cbb94"
-    )
+    bf16 = (jnp.arange(10, dtype=jnp.float32) - 5).astype(jnp.bfloat16)
     i32 = jnp.arange(6, dtype=jnp.int32).reshape(2, 3, 1)
-    assert digest_hex(tensor_digest(i32)) == "a59fe698a1a15f22"
-    assert digest_hex(row_digest(i32)) == "408d334f4728c6b734e970797dcdd7c9"
+    assert digest_hex(tensor_digest(f32, 1)) == "e236fcd004494196"
+    assert digest_hex(tensor_digest(bf16, 1)) == "6d36d1ba419cbb94"
+    assert digest_hex(tensor_digest(i32, 1)) == "a59fe698a1a15f22"
+    assert digest_hex(tensor_digest(f32)) == "877f6ebd58e8178c"
+    assert digest_hex(row_digest(f32)) == "c441a4418de72390d5140190a0a3c2eb58183bacab3c7560"
+    assert digest_hex(tensor_digest(bf16)) == "2c53affcd191876e"
+    assert digest_hex(tensor_digest(i32)) == "f88463199e7b9a72"
+    assert digest_hex(row_digest(i32)) == "796a1778081f4367e3c17370dc63387e"
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     if len(jax.devices()) < 4:  # a one-GPU run (DETJAX_TEST_GPU=1) checks the values above only
@@ -65,3 +67,24 @@ def test_digest_values_are_pinned():
     big = jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6) / 3
     split = jax.device_put(big, NamedSharding(mesh, PartitionSpec("a", "b")))
     assert digest_hex(jax.jit(tensor_digest)(split)) == digest_hex(tensor_digest(big))
+
+
+def test_both_digest_versions_see_every_single_bit_and_swaps_and_differ_from_each_other():
+    """Version 2 (one position hash per element) keeps version 1's sensitivity: every single-bit flip of every
+    element changes both lanes, and swapping two elements changes the digest. Checkpoints written with version
+    1 are verified with version 1 (tests/test_ckpt.py)."""
+    x = jax.random.normal(jax.random.key(3), (8, 16))
+    bits = np.asarray(x).view(np.uint32)
+    flips = np.zeros((32 * x.size,) + x.shape, np.uint32)
+    for e in range(x.size):
+        for b in range(32):
+            flips[e * 32 + b].reshape(-1)[e] = np.uint32(1) << np.uint32(b)
+    variants = jnp.asarray((bits[None] ^ flips).view(np.float32))
+    swapped = bits.copy()
+    swapped[0, 0], swapped[5, 9] = bits[5, 9], bits[0, 0]
+    for v in (1, 2):
+        base = np.asarray(tensor_digest(x, v))
+        each = np.asarray(jax.vmap(lambda t: tensor_digest(t, v))(variants))
+        assert (each != base).all(), f"version {v}: a bit flip left a lane unchanged"
+        assert not np.array_equal(np.asarray(tensor_digest(jnp.asarray(swapped.view(np.float32)), v)), base)
+    assert digest_hex(tensor_digest(x, 1)) != digest_hex(tensor_digest(x, 2))

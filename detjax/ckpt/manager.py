@@ -16,6 +16,7 @@ checked against the one written at save time.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -55,14 +56,15 @@ def _leaf_table(tree: Any) -> dict[str, dict[str, Any]]:
     }
 
 
-@jax.jit
-def _leaf_digests(tree: Any) -> list[jax.Array]:
-    return [fp.tensor_digest(x) for x in jax.tree.leaves(tree)]
+@functools.partial(jax.jit, static_argnames=("version",))
+def _leaf_digests(tree: Any, version: int) -> list[jax.Array]:
+    return [fp.tensor_digest(x, version) for x in jax.tree.leaves(tree)]
 
 
-def leaf_digests(tree: Any) -> dict[str, str]:
+def leaf_digests(tree: Any, version: int = fp.DIGEST_VERSION) -> dict[str, str]:
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    return dict(zip(paths, (fp.digest_hex(d) for d in jax.device_get(_leaf_digests(tree))), strict=True))
+    digests = jax.device_get(_leaf_digests(tree, version))
+    return dict(zip(paths, (fp.digest_hex(d) for d in digests), strict=True))
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
@@ -175,6 +177,7 @@ class Checkpointer:
             "rng_impl": str(jax.random.key_impl(state.rng)),
             "leaves": _leaf_table(tree),
             "digests": leaf_digests(tree),
+            "digest_version": fp.DIGEST_VERSION,
             "fingerprints": [r for r in history if r["step"] < step],
             "data_sha256": json_sha256(data_state),
         }
@@ -317,7 +320,13 @@ class Checkpointer:
                 "at save; resuming would read other batches. The checkpoint is corrupt or was edited. Fix: resume "
                 "from an earlier step or restart"
             )
-        digests = leaf_digests(tree)
+        version = meta.get("digest_version", 1)  # checkpoints written before version 2 have no field
+        if version not in fp.DIGEST_VERSIONS:
+            raise CheckpointError(
+                f"checkpoint step {step}: its leaf digests are version {version}, which this detjax does not know "
+                f"(it knows {fp.DIGEST_VERSIONS}). Fix: resume with the detjax version that wrote it"
+            )
+        digests = leaf_digests(tree, version)
         bad = [k for k in meta["digests"] if digests.get(k) != meta["digests"][k]]
         if bad:
             k = bad[0]

@@ -21,12 +21,12 @@ from jax.experimental import pallas as pl
 
 from detjax.pallas_kernels.backend import triton_params
 
-# Pinned tiles (forward: 128 query rows x 64 keys, 8 warps; backward: 64 x 64, 4 warps, 3 stages), chosen
-# with scripts/tile_sweep.py and the in-step profile at the gpu_dense shape on the H200 (docs/BENCHMARKS.md).
+# Pinned tiles (forward: 64 query rows x 64 keys, 4 warps; backward: 64 x 64, 4 warps, 3 stages), chosen
+# with scripts/tile_sweep.py at the gpu_dense shape on the H200, longest query blocks first (docs/BENCHMARKS.md).
 # A sequence that is not a multiple of a tile uses the largest power of two >= 16 that divides it
 # (`blocks`): the tiles depend on the shape only, never on a measurement.
 TILES = {
-    "fwd": {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 2},
+    "fwd": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
     "bwd": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 3},
 }
 _NEG = -1e30

@@ -23,8 +23,8 @@ from detjax.pallas_kernels.backend import triton_params
 # weight gradient's reduction order): it is a new trajectory.
 TILES = {
     "fwd": {"rows": 8, "block_rows": 8, "num_warps": 4, "num_stages": 1},
-    "bwd": {"rows": 8, "block_rows": 8, "num_warps": 4, "num_stages": 1},
-    "wgrad": {"block_cols": 128},
+    "bwd": {"rows": 32, "block_rows": 8, "num_warps": 4, "num_stages": 2},
+    "wgrad": {"block_cols": 32},
 }
 MIN_ROWS = 8  # the layers use the kernel for row counts that are multiples of this (see `fits`)
 
