@@ -332,9 +332,14 @@ class RunConfig:
     wandb_project: str = ""
 
     def validate(self) -> None:
-        if self.wandb_project:
-            import importlib.util
+        import importlib.util
 
+        if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+            _fail(
+                "run.tensorboard", self.tensorboard, "tensorboardX is not installed",
+                "pip install tensorboardX (a detjax dependency), or set run.tensorboard=false",
+            )
+        if self.wandb_project:
             if importlib.util.find_spec("wandb") is None:
                 _fail("run.wandb_project", self.wandb_project, "W&B is not installed", "pip install wandb, or unset it")
         if self.stop_after < 0:

@@ -232,3 +232,19 @@ def test_wandb_asked_for_but_missing_is_a_clear_error(tiny_path):
     with pytest.raises(ConfigError, match=r"'run.wandb_project' = 'p': W&B is not installed\. Fix: pip install wandb"):
         load_config(tiny_path, ["run.wandb_project=p"])
     assert load_config(tiny_path).run.tensorboard  # TensorBoard is the default sink
+
+
+def test_tensorboard_without_tensorboardx_is_a_clear_error(tiny_path, monkeypatch):
+    """A machine without tensorboardX (the GPU image: the trainer crashed in its sink with a traceback) gets
+    the one-line config error naming both fixes; with the sink off the same config loads."""
+    import importlib.util
+
+    from detjax.config import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboardX" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"'run.tensorboard' = True: tensorboardX is not installed\. Fix: pip install"):
+        load_config(tiny_path)
+    assert not load_config(tiny_path, ["run.tensorboard=false"]).run.tensorboard
+    monkeypatch.undo()
+    assert load_config(tiny_path).run.tensorboard  # control: installed here, so the default loads
