@@ -336,7 +336,9 @@ class RunConfig:
 
         if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
             _fail(
-                "run.tensorboard", self.tensorboard, "tensorboardX is not installed",
+                "run.tensorboard",
+                self.tensorboard,
+                "tensorboardX is not installed",
                 "pip install tensorboardX (a detjax dependency), or set run.tensorboard=false",
             )
         if self.wandb_project:

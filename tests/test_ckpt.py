@@ -371,8 +371,13 @@ def test_checkpoints_of_the_older_digest_version_restore_and_unknown_versions_ar
     shardings = jax.tree.map(lambda _: replicated(single_device_mesh()), abstract)
     ref, _ = _restore_at(continuous.run_dir, cfg, STEPS)
     v1 = leaf_digests(
-        {"step": ref.step, "params": ref.params, "opt_state": ref.opt_state, "rng": jax.random.key_data(ref.rng),
-         "collections": ref.collections},
+        {
+            "step": ref.step,
+            "params": ref.params,
+            "opt_state": ref.opt_state,
+            "rng": jax.random.key_data(ref.rng),
+            "collections": ref.collections,
+        },
         version=1,
     )
 

@@ -242,8 +242,10 @@ def test_tensorboard_without_tensorboardx_is_a_clear_error(tiny_path, monkeypatc
     from detjax.config import ConfigError
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboardX" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"'run.tensorboard' = True: tensorboardX is not installed\. Fix: pip install"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboardX" else real(name, *a)
+    )
+    with pytest.raises(ConfigError, match=r"'run.tensorboard' = True: tensorboardX is not installed\. Fix: pip"):
         load_config(tiny_path)
     assert not load_config(tiny_path, ["run.tensorboard=false"]).run.tensorboard
     monkeypatch.undo()

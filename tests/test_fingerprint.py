@@ -84,7 +84,7 @@ def test_both_digest_versions_see_every_single_bit_and_swaps_and_differ_from_eac
     swapped[0, 0], swapped[5, 9] = bits[5, 9], bits[0, 0]
     for v in (1, 2):
         base = np.asarray(tensor_digest(x, v))
-        each = np.asarray(jax.vmap(lambda t: tensor_digest(t, v))(variants))
+        each = np.asarray(jax.vmap(lambda t, v=v: tensor_digest(t, v))(variants))
         assert (each != base).all(), f"version {v}: a bit flip left a lane unchanged"
         assert not np.array_equal(np.asarray(tensor_digest(jnp.asarray(swapped.view(np.float32)), v)), base)
     assert digest_hex(tensor_digest(x, 1)) != digest_hex(tensor_digest(x, 2))

@@ -87,9 +87,7 @@ def test_rmsnorm_multi_block_tiles_pad_rows_and_write_the_compute_dtype(monkeypa
     assert y16.dtype == jnp.bfloat16
     assert np.array_equal(_u32(y16)[0], _u32(rmsnorm(x, w, 1e-5).astype(jnp.bfloat16))[0])
     grads16 = jax.grad(lambda x, w: jnp.sum(rmsnorm(x, w, 1e-5, jnp.dtype(jnp.bfloat16)) * g16), argnums=(0, 1))(x, w)
-    grads32 = jax.grad(
-        lambda x, w: jnp.sum(rmsnorm(x, w, 1e-5).astype(jnp.bfloat16) * g16), argnums=(0, 1)
-    )(x, w)
+    grads32 = jax.grad(lambda x, w: jnp.sum(rmsnorm(x, w, 1e-5).astype(jnp.bfloat16) * g16), argnums=(0, 1))(x, w)
     for a, b in zip(_u32(grads16), _u32(grads32), strict=True):
         assert np.array_equal(a, b)
     # zero rows appended (masked tokens) add exact zeros to the weight gradient; other rows change it
