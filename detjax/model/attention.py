@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.model.fp8 import scale_var
-from detjax.model.layers import normal_init, param, proj, proj_many
+from detjax.model.layers import normal_init, param, pinned_softmax, proj, proj_many
 from detjax.pallas_kernels.flash_attention.ops import flash_attention, flash_fits
 from detjax.sharding import rules as ax
 from detjax.sharding.rules import constrain
@@ -27,7 +27,8 @@ def rope(x_BLHQ: jax.Array, theta: float) -> jax.Array:
 
 
 def attention_reference(q_BLHQ, k_BSKQ, v_BSKQ) -> jax.Array:
-    """Causal GQA in plain jnp; softmax in float32. Returns (B, L, H, Q) in the input dtype."""
+    """Causal GQA in plain jnp; softmax in float32 with pinned sums (layers.pinned_softmax). Returns (B, L, H, Q)
+    in the input dtype."""
     bsz, length, heads, qd = q_BLHQ.shape
     kv = k_BSKQ.shape[2]
     q_BLKGQ = q_BLHQ.reshape(bsz, length, kv, heads // kv, qd)
@@ -35,7 +36,7 @@ def attention_reference(q_BLHQ, k_BSKQ, v_BSKQ) -> jax.Array:
     scores_BKGLS = scores_BKGLS * (qd**-0.5)
     causal_LS = jnp.tril(jnp.ones((length, k_BSKQ.shape[1]), dtype=bool))
     scores_BKGLS = jnp.where(causal_LS[None, None, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
-    probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BSKQ.dtype)
+    probs_BKGLS = pinned_softmax(scores_BKGLS).astype(v_BSKQ.dtype)  # sums in one order in every program
     out_BLKGQ = jnp.einsum("bkgls,bskq->blkgq", probs_BKGLS, v_BSKQ, preferred_element_type=jnp.float32)
     return out_BLKGQ.reshape(bsz, length, heads, qd).astype(q_BLHQ.dtype)
 

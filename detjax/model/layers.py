@@ -90,6 +90,48 @@ def proj_many(
     return [proj(s, x, w, dtype) for s, w in zip(specs, ws, strict=True)]
 
 
+# --------------------------------------------------------------------------- sums whose order XLA cannot pick
+# A reduce op's summation order is XLA's choice, and it differs between programs (the fusion decides: e.g.
+# a one-device program and an eight-device one of the same per-sequence math). Written as halving
+# elementwise adds, a sum has one order everywhere, and so does its gradient when every broadcast of it is
+# transposed by the same tree (`pinned_broadcast`).
+def tree_sum_last(x: jax.Array) -> jax.Array:
+    """Sum over the last axis, keepdims: pairs of halves added elementwise (zero-padded to a power of two;
+    zeros add exactly)."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def pinned_broadcast(s: jax.Array, n: int) -> jax.Array:
+    """s (..., 1) -> (..., n); its transpose sums the cotangent with tree_sum_last (not a reduce op)."""
+    return jnp.broadcast_to(s, (*s.shape[:-1], n))
+
+
+def _pinned_broadcast_fwd(s, n):
+    return pinned_broadcast(s, n), None
+
+
+def _pinned_broadcast_bwd(n, _, g):
+    return (tree_sum_last(g),)
+
+
+pinned_broadcast.defvjp(_pinned_broadcast_fwd, _pinned_broadcast_bwd)
+
+
+def pinned_softmax(x: jax.Array) -> jax.Array:
+    """Softmax over the last axis whose sums, forward and backward, are tree_sum_last."""
+    n = x.shape[-1]
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))  # max: exact in any order
+    return e / pinned_broadcast(tree_sum_last(e), n)
+
+
 class RMSNorm(nn.Module):
     """y = x * rsqrt(mean(x^2) + eps) * scale, computed in float32 and returned in `out_dtype` (float32 by
     default; a block's norm returns the compute dtype its projections take, which the Pallas kernel then
