@@ -4,6 +4,7 @@ warmup + cosine schedule."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from detjax.config import TrainConfig
@@ -40,9 +41,53 @@ def clip_by_canonical_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
+def _apart(x: jax.Array) -> jax.Array:
+    """A product that must reach the following add rounded (an optimization barrier between them)."""
+    return jax.lax.optimization_barrier(x)
+
+
+def pinned_adamw(t: TrainConfig) -> optax.GradientTransformation:
+    """optax.adamw (same math, same state pytree, so checkpoints are interchangeable) with every product that
+    feeds an add passed through an optimization barrier, including the final step -lr * u that
+    optax.apply_updates adds to the parameters. XLA contracts a multiply and an add into one FMA when they
+    land in one fusion, and which ones do depends on the whole program: measured on CPU, the one-device and
+    the dp8 programs of the same canonical step had equal gradients at step 1 but other AdamW updates. An
+    elementwise rule with rounded products is one rounding sequence in every program."""
+    ref = optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=_decay_mask)
+    schedule = lr_schedule(t)
+    b1, b2, eps, wd = t.b1, t.b2, t.eps, t.weight_decay
+
+    def update_fn(grads, state, params):
+        adam, masked, sched = state
+        count = optax.safe_increment(adam.count)
+        mu = jax.tree.map(lambda g, m: _apart((1 - b1) * g) + _apart(b1 * m), grads, adam.mu)
+        nu = jax.tree.map(lambda g, v: _apart((1 - b2) * (g * g)) + _apart(b2 * v), grads, adam.nu)
+        c1 = (1 - jnp.asarray(b1, jnp.float32) ** count).astype(jnp.float32)
+        c2 = (1 - jnp.asarray(b2, jnp.float32) ** count).astype(jnp.float32)
+        step_size = -schedule(sched.count)
+        decay = _decay_mask(params)
+
+        def one(m, v, p, d):
+            u = (m / c1.astype(m.dtype)) / (jnp.sqrt(v / c2.astype(v.dtype)) + eps)
+            if d:
+                u = u + _apart(wd * p)
+            return _apart(u * step_size)
+
+        updates = jax.tree.map(one, mu, nu, params, decay)
+        new_state = (
+            adam._replace(count=count, mu=mu, nu=nu),
+            masked,
+            sched._replace(count=optax.safe_increment(sched.count)),
+        )
+        return updates, new_state
+
+    return optax.GradientTransformation(ref.init, update_fn)
+
+
 def make_optimizer(t: TrainConfig, canonical_numerics: bool = False) -> optax.GradientTransformation:
-    clip = clip_by_canonical_norm if canonical_numerics else optax.clip_by_global_norm
+    if canonical_numerics:
+        return optax.chain(clip_by_canonical_norm(t.clip_norm), pinned_adamw(t))
     return optax.chain(
-        clip(t.clip_norm),
+        optax.clip_by_global_norm(t.clip_norm),
         optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=_decay_mask),
     )

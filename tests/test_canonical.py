@@ -82,7 +82,7 @@ def test_config_rules():
     assert c.hash() != d.hash()
 
 
-def _one_step(overrides: list[str], model: tuple[str, ...] = ("model.pattern='-'", "model.mtp.depth=0")):
+def _one_step(overrides: list[str], model: tuple[str, ...] = ("model.pattern='-'", "model.mtp.depth=0"), steps=1):
     from detjax.sharding.mesh import build_layout
     from detjax.step import Trainer
 
@@ -92,8 +92,10 @@ def _one_step(overrides: list[str], model: tuple[str, ...] = ("model.pattern='-'
     ssh, bsh = tr.state_shardings(), tr.batch_sharding()
     state = jax.jit(tr.init_state, out_shardings=ssh)(jax.random.key(0))
     batch = jax.random.randint(jax.random.key(1), (cfg.train.global_batch, cfg.train.seq_len + 1), 0, 264)
-    new, metrics = jax.jit(tr.train_step, in_shardings=(ssh, bsh))(state, jax.device_put(batch, bsh))
-    return jax.device_get(new.params), jax.device_get(metrics)
+    step = jax.jit(tr.train_step, in_shardings=(ssh, bsh))
+    for _ in range(steps):  # step 0 has lr 0 under warm-up; step 1 is the first AdamW update
+        state, metrics = step(state, jax.device_put(batch, bsh))
+    return jax.device_get(state.params), jax.device_get(metrics)
 
 
 def _same(a, b) -> bool:
@@ -101,19 +103,20 @@ def _same(a, b) -> bool:
 
 
 def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
-    """Canonical: one device and fsdp 2 x data 4 with another microbatch size give the same parameters and
-    metrics (digests included), byte for byte, for the hybrid model (Mamba2, attention, MoE, MLP blocks and the
+    """Canonical: two steps (the second is the first with a nonzero learning rate, so AdamW's update counts)
+    on one device and on fsdp 2 x data 4 with another microbatch size give the same parameters and
+    step metrics (digests included), byte for byte, for the hybrid model (Mamba2, attention, MoE, MLP blocks and the
     MTP head of configs/tiny_mesh.yaml; dp8: the extended resume test and the mesh sweep). Default numerics
     differ with the microbatch size."""
     canon = ["determinism.numerics=canonical"]
     hybrid = ()  # tiny_mesh's own pattern M*E- and MTP
-    ref = _one_step(canon + ["mesh.devices=1"], hybrid)
-    mesh = ["mesh.fsdp=2", "mesh.data=4", "train.micro_batch=2"]
-    got = _one_step(canon + mesh, hybrid)
-    assert _same(got[0], ref[0]), mesh
-    assert json.dumps(jax.tree.map(lambda v: u32(v).tolist(), got[1]["digest"])) == json.dumps(
-        jax.tree.map(lambda v: u32(v).tolist(), ref[1]["digest"])
-    )
+    ref = _one_step(canon + ["mesh.devices=1"], hybrid, steps=2)
+    for mesh in (["mesh.data=8"], ["mesh.fsdp=2", "mesh.data=4", "train.micro_batch=2"]):
+        got = _one_step(canon + mesh, hybrid, steps=2)
+        assert _same(got[0], ref[0]), mesh
+        assert json.dumps(jax.tree.map(lambda v: u32(v).tolist(), got[1]["digest"])) == json.dumps(
+            jax.tree.map(lambda v: u32(v).tolist(), ref[1]["digest"])
+        ), mesh
     # negative control: default numerics accumulate microbatches in sequence, so their size changes the bits
     mb8, mb2 = _one_step(["mesh.devices=1"]), _one_step(["mesh.devices=1", "train.micro_batch=2"])
     assert not _same(mb8, mb2), "negative control: default numerics should change with the microbatch size"
@@ -139,3 +142,29 @@ def test_resume_on_another_mesh_continues_the_trajectory(tmp_path):
     train(load_config(MESH_CFG, base + ["mesh.data=8", "run.stop_after=1"]), tmp_path / "default")
     with pytest.raises(CheckpointError):
         train(load_config(MESH_CFG, base + ["mesh.fsdp=8", "mesh.data=1"]), tmp_path / "default", resume=True)
+
+
+def test_pinned_adamw_is_optax_adamw_with_rounded_products():
+    """The canonical optimizer keeps optax.adamw's state pytree (checkpoints interchangeable) and its math
+    (equal to float32 rounding over five steps with weight decay on matrices only), and its compiled update
+    holds the optimization barriers that keep XLA from contracting a product into an FMA."""
+    import optax
+
+    from detjax.config import TrainConfig
+    from detjax.optim import _decay_mask, lr_schedule, pinned_adamw
+
+    t = TrainConfig(steps=10, warmup_steps=2, lr=1e-2)
+    ref = optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=_decay_mask)
+    pin = pinned_adamw(t)
+    p = {"w": jax.random.normal(jax.random.key(0), (4, 3)), "b": jnp.ones(3)}
+    sr, sp, pr, pp = ref.init(p), pin.init(p), p, p
+    assert jax.tree.structure(sr) == jax.tree.structure(sp)
+    for i in range(5):
+        g = jax.tree.map(lambda x, i=i: jax.random.normal(jax.random.key(i + 1), x.shape), p)
+        ur, sr = ref.update(g, sr, pr)
+        up, sp = jax.jit(pin.update)(g, sp, pp)
+        pr, pp = optax.apply_updates(pr, ur), optax.apply_updates(pp, up)
+    for a, b in zip(jax.tree.leaves((pr, sr)), jax.tree.leaves((pp, sp)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert "optimization_barrier" in jax.jit(pin.update).lower(g, sp, pp).as_text()
+    assert "optimization_barrier" not in jax.jit(ref.update).lower(g, sr, pr).as_text()  # control
