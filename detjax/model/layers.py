@@ -125,11 +125,14 @@ def _pinned_broadcast_bwd(n, _, g):
 pinned_broadcast.defvjp(_pinned_broadcast_fwd, _pinned_broadcast_bwd)
 
 
+def pinned_normalize(x: jax.Array) -> jax.Array:
+    """x / sum(x) over the last axis, the sum (and its gradient's) tree_sum_last."""
+    return x / pinned_broadcast(tree_sum_last(x), x.shape[-1])
+
+
 def pinned_softmax(x: jax.Array) -> jax.Array:
     """Softmax over the last axis whose sums, forward and backward, are tree_sum_last."""
-    n = x.shape[-1]
-    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))  # max: exact in any order
-    return e / pinned_broadcast(tree_sum_last(e), n)
+    return pinned_normalize(jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))))  # max: exact
 
 
 class RMSNorm(nn.Module):

@@ -13,63 +13,35 @@ from flax import linen as nn
 from detjax.config import MoEConfig
 from detjax.model.dispatch import combine_slots, expert_ffn, permute_rows, sort_by_expert
 from detjax.model.fp8 import scale_var
-from detjax.model.layers import MLP, normal_init, param, proj
+from detjax.model.layers import MLP, normal_init, param, pinned_normalize, pinned_softmax, proj, tree_sum_last
 from detjax.sharding import rules as ax
 from detjax.sharding.expert import expert_parallel_moe
-
-
-def _chain_sum(cols: list[jax.Array]) -> jax.Array:
-    """cols[0] + cols[1] + ... added left to right as elementwise adds (XLA does not reassociate them)."""
-    acc = cols[0]
-    for c in cols[1:]:
-        acc = acc + c
-    return acc
-
-
-def _columns_max(cols: list[jax.Array]) -> jax.Array:
-    acc = cols[0]
-    for c in cols[1:]:
-        acc = jnp.maximum(acc, c)
-    return acc
 
 
 def route(logits_TE: jax.Array, top_k: int, router: str) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns (expert index T×X, gate T×X, router probabilities T×E); ties go to the lower expert id.
 
-    The sums over experts are written column by column as chains of elementwise adds, forward and (through
-    autodiff, whose transposes of elementwise ops are elementwise) backward: no reduce op over the expert
-    axis, so XLA's fusion choices, which differ between programs, cannot change their order."""
+    The sums over experts (softmax, gate normalisation) are layers.tree_sum_last, forward and backward: no
+    reduce op whose order XLA's fusion could pick differently in another program (docs/DETERMINISM.md)."""
     logits_TE = logits_TE.astype(jnp.float32)
-    cols = [logits_TE[:, e] for e in range(logits_TE.shape[-1])]
-    if router == "softmax":
-        m = jax.lax.stop_gradient(_columns_max(cols))
-        ex = [jnp.exp(c - m) for c in cols]
-        total = _chain_sum(ex)
-        p_cols = [x / total for x in ex]
-    else:
-        p_cols = [jax.nn.sigmoid(c) for c in cols]
-    probs_TE = jnp.stack(p_cols, axis=-1)
+    probs_TE = pinned_softmax(logits_TE) if router == "softmax" else jax.nn.sigmoid(logits_TE)
     # stable sort on -p: equal scores keep ascending expert order (an explicit, platform-free tie-break)
     idx_TX = jnp.argsort(-jax.lax.stop_gradient(probs_TE), axis=-1, stable=True)[:, :top_k]
-    # a gather written as a masked sum over the experts (one nonzero term: exact in any order)
-    gate_cols = [
-        _chain_sum([jnp.where(idx_TX[:, x] == e, p_cols[e], 0.0) for e in range(len(p_cols))]) for x in range(top_k)
-    ]
-    gate_total = _chain_sum(gate_cols)
-    gate_TX = jnp.stack([g / gate_total for g in gate_cols], axis=-1)
+    onehot_TXE = jax.nn.one_hot(idx_TX, probs_TE.shape[-1], dtype=probs_TE.dtype)
+    # a gather written as a masked sum (one nonzero term: exact in any order, and so is its transpose), not a
+    # dot: nothing for a GEMM library to pick
+    gate_TX = pinned_normalize(jnp.sum(probs_TE[:, None, :] * onehot_TXE, axis=-1))
     return idx_TX, gate_TX, probs_TE
 
 
 def load_balance_loss(idx_TX: jax.Array, probs_TE: jax.Array) -> jax.Array:
-    """Switch-style aux loss E * sum_e f_e * P_e (f: routed fraction, P: mean normalised probability). The sums
-    over experts are elementwise chains (see `route`)."""
-    n_exp = probs_TE.shape[-1]
-    counts_E = jnp.sum(jax.nn.one_hot(idx_TX, n_exp, dtype=jnp.float32), axis=(0, 1))
+    """Switch-style aux loss E * sum_e f_e * P_e (f: routed fraction, P: mean normalised probability). Its sums
+    over experts and tokens are tree_sum_last (see `route`)."""
+    n_tok, n_exp = probs_TE.shape
+    counts_E = jnp.sum(jax.nn.one_hot(idx_TX, n_exp, dtype=jnp.float32), axis=(0, 1))  # integers: exact
     f_E = jax.lax.stop_gradient(counts_E / idx_TX.size)
-    cols = [probs_TE[:, e] for e in range(n_exp)]
-    total = _chain_sum(cols)
-    p_E = [jnp.mean(c / total) for c in cols]
-    return n_exp * _chain_sum([f_E[e] * p_E[e] for e in range(n_exp)])
+    p_E = tree_sum_last(pinned_normalize(probs_TE).T)[:, 0] / n_tok
+    return n_exp * tree_sum_last(f_E * p_E)[0]
 
 
 class Experts(nn.Module):
