@@ -36,11 +36,13 @@ def route(logits_TE: jax.Array, top_k: int, router: str) -> tuple[jax.Array, jax
 
 def load_balance_loss(idx_TX: jax.Array, probs_TE: jax.Array) -> jax.Array:
     """Switch-style aux loss E * sum_e f_e * P_e (f: routed fraction, P: mean normalised probability). Its sums
-    over experts and tokens are tree_sum_last (see `route`)."""
-    n_tok, n_exp = probs_TE.shape
+    over experts are tree_sum_last (see `route`)."""
+    n_exp = probs_TE.shape[-1]
     counts_E = jnp.sum(jax.nn.one_hot(idx_TX, n_exp, dtype=jnp.float32), axis=(0, 1))  # integers: exact
     f_E = jax.lax.stop_gradient(counts_E / idx_TX.size)
-    p_E = tree_sum_last(pinned_normalize(probs_TE).T)[:, 0] / n_tok
+    # the token mean stays a reduce: tokens may be sharded over devices (a halving tree would need collective
+    # permutes), and its gradient is a broadcast, so its order never reaches the weights
+    p_E = jnp.mean(pinned_normalize(probs_TE), axis=0)
     return n_exp * tree_sum_last(f_E * p_E)[0]
 
 
