@@ -8,7 +8,8 @@ dtype are folded in. `row_digest` keeps the leading axis, for routing maps and d
 Versions (`DIGEST_VERSION`, written into every fingerprint record and checkpoint, so digests of different
 versions are never compared with each other):
 - 1: each lane hashes the element with a murmur3-finalised hash of its position (four finalisers per
-  element). On the H200 the per-step digests cost 8.0 ms of a 181 ms gpu_dense step: integer-bound.
+  element). On the H200 the per-step digests cost 8.0 ms of a 181 ms gpu_dense step (6.9 ms with version
+  2: the hash arithmetic is the smaller part of that cost; docs/BENCHMARKS.md session 12).
 - 2 (current): the position enters through one multiply-add; lane 1 is the murmur3 finaliser of the bits
   xor that, lane 2 a one-round xorshift-multiply of the bits plus it. Both per-element maps are bijections of
   the bits at a fixed position, so a change of any one element changes both sums.

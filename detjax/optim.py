@@ -41,6 +41,10 @@ def clip_by_canonical_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
+def _adamw(t: TrainConfig) -> optax.GradientTransformation:
+    return optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=_decay_mask)
+
+
 def _apart(x: jax.Array) -> jax.Array:
     """A product that must reach the following add rounded (an optimization barrier between them)."""
     return jax.lax.optimization_barrier(x)
@@ -53,7 +57,6 @@ def pinned_adamw(t: TrainConfig) -> optax.GradientTransformation:
     land in one fusion, and which ones do depends on the whole program: measured on CPU, the one-device and
     the dp8 programs of the same canonical step had equal gradients at step 1 but other AdamW updates. An
     elementwise rule with rounded products is one rounding sequence in every program."""
-    ref = optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=_decay_mask)
     schedule = lr_schedule(t)
     b1, b2, eps, wd = t.b1, t.b2, t.eps, t.weight_decay
 
@@ -81,13 +84,10 @@ def pinned_adamw(t: TrainConfig) -> optax.GradientTransformation:
         )
         return updates, new_state
 
-    return optax.GradientTransformation(ref.init, update_fn)
+    return optax.GradientTransformation(_adamw(t).init, update_fn)
 
 
 def make_optimizer(t: TrainConfig, canonical_numerics: bool = False) -> optax.GradientTransformation:
     if canonical_numerics:
         return optax.chain(clip_by_canonical_norm(t.clip_norm), pinned_adamw(t))
-    return optax.chain(
-        optax.clip_by_global_norm(t.clip_norm),
-        optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=_decay_mask),
-    )
+    return optax.chain(optax.clip_by_global_norm(t.clip_norm), _adamw(t))
