@@ -304,15 +304,30 @@ class DeterminismConfig:
     #                is checked for ops with no deterministic path (scatter, select-and-scatter) and for
     #                GEMMs left to XLA (only tiny ones pass), and refused otherwise.
     strategy: Literal["xla_flags", "kernels"] = "xla_flags"
-    # "canonical" (strict mode): every sum over tokens is a fixed pair tree over sequences in global order
-    # (detjax.sharding.canonical), so the data and fsdp degrees do not change the bits, and a run may resume
-    # on another such mesh. Each device runs its sequences one at a time, so train.micro_batch changes neither
-    # the bits nor the schedule there. Tensor, expert and pipeline parallelism are refused under it.
+    # "canonical" (strict mode): every sum over tokens is a fixed pair tree over leaves of sequences in global
+    # order (detjax.sharding.canonical), so the data and fsdp degrees do not change the bits, and a run may
+    # resume on another such mesh. Each device runs its leaves one at a time, so train.micro_batch changes
+    # neither the bits nor the schedule there. Tensor, expert and pipeline parallelism are refused under it.
     numerics: Literal["default", "canonical"] = "default"
+    # Canonical numerics: sequences per leaf of the gradient tree (a power of two dividing train.global_batch).
+    # A leaf is one batch-`canonical_leaf` program (its tokens reduced inside the kernels, its aux loss one
+    # load-balancing group, one dropout key), so it is part of the trajectory; data x fsdp may be at most
+    # global_batch / canonical_leaf. 1 = one sequence per leaf (least memory, most mesh freedom); larger
+    # leaves run bigger products (faster on a GPU).
+    canonical_leaf: int = 1
 
     @property
     def canonical(self) -> bool:
         return self.mode == "strict" and self.numerics == "canonical"
+
+    def validate(self) -> None:
+        if self.canonical_leaf != 1 and self.numerics != "canonical":
+            _fail(
+                "determinism.canonical_leaf",
+                self.canonical_leaf,
+                "applies only under determinism.numerics=canonical",
+                "remove it, or set determinism.numerics=canonical",
+            )
 
 
 @dataclass(frozen=True)
@@ -534,6 +549,7 @@ class Config:
         self.eval.validate()
         self.run.validate()
         self.ckpt.validate()
+        self.determinism.validate()
         m, t = self.model, self.train
         if t.seq_len % m.mamba.chunk_size and "M" in m.pattern:
             _fail(
@@ -637,6 +653,17 @@ def canonical_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
                 t.global_batch,
                 "must be a power of two under canonical numerics (the gradient tree over sequences is balanced)",
                 "use 8, 16, 32, ... sequences per step",
+            )
+        ]
+    leaf = d.canonical_leaf
+    if leaf < 1 or leaf & (leaf - 1) or t.global_batch % leaf:
+        return [
+            (
+                "determinism.canonical_leaf",
+                leaf,
+                f"must be a power of two dividing train.global_batch = {t.global_batch} (the leaves of the "
+                "gradient tree are whole, equal blocks of sequences)",
+                "use 1, 2, 4, ... up to train.global_batch",
             )
         ]
     return []

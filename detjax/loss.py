@@ -34,9 +34,9 @@ class Objective:
     step's gradient of j, divided once by the step's token count n_tok, is that of lm_loss + mtp_coef *
     mtp_loss + aux_coef * aux_loss, each a per-token (aux: per-group) mean over the whole step.
 
-    An aux group is what one load-balancing loss is computed over: a microbatch by default, one sequence
-    under canonical numerics (whose gradient is a tree over per-sequence gradients; the microbatch size
-    must not enter the bits)."""
+    An aux group is what one load-balancing loss is computed over: a microbatch by default, one leaf of
+    `determinism.canonical_leaf` sequences under canonical numerics (whose gradient is a tree over per-leaf
+    gradients; the microbatch size must not enter the bits)."""
 
     n_tok: int  # LM-loss tokens per step
     n_mtp: int  # MTP-loss tokens per step
@@ -50,7 +50,7 @@ class Objective:
         t, m = cfg.train, cfg.model
         n_tok, n_mtp = t.global_batch * t.seq_len, t.global_batch * (t.seq_len - 1)
         canonical = cfg.determinism.canonical
-        n_aux = t.global_batch if canonical else t.n_micro
+        n_aux = t.global_batch // cfg.determinism.canonical_leaf if canonical else t.n_micro
         return cls(n_tok, n_mtp, n_aux, m.mtp.loss_coef, m.moe.aux_loss_coef, canonical)
 
     @property

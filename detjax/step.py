@@ -26,6 +26,9 @@ from detjax.sharding.rules import Layout, constrain, tree_shardings
 
 # Purposes for key derivation: every key is fold_in(seed key, step, purpose, logical index).
 PURPOSE_INIT, PURPOSE_DROPOUT = 0, 1
+# canonical numerics: leaves whose gradients one scan stacks before their pair tree (a power of two; more
+# leaves per device go through a TreeAccumulator in groups of this many)
+STACK = 4
 
 
 class TrainState(struct.PyTreeNode):
@@ -63,14 +66,16 @@ class Trainer:
         self.pipelined = layout is not None and layout.degrees["pipeline"] > 1
         self.model = HybridLM(cfg.model, layout)
         self.canonical = cfg.determinism.canonical
-        # canonical numerics run the model one sequence at a time inside shard_map: no layout constraints inside
-        self.seq_model = HybridLM(cfg.model, None) if self.canonical else None
+        # canonical numerics run the model one leaf at a time inside shard_map: no layout constraints inside
+        self.leaf_model = HybridLM(cfg.model, None) if self.canonical else None
         shards = self.batch_shards()
-        if self.canonical and (not canonical.is_power_of_two(shards) or cfg.train.global_batch % shards):
+        leaves = cfg.train.global_batch // cfg.determinism.canonical_leaf
+        if self.canonical and (not canonical.is_power_of_two(shards) or leaves % shards):
             raise ConfigError(
                 f"config key 'determinism.numerics' = 'canonical': the batch is split over {shards} devices "
-                f"(data x fsdp), which must be a power of two dividing train.global_batch = "
-                f"{cfg.train.global_batch}. Fix: use 1, 2, 4, 8, ... data x fsdp devices"
+                f"(data x fsdp), which must be a power of two dividing the {leaves} leaves of "
+                f"determinism.canonical_leaf = {cfg.determinism.canonical_leaf} sequences. Fix: use 1, 2, 4, ... "
+                f"data x fsdp devices, at most {leaves}, or a smaller determinism.canonical_leaf"
             )
         self.fp8 = cfg.model.fp8.enabled
         if (
@@ -229,47 +234,68 @@ class Trainer:
 
         return pipeline.StageFns(chunk, embed, head, self.objective.aux_weight, m_cfg.d_model)
 
-    def seq_objective(self, params: Any, tokens_L1: jax.Array, key: jax.Array):
-        """(j, terms) of one sequence: the leaf of canonical numerics' gradient tree."""
-        outs = self.seq_model.apply({"params": params}, tokens_L1[None, :-1], train=True, key=key)
+    def leaf_objective(self, params: Any, tokens_CL1: jax.Array, key: jax.Array):
+        """(j, terms) of one leaf (determinism.canonical_leaf sequences): the leaf of canonical numerics'
+        gradient tree."""
+        outs = self.leaf_model.apply({"params": params}, tokens_CL1[:, :-1], train=True, key=key)
         with jax.named_scope("loss"):
-            terms = self.objective.terms(*outs, tokens_L1[None])
+            terms = self.objective.terms(*outs, tokens_CL1)
         return self.objective.total(terms), terms
 
     def canonical_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array):
         """Gradient and loss-term sums under canonical numerics (docs/DETERMINISM.md, "Canonical numerics").
 
-        The leaves of the tree are sequences in global batch order. Each of the S batch shards (data x fsdp:
-        device s holds the contiguous block of sequences [s G/S, (s+1) G/S)) runs inside shard_map, so its
-        program is the explicit per-device one (no partitioner choice inside it): its sequences one at a time
-        (lax.scan: the same batch-1 program whatever the mesh or the microbatch size), each with the dropout
-        key of its global index, summed into the pair tree of its block (TreeAccumulator), with the weights
-        whole. The S block sums then meet in the top levels of the same tree (pair_sum over S): elementwise
-        adds, the same bits wherever XLA runs them."""
+        The leaves of the tree are blocks of C = determinism.canonical_leaf sequences in global batch order.
+        Each of the S batch shards (data x fsdp: device s holds the contiguous block of leaves
+        [s N/S, (s+1) N/S) of the N = G/C leaves) runs inside shard_map, so its program is the explicit
+        per-device one (no partitioner choice inside it): its leaves one at a time (lax.scan: the same
+        batch-C program whatever the mesh or the microbatch size), each with the dropout key of its global
+        leaf index, with the weights whole. Up to STACK leaves' gradients are stacked by the scan and summed
+        by their pair tree; longer blocks push those STACK-leaf subtrees into a TreeAccumulator. The S block
+        sums then meet in the top levels of the same tree (pair_sum over S): elementwise adds, the same bits
+        wherever XLA runs them."""
         g_rows, width = batch_GL1.shape
+        leaf = self.cfg.determinism.canonical_leaf
         axes = self.batch_axes()
-        per_shard = g_rows // self.batch_shards()
-        seq_grad = jax.grad(self.seq_objective, has_aux=True)
-        acc = canonical.TreeAccumulator(per_shard)
+        per_shard = g_rows // leaf // self.batch_shards()  # leaves per device
+        stack = min(per_shard, STACK)
+        groups = per_shard // stack
+        leaf_grad = jax.grad(self.leaf_objective, has_aux=True)
 
-        def block_sums(params, tokens_NL1, key, first):
-            def body(carry, xs):
-                tokens_L1, j = xs
-                g, terms = seq_grad(params, tokens_L1, jax.random.fold_in(key, first + j))
+        def block_sums(params, tokens_NCL1, key, first):
+            def leaf_body(_, xs):
+                tokens_CL1, j = xs
+                return None, leaf_grad(params, tokens_CL1, jax.random.fold_in(key, first + j))
+
+            def group_sum(tokens_KCL1, j0):
+                _, grads_K = jax.lax.scan(leaf_body, None, (tokens_KCL1, j0 + jnp.arange(stack)))
                 with jax.named_scope("grad_accumulate"):
-                    carry = acc.push(carry, (g, terms), j)
-                return carry, None
+                    return canonical.tree_pair_sum(grads_K)
+
+            tokens_GKCL1 = tokens_NCL1.reshape(groups, stack, *tokens_NCL1.shape[1:])
+            if groups == 1:
+                return group_sum(tokens_GKCL1[0], 0)
+            acc = canonical.TreeAccumulator(groups)
+
+            def group_body(carry, xs):
+                tokens_KCL1, g = xs
+                s = group_sum(tokens_KCL1, g * stack)
+                with jax.named_scope("grad_accumulate"):
+                    return acc.push(carry, s, g), None
 
             zeros = (jax.tree.map(jnp.zeros_like, params), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())))
-            out, _ = jax.lax.scan(body, acc.init(zeros), (tokens_NL1, jnp.arange(per_shard)))
+            out, _ = jax.lax.scan(group_body, acc.init(zeros), (tokens_GKCL1, jnp.arange(groups)))
             return out["total"]
 
-        if self.layout is None:
-            return block_sums(params, batch_GL1, step_key, 0)
+        def leaves_of(tokens_BL1):
+            return tokens_BL1.reshape(-1, leaf, width)
 
-        def local(params, tokens_NL1, key):
+        if self.layout is None:
+            return block_sums(params, leaves_of(batch_GL1), step_key, 0)
+
+        def local(params, tokens_BL1, key):
             first = jax.lax.axis_index(axes) * per_shard if axes else 0
-            sums = block_sums(params, tokens_NL1, key, first)
+            sums = block_sums(params, leaves_of(tokens_BL1), key, first)
             return jax.tree.map(lambda x: x[None], sums)
 
         spec = P(axes) if axes else P()

@@ -4,7 +4,10 @@
         --cpu-devices 8 model.pattern='M*E-M*E-M*E-M*E-' train.steps=3
 
 Columns: mesh, steps, final lm loss (hex), fingerprint digest (sha256 of fingerprints.jsonl, 12 hex),
-repeat-identical (the two runs' fingerprint files are byte-equal), equal to the first row (same bytes).
+repeat-identical (the two runs' fingerprint files are byte-equal), equal to the first row (same bytes), the
+median step time and tokens/s of the first run's steps after the first two (compilation and warm-up; from
+its metrics.jsonl: the wall time between two records, the device's step time once the queue is steady), and
+the wall time of the mesh's runs.
 Mesh names come from configs/meshes.yaml; `k=v,k=v` (e.g. `tensor=2,expert=2`) also works.
 """
 
@@ -14,6 +17,7 @@ import argparse
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="mesh_sweep_"))
     rows = []
     first: bytes | None = None
-    print(f"{'mesh':14s} {'steps':>5s}  {'final lm loss (hex)':24s} {'digest':12s}  repeat  =first  time")
+    print(
+        f"{'mesh':14s} {'steps':>5s}  {'final lm loss (hex)':24s} {'digest':12s}  repeat  =first "
+        f"{'step ms':>9s} {'tokens/s':>10s}  time"
+    )
     for name in names:
         ov = mesh_overrides(name, presets)
         fps = []
@@ -93,10 +100,14 @@ def main(argv: list[str] | None = None) -> int:
             "equal_to_first": fps[0] == first,
             "seconds": round(time.time() - t0, 1),
         }
+        timed = [json.loads(line) for line in (out / f"{name}-0" / "metrics.jsonl").read_text().splitlines()][2:]
+        row["step_ms"] = 1e3 * statistics.median(r["step_time_s"] for r in timed) if timed else float("nan")
+        row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in timed) if timed else float("nan")
         rows.append(row)
         print(
             f"{name:14s} {row['steps']:5d}  {row['final_lm_loss_hex']:24s} {row['digest']:12s}  "
-            f"{str(row['repeat_identical']):6s}  {str(row['equal_to_first']):6s} {row['seconds']:5.0f}s",
+            f"{str(row['repeat_identical']):6s}  {str(row['equal_to_first']):6s} {row['step_ms']:9.2f} "
+            f"{row['tokens_per_s']:10.0f} {row['seconds']:5.0f}s",
             flush=True,
         )
     if args.json:

@@ -75,6 +75,12 @@ def test_config_rules():
         load_config(MESH_CFG, canon + ["trace.level=phase", "trace.steps=1"])
     with pytest.raises(ConfigError, match="needs determinism.mode=strict"):
         load_config(MESH_CFG, canon + ["determinism.mode=off"])
+    with pytest.raises(ConfigError, match=r"canonical_leaf.*power of two dividing"):
+        load_config(MESH_CFG, canon + ["determinism.canonical_leaf=3"])
+    with pytest.raises(ConfigError, match=r"canonical_leaf.*only under determinism.numerics=canonical"):
+        load_config(MESH_CFG, ["determinism.canonical_leaf=2"])
+    # the leaf size is part of the trajectory (it is the aux-loss group and the dropout-key unit)
+    assert load_config(MESH_CFG, canon).hash() != load_config(MESH_CFG, canon + ["determinism.canonical_leaf=2"]).hash()
     # the mesh and the microbatch size are not part of a canonical run's identity; they are of a default run's
     a, b = (load_config(MESH_CFG, canon + o) for o in (["mesh.data=8"], ["mesh.fsdp=8", "train.micro_batch=2"]))
     assert a.hash() == b.hash()
@@ -120,6 +126,25 @@ def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
     # negative control: default numerics accumulate microbatches in sequence, so their size changes the bits
     mb8, mb2 = _one_step(["mesh.devices=1"]), _one_step(["mesh.devices=1", "train.micro_batch=2"])
     assert not _same(mb8, mb2), "negative control: default numerics should change with the microbatch size"
+
+
+def test_leaves_of_several_sequences_are_mesh_invariant():
+    """Canonical with determinism.canonical_leaf=4: one device (four leaves stacked by one scan) and data 4
+    (one leaf per device, the devices joined by the top of the tree) give the same step, byte for byte. The
+    leaf size is part of the trajectory: one-sequence leaves give other bits (the negative control), and a mesh
+    with more batch devices than leaves is refused."""
+    from detjax.sharding.mesh import build_layout
+    from detjax.step import Trainer
+
+    canon = ["determinism.numerics=canonical", "determinism.canonical_leaf=4"]
+    ref = _one_step(canon + ["mesh.devices=1"])
+    got = _one_step(canon + ["mesh.devices=4", "mesh.data=4"])
+    assert _same(got[0], ref[0]) and _same(got[1]["digest"], ref[1]["digest"])
+    one = _one_step(["determinism.numerics=canonical", "mesh.devices=1"])
+    assert not _same(one[1]["digest"], ref[1]["digest"]), "negative control: the leaf size should change the bits"
+    cfg = load_config(MESH_CFG, canon + ["mesh.data=8"])
+    with pytest.raises(ConfigError, match=r"dividing the 4 leaves.*smaller determinism\.canonical_leaf"):
+        Trainer(cfg, build_layout(cfg, jax.devices()[:8]))
 
 
 @pytest.mark.extended  # ~1 min on 2 cores; the one-step test above covers the same trees in the default run
