@@ -32,25 +32,22 @@ def clip_by_canonical_norm(max_norm: float) -> optax.GradientTransformation:
     over leaves are fixed pair trees (detjax.sharding.canonical), so the clip factor has the same bits
     however the gradients are sharded. The same rule as optax: scale by max_norm / norm when norm >= max_norm."""
 
-    def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
-        """grad_norm: the step's canonical.global_norm of `updates` when the caller has it already (the
-        trainer logs it; its squares pass an optimization barrier, so XLA would not merge a second copy)."""
-        del params, extra_args
-        g_norm = canonical.global_norm(updates) if grad_norm is None else grad_norm
+    def update_fn(updates, state, params=None):
+        del params
+        g_norm = canonical.global_norm(updates)
         keep = g_norm < max_norm
         return jax.tree.map(lambda u: jax.lax.select(keep, u, (u / g_norm.astype(u.dtype)) * max_norm), updates), state
 
-    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def _adamw(t: TrainConfig) -> optax.GradientTransformation:
     return optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=_decay_mask)
 
 
-def _apart(*trees):
-    """Products that must reach the following adds rounded: one optimization barrier over all of them (one
-    barrier for every leaf, not one per leaf, so XLA may still fuse the leaves' products horizontally)."""
-    return jax.lax.optimization_barrier(trees)
+def _apart(x: jax.Array) -> jax.Array:
+    """A product that must reach the following add rounded (an optimization barrier between them)."""
+    return jax.lax.optimization_barrier(x)
 
 
 def pinned_adamw(t: TrainConfig) -> optax.GradientTransformation:
@@ -66,27 +63,20 @@ def pinned_adamw(t: TrainConfig) -> optax.GradientTransformation:
     def update_fn(grads, state, params):
         adam, masked, sched = state
         count = optax.safe_increment(adam.count)
-        decay = _decay_mask(params)
-        g1, m1, g2, v2, wp = _apart(
-            jax.tree.map(lambda g: (1 - b1) * g, grads),
-            jax.tree.map(lambda m: b1 * m, adam.mu),
-            jax.tree.map(lambda g: (1 - b2) * (g * g), grads),
-            jax.tree.map(lambda v: b2 * v, adam.nu),
-            jax.tree.map(lambda p, d: wd * p if d else jnp.zeros((), p.dtype), params, decay),  # () where no decay
-        )
-        mu = jax.tree.map(jnp.add, g1, m1)
-        nu = jax.tree.map(jnp.add, g2, v2)
+        mu = jax.tree.map(lambda g, m: _apart((1 - b1) * g) + _apart(b1 * m), grads, adam.mu)
+        nu = jax.tree.map(lambda g, v: _apart((1 - b2) * (g * g)) + _apart(b2 * v), grads, adam.nu)
         c1 = (1 - jnp.asarray(b1, jnp.float32) ** count).astype(jnp.float32)
         c2 = (1 - jnp.asarray(b2, jnp.float32) ** count).astype(jnp.float32)
         step_size = -schedule(sched.count)
+        decay = _decay_mask(params)
 
-        def one(m, v, p, d, w):
+        def one(m, v, p, d):
             u = (m / c1.astype(m.dtype)) / (jnp.sqrt(v / c2.astype(v.dtype)) + eps)
             if d:
-                u = u + w
-            return u * step_size
+                u = u + _apart(wd * p)
+            return _apart(u * step_size)
 
-        (updates,) = _apart(jax.tree.map(one, mu, nu, params, decay, wp))
+        updates = jax.tree.map(one, mu, nu, params, decay)
         new_state = (
             adam._replace(count=count, mu=mu, nu=nu),
             masked,

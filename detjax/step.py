@@ -328,34 +328,24 @@ class Trainer:
         return g_sum, sums, jax.tree.map(lambda a: jnp.max(a, axis=0), amax_n) if self.fp8 else None
 
     def finish(self, state: TrainState, g_sum: Any, sums: Any, update_fn: Callable | None = None):
-        """Scale the gradient sums, apply the optimizer; -> (new state, grads, updates, losses, norm parts).
+        """Scale the gradient sums, apply the optimizer; -> (new state, grads, updates, losses).
 
-        update_fn(updates) -> updates may transform the optimizer's updates (fault injection only). Norm parts:
-        under canonical numerics (the gradient leaves' square sums, the global norm), computed once for the
-        clip and the metrics (their squares pass an optimization barrier, so XLA would not merge two copies);
-        None otherwise."""
+        update_fn(updates) -> updates may transform the optimizer's updates (fault injection only)."""
         with jax.named_scope("grad_scale"):
             grads = jax.tree.map(lambda g: g / self.objective.n_tok, g_sum)
-        norm_parts, extra = None, {}
-        if self.canonical:
-            with jax.named_scope("metrics"):
-                squares = canonical.square_sums(grads)
-                norm_parts = (squares, canonical.global_norm(grads, squares))
-            extra = {"grad_norm": norm_parts[1]}
         with jax.named_scope("optimizer"):
-            updates, opt_state = self.tx.update(grads, state.opt_state, state.params, **extra)
+            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             if update_fn is not None:
                 updates = update_fn(updates)
             params = optax.apply_updates(state.params, updates)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        return new_state, grads, updates, self.objective.losses(sums), norm_parts
+        return new_state, grads, updates, self.objective.losses(sums)
 
-    def metrics(
-        self, state: TrainState, new_state: TrainState, grads: Any, losses: dict, batch, step_key, norm_parts=None
-    ) -> dict:
+    def metrics(self, state: TrainState, new_state: TrainState, grads: Any, losses: dict, batch, step_key) -> dict:
         with jax.named_scope("metrics"):
-            if norm_parts is not None:
-                squares, norm = norm_parts
+            if self.canonical:
+                squares = canonical.square_sums(grads)
+                norm = canonical.global_norm(grads, squares)
             else:
                 squares = leaf_square_sums(grads)
                 norm = global_norm(grads, squares)
@@ -380,14 +370,12 @@ class Trainer:
             out["finite"] = {"grads": jnp.stack([jnp.isfinite(sq) for sq in squares]), "params": params_finite}
         return out
 
-    def conclude(
-        self, state: TrainState, new_state: TrainState, grads: Any, losses: dict, batch, step_key, norm_parts=None
-    ):
+    def conclude(self, state: TrainState, new_state: TrainState, grads: Any, losses: dict, batch, step_key):
         """-> (the state the step leaves, its metrics). With train.on_nonfinite=skip_step a step whose losses,
         gradients or updated parameters are not all finite keeps the old parameters, optimizer state and
         collections (the step counter and the data position still advance); metrics["skipped"] says so, and the
         digests are those of the state kept. The decision is one on-device select: the same on every replay."""
-        out = self.metrics(state, new_state, grads, losses, batch, step_key, norm_parts)
+        out = self.metrics(state, new_state, grads, losses, batch, step_key)
         if self.cfg.train.on_nonfinite != "skip_step":
             return new_state, out
         with jax.named_scope("skip_nonfinite"):
@@ -399,7 +387,7 @@ class Trainer:
                 opt_state=pick(new_state.opt_state, state.opt_state),
                 collections=pick(new_state.collections, state.collections),
             )
-        out = self.metrics(state, kept, grads, losses, batch, step_key, norm_parts) | {"skipped": ~ok}
+        out = self.metrics(state, kept, grads, losses, batch, step_key) | {"skipped": ~ok}
         return kept, out
 
     # ------------------------------------------------------------------------------------------ step
@@ -410,12 +398,12 @@ class Trainer:
             amax = None
         else:
             g_sum, sums, amax = self.grad_sums(state, self.micro_tokens(batch_GL1), step_key)
-        new_state, grads, _, losses, norm_parts = self.finish(state, g_sum, sums)
+        new_state, grads, _, losses = self.finish(state, g_sum, sums)
         if amax is not None:  # delayed scaling: the next step's scales from the histories through this step
             with jax.named_scope("fp8_scales"):
                 coll = fp8.update_collection(state.collections["fp8"], amax, self.cfg.model.fp8.margin)
             new_state = new_state.replace(collections={**new_state.collections, "fp8": coll})
-        return self.conclude(state, new_state, grads, losses, batch_GL1, step_key, norm_parts)
+        return self.conclude(state, new_state, grads, losses, batch_GL1, step_key)
 
     # ------------------------------------------------------------------------------------------ eval
     def eval_sums(self, state: TrainState, batch_GL1: jax.Array) -> jax.Array:

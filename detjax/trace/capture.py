@@ -160,7 +160,7 @@ def instrumented_step(trainer: Any, level: str = "none", scope: str = ""):
             leaves, tree = jax.tree.flatten(updates)
             return jax.tree.unflatten(tree, [perturb(leaves[0], state.step, inj_step), *leaves[1:]])
 
-        new_state, grads, updates, losses, _ = trainer.finish(
+        new_state, grads, updates, losses = trainer.finish(
             state, g_sum, sums, perturb_first if inject_optimizer else None
         )
         rec = Recorder()
