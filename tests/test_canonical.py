@@ -2,6 +2,7 @@
 meshes (byte equality, with default numerics as the negative control)."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +148,35 @@ def test_leaves_of_several_sequences_are_mesh_invariant():
         Trainer(cfg, build_layout(cfg, jax.devices()[:8]))
 
 
+PALLAS = ["model.kernels=pallas", "model.head_dim=16", "model.mamba.d_state=16", "model.mamba.chunk_size=16"]
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(("model.pattern='-'", "model.mtp.depth=0"), id="mlp"),
+        # every kernel (flash attention, SSD, gmm/tgmm, RMSNorm, matmul, segment sum): ~5 min on 2 cores
+        pytest.param((), id="hybrid", marks=pytest.mark.extended),
+    ],
+)
+def test_pallas_kernels_on_a_batch_mesh(model):
+    """Canonical numerics runs the model inside shard_map, one leaf per device with whole weights, so the
+    Pallas kernels (the kernels strategy on a GPU; interpret mode here) run on data and fsdp meshes: one device
+    and fsdp 2 x data 2 give the same step byte for byte. Negative control: the reference kernels give other
+    bits. Under default numerics a multi-device mesh with the Pallas kernels is refused."""
+    from detjax.sharding.mesh import build_layout
+
+    canon = ["determinism.numerics=canonical", "determinism.canonical_leaf=2", *PALLAS]
+    ref = _one_step(canon + ["mesh.devices=1"], model)
+    got = _one_step(canon + ["mesh.devices=4", "mesh.data=2", "mesh.fsdp=2"], model)
+    assert _same(got[0], ref[0]) and _same(got[1]["digest"], ref[1]["digest"])
+    other = _one_step([*canon, "model.kernels=reference", "mesh.devices=1"], model)
+    assert not _same(other[1]["digest"], ref[1]["digest"]), "negative control: other kernels, other bits"
+    cfg = load_config(MESH_CFG, [*PALLAS, "mesh.devices=4", "mesh.data=4"])
+    with pytest.raises(ConfigError, match=r"model\.kernels.*determinism\.numerics=canonical"):
+        build_layout(cfg, jax.devices()[:4])
+
+
 @pytest.mark.extended  # ~1 min on 2 cores; the one-step test above covers the same trees in the default run
 def test_resume_on_another_mesh_continues_the_trajectory(tmp_path):
     """Canonical: train on dp8, stop after step 1 (a checkpoint at an odd step), resume on fsdp8 and continue:
@@ -193,3 +223,49 @@ def test_pinned_adamw_is_optax_adamw_with_rounded_products():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     assert "optimization_barrier" in jax.jit(pin.update).lower(g, sp, pp).as_text()
     assert "optimization_barrier" not in jax.jit(ref.update).lower(g, sr, pr).as_text()  # control
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # three training processes (~3 min on 2 cores); run with -m extended
+def test_two_processes_equal_one_device(tmp_path, python):
+    """Canonical, hybrid M*E-M*E-: dp8 over 2 processes x 4 CPU devices (jax.distributed, gloo) gives the
+    fingerprints of the one-device run byte for byte; under default numerics the two differ (the negative
+    control: there the batch split is part of the numerics)."""
+    import subprocess
+
+    from test_mesh import _free_port
+
+    run = [python, "-m", "detjax.train", "--config", MESH_CFG, "run.progress=false", "ckpt.enabled=false"]
+    run += ["model.pattern='M*E-M*E-'", "train.steps=3"]
+
+    def env(n_dev: int) -> dict:
+        e = dict(os.environ, JAX_PLATFORMS="cpu")
+        keep = [f for f in e.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device")]
+        e["XLA_FLAGS"] = " ".join([*keep, f"--xla_force_host_platform_device_count={n_dev}"])
+        return e
+
+    def one(name: str, *extra: str) -> bytes:
+        p = subprocess.run([*run, "--run-dir", str(tmp_path / name), *extra], env=env(8), capture_output=True, text=True)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return (tmp_path / name / "fingerprints.jsonl").read_bytes()
+
+    canon = "determinism.numerics=canonical"
+    port = _free_port()
+    dist = [f"dist.coordinator=127.0.0.1:{port}", "dist.num_processes=2", "mesh.data=8", "mesh.devices=0", canon]
+    procs = [
+        subprocess.Popen(
+            [*run, "--run-dir", str(tmp_path / "two"), *dist, f"dist.process_id={i}"],
+            env=env(4),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for i, p in enumerate(procs):
+        log = p.communicate(timeout=900)[0]
+        assert p.returncode == 0, f"process {i}:\n{log}"
+    two = (tmp_path / "two" / "fingerprints.jsonl").read_bytes()
+    assert len(two.splitlines()) == 3
+    assert two == one("single", "mesh.devices=1", canon)
+    assert one("default", "mesh.devices=1") != one("default_dp8", "mesh.data=8"), "negative control"

@@ -62,10 +62,13 @@ def build_layout(cfg: Config, devices: Sequence[jax.Device] | None = None) -> La
             )
         devices = devices[:n]
     devices = list(devices)
-    if cfg.model.kernels == "pallas" and len(devices) > 1:
+    # Under canonical numerics the model runs inside shard_map, one leaf per device at a time with whole
+    # weights, so each kernel sees one device's arrays; elsewhere the partitioner would have to split them.
+    if cfg.model.kernels == "pallas" and len(devices) > 1 and not cfg.determinism.canonical:
         raise ConfigError(
-            f"config key 'model.kernels' = 'pallas': the Pallas kernels run on a single-device mesh for now, "
-            f"this mesh has {len(devices)} devices. Fix: set mesh.devices=1 or model.kernels=reference"
+            f"config key 'model.kernels' = 'pallas': the Pallas kernels run on a single-device mesh, or on data "
+            f"and fsdp meshes under canonical numerics; this mesh has {len(devices)} devices. Fix: set "
+            "mesh.devices=1, determinism.numerics=canonical, or model.kernels=reference"
         )
     deg = resolve_degrees(cfg, len(devices))
     # Row-major over (data, fsdp, tensor, pipeline, expert): the last axis varies fastest, so expert
