@@ -642,7 +642,7 @@ def canonical_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
             (
                 what,
                 cfg.trace.level if what == "trace.level" else cfg.debug.inject_nondeterminism.scope,
-                "the tracer's capture and fault injection are not built for canonical numerics' per-sequence tree yet",
+                "the tracer's capture and fault injection are not built for canonical numerics' per-leaf tree yet",
                 "trace or inject with determinism.numerics=default",
             )
         ]
@@ -685,7 +685,7 @@ def fp8_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
         )
     elif cfg.determinism.numerics == "canonical":
         key, value = "determinism.numerics", "canonical"
-        why, fix = "canonical numerics' per-sequence tree", "use determinism.numerics=default"
+        why, fix = "canonical numerics' per-leaf tree", "use determinism.numerics=default"
     elif cfg.trace.level != "none":
         key, value, why, fix = "trace.level", cfg.trace.level, "the tracer's instrumented steps", "trace without fp8"
     elif cfg.debug.inject_nondeterminism.scope:
@@ -712,7 +712,7 @@ def fp8_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
             )
         ]
     if cfg.determinism.numerics == "canonical":
-        why = "canonical numerics' per-sequence tree does not carry fp8 amaxes yet"
+        why = "canonical numerics' per-leaf tree does not carry fp8 amaxes yet"
         return [("determinism.numerics", "canonical", why, f"use determinism.numerics=default, {off}")]
     if cfg.trace.level != "none" or cfg.debug.inject_nondeterminism.scope:
         why = "the tracer's instrumented steps do not carry the fp8 scales yet"

@@ -36,7 +36,7 @@ def resolve_degrees(cfg: Config, n_devices: int) -> dict[str, int]:
         )
     batch_ways = deg["data"] * deg["fsdp"] * deg["expert"]
     mb = cfg.train.micro_batch
-    if mb % batch_ways and not cfg.determinism.canonical:  # canonical numerics runs one sequence at a time
+    if mb % batch_ways and not cfg.determinism.canonical:  # canonical numerics runs one leaf at a time
         raise ConfigError(
             f"config key 'train.micro_batch' = {mb}: a microbatch is split over data x fsdp x expert = "
             f"{deg['data']} x {deg['fsdp']} x {deg['expert']} = {batch_ways} devices and must be divisible by it. "
