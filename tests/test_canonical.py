@@ -245,7 +245,9 @@ def test_two_processes_equal_one_device(tmp_path, python):
         return e
 
     def one(name: str, *extra: str) -> bytes:
-        p = subprocess.run([*run, "--run-dir", str(tmp_path / name), *extra], env=env(8), capture_output=True, text=True)
+        p = subprocess.run(
+            [*run, "--run-dir", str(tmp_path / name), *extra], env=env(8), capture_output=True, text=True
+        )
         assert p.returncode == 0, p.stdout + p.stderr
         return (tmp_path / name / "fingerprints.jsonl").read_bytes()
 
