@@ -683,9 +683,6 @@ def fp8_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
             "expert parallelism's all-to-all path",
             "use mesh.expert=1",
         )
-    elif cfg.determinism.numerics == "canonical":
-        key, value = "determinism.numerics", "canonical"
-        why, fix = "canonical numerics' per-leaf tree", "use determinism.numerics=default"
     elif cfg.trace.level != "none":
         key, value, why, fix = "trace.level", cfg.trace.level, "the tracer's instrumented steps", "trace without fp8"
     elif cfg.debug.inject_nondeterminism.scope:
@@ -701,23 +698,6 @@ def fp8_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
             f"{fix}, {off}",
         )
     ]
-    off = "or set model.fp8.enabled=false"
-    if cfg.mesh.pipeline > 1:
-        return [
-            (
-                "mesh.pipeline",
-                cfg.mesh.pipeline,
-                "the pipeline schedule does not carry fp8 amaxes yet",
-                f"use mesh.pipeline=1, {off}",
-            )
-        ]
-    if cfg.determinism.numerics == "canonical":
-        why = "canonical numerics' per-leaf tree does not carry fp8 amaxes yet"
-        return [("determinism.numerics", "canonical", why, f"use determinism.numerics=default, {off}")]
-    if cfg.trace.level != "none" or cfg.debug.inject_nondeterminism.scope:
-        why = "the tracer's instrumented steps do not carry the fp8 scales yet"
-        return [("trace.level", cfg.trace.level, why, f"set trace.level=none and no fault injection, {off}")]
-    return []
 
 
 def _type_name(tp: Any) -> str:

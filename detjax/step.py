@@ -234,16 +234,18 @@ class Trainer:
 
         return pipeline.StageFns(chunk, embed, head, self.objective.aux_weight, m_cfg.d_model)
 
-    def leaf_objective(self, params: Any, tokens_CL1: jax.Array, key: jax.Array):
+    def leaf_objective(self, params: Any, tokens_CL1: jax.Array, key: jax.Array, fp8_scales: Any = None):
         """(j, terms) of one leaf (determinism.canonical_leaf sequences): the leaf of canonical numerics'
         gradient tree."""
-        outs = self.leaf_model.apply({"params": params}, tokens_CL1[:, :-1], train=True, key=key)
+        variables = {"params": params} if fp8_scales is None else {"params": params, "fp8": fp8_scales}
+        outs = self.leaf_model.apply(variables, tokens_CL1[:, :-1], train=True, key=key)
         with jax.named_scope("loss"):
             terms = self.objective.terms(*outs, tokens_CL1)
         return self.objective.total(terms), terms
 
-    def canonical_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array):
-        """Gradient and loss-term sums under canonical numerics (docs/DETERMINISM.md, "Canonical numerics").
+    def canonical_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array, fp8_scales: Any = None):
+        """Gradient and loss-term sums under canonical numerics (docs/DETERMINISM.md, "Canonical numerics"),
+        and the step's fp8 amaxes (None without fp8).
 
         The leaves of the tree are blocks of C = determinism.canonical_leaf sequences in global batch order.
         Each of the S batch shards (data x fsdp: device s holds the contiguous block of leaves
@@ -253,24 +255,35 @@ class Trainer:
         leaf index, with the weights whole. Up to STACK leaves' gradients are stacked by the scan and summed
         by their pair tree; longer blocks push those STACK-leaf subtrees into a TreeAccumulator. The S block
         sums then meet in the top levels of the same tree (pair_sum over S): elementwise adds, the same bits
-        wherever XLA runs them."""
+        wherever XLA runs them. fp8 amaxes are maxima over the leaves (exact in any order)."""
         g_rows, width = batch_GL1.shape
         leaf = self.cfg.determinism.canonical_leaf
         axes = self.batch_axes()
         per_shard = g_rows // leaf // self.batch_shards()  # leaves per device
         stack = min(per_shard, STACK)
         groups = per_shard // stack
-        leaf_grad = jax.grad(self.leaf_objective, has_aux=True)
+        fp8_on = fp8_scales is not None
 
-        def block_sums(params, tokens_NCL1, key, first):
+        def leaf_grad(params, tokens_CL1, key, scales):
+            if fp8_on:  # the amaxes come back as the "gradient" with respect to the scales (detjax.model.fp8)
+                grad = jax.grad(self.leaf_objective, argnums=(0, 3), has_aux=True)
+                (g, amax), terms = grad(params, tokens_CL1, key, scales)
+                return (g, terms), amax
+            g, terms = jax.grad(self.leaf_objective, has_aux=True)(params, tokens_CL1, key)
+            return (g, terms), ()
+
+        def amax_max(a_K):
+            return jax.tree.map(lambda a: jnp.max(a, axis=0), a_K)
+
+        def block_sums(params, tokens_NCL1, key, first, scales):
             def leaf_body(_, xs):
                 tokens_CL1, j = xs
-                return None, leaf_grad(params, tokens_CL1, jax.random.fold_in(key, first + j))
+                return None, leaf_grad(params, tokens_CL1, jax.random.fold_in(key, first + j), scales)
 
             def group_sum(tokens_KCL1, j0):
-                _, grads_K = jax.lax.scan(leaf_body, None, (tokens_KCL1, j0 + jnp.arange(stack)))
+                _, (grads_K, amax_K) = jax.lax.scan(leaf_body, None, (tokens_KCL1, j0 + jnp.arange(stack)))
                 with jax.named_scope("grad_accumulate"):
-                    return canonical.tree_pair_sum(grads_K)
+                    return canonical.tree_pair_sum(grads_K), amax_max(amax_K)
 
             tokens_GKCL1 = tokens_NCL1.reshape(groups, stack, *tokens_NCL1.shape[1:])
             if groups == 1:
@@ -279,31 +292,35 @@ class Trainer:
 
             def group_body(carry, xs):
                 tokens_KCL1, g = xs
-                s = group_sum(tokens_KCL1, g * stack)
+                s, amax = group_sum(tokens_KCL1, g * stack)
                 with jax.named_scope("grad_accumulate"):
-                    return acc.push(carry, s, g), None
+                    return acc.push(carry, s, g), amax
 
             zeros = (jax.tree.map(jnp.zeros_like, params), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())))
-            out, _ = jax.lax.scan(group_body, acc.init(zeros), (tokens_GKCL1, jnp.arange(groups)))
-            return out["total"]
+            out, amax_G = jax.lax.scan(group_body, acc.init(zeros), (tokens_GKCL1, jnp.arange(groups)))
+            return out["total"], amax_max(amax_G)
 
         def leaves_of(tokens_BL1):
             return tokens_BL1.reshape(-1, leaf, width)
 
-        if self.layout is None:
-            return block_sums(params, leaves_of(batch_GL1), step_key, 0)
+        def unpack(sums, amax):
+            g_sum, terms = sums
+            return g_sum, terms, (amax if fp8_on else None)
 
-        def local(params, tokens_BL1, key):
+        if self.layout is None:
+            return unpack(*block_sums(params, leaves_of(batch_GL1), step_key, 0, fp8_scales))
+
+        def local(params, tokens_BL1, key, scales):
             first = jax.lax.axis_index(axes) * per_shard if axes else 0
-            sums = block_sums(params, leaves_of(tokens_BL1), key, first)
-            return jax.tree.map(lambda x: x[None], sums)
+            out = block_sums(params, leaves_of(tokens_BL1), key, first, scales)
+            return jax.tree.map(lambda x: x[None], out)
 
         spec = P(axes) if axes else P()
-        sums_S = jax.shard_map(
-            local, mesh=self.layout.mesh, in_specs=(P(), spec, P()), out_specs=spec, check_vma=False
-        )(params, batch_GL1, step_key)
+        sums_S, amax_S = jax.shard_map(
+            local, mesh=self.layout.mesh, in_specs=(P(), spec, P(), P()), out_specs=spec, check_vma=False
+        )(params, batch_GL1, step_key, fp8_scales if fp8_on else ())
         with jax.named_scope("grad_accumulate"):
-            return canonical.tree_pair_sum(sums_S)
+            return unpack(canonical.tree_pair_sum(sums_S), amax_max(amax_S))
 
     def batch_axes(self) -> tuple[str, ...]:
         """The mesh axes the batch is split over (degree > 1), major first."""
@@ -394,8 +411,7 @@ class Trainer:
     def train_step(self, state: TrainState, batch_GL1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
         step_key = self.step_key(state)
         if self.canonical:
-            g_sum, sums = self.canonical_grad_sums(state.params, batch_GL1, step_key)
-            amax = None
+            g_sum, sums, amax = self.canonical_grad_sums(state.params, batch_GL1, step_key, self.fp8_scales(state))
         else:
             g_sum, sums, amax = self.grad_sums(state, self.micro_tokens(batch_GL1), step_key)
         new_state, grads, _, losses = self.finish(state, g_sum, sums)

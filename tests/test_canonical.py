@@ -148,6 +148,20 @@ def test_leaves_of_several_sequences_are_mesh_invariant():
         Trainer(cfg, build_layout(cfg, jax.devices()[:8]))
 
 
+def test_fp8_scales_are_mesh_invariant():
+    """Canonical numerics with model.fp8: two steps (step 1 scales its products by the amax history of step 0)
+    on one device and on fsdp 2 x data 4 give the same parameters, digests and fp8 collection (scales and
+    amax histories), byte for byte: an amax is the maximum over the leaves, exact in any order. Negative
+    control: without fp8 the bits differ (the fp8 path is what ran)."""
+    canon = ["determinism.numerics=canonical", "model.fp8.enabled=true", "model.fp8.amax_history_len=3"]
+    ref = _one_step([*canon, "mesh.devices=1"], steps=2)
+    got = _one_step([*canon, "mesh.fsdp=2", "mesh.data=4"], steps=2)
+    assert "collections" in ref[1]["digest"]
+    assert _same(got[0], ref[0]) and _same(got[1]["digest"], ref[1]["digest"])
+    bf16 = _one_step(["determinism.numerics=canonical", "mesh.devices=1"], steps=2)
+    assert not _same(bf16[0], ref[0]), "negative control: fp8 off should give other bits"
+
+
 PALLAS = ["model.kernels=pallas", "model.head_dim=16", "model.mamba.d_state=16", "model.mamba.chunk_size=16"]
 
 
