@@ -16,8 +16,9 @@ Modes (each a separate process, since XLA reads its flags once):
   pallas      determinism.mode=off + model.kernels=pallas (every Pallas kernel, XLA autotuning on)
   strict-kernels  determinism.mode=strict, strategy=kernels: the Pallas kernels (every GEMM included), no
               XLA deterministic flag, XLA autotuning off; the step is checked for scatter and XLA GEMMs
-  canonical   strict-kernels with determinism.numerics=canonical (mesh-invariant sums: one sequence at a time,
-              gradients summed by the pair tree)
+  canonical   strict-kernels with determinism.numerics=canonical (mesh-invariant sums: leaves of
+              determinism.canonical_leaf sequences, one sequence by default, gradients summed by the pair
+              tree; e.g. `canonical+determinism.canonical_leaf=4`)
 A mode may carry overrides of its own after "+": `strict-kernels+debug.nonfinite_guard=false` is strict-kernels
 without the non-finite guard (its cost is the difference). The trailing key=value arguments apply to every mode;
 run.fingerprints is on unless they say otherwise.
