@@ -158,17 +158,19 @@ class Trainer:
         t = self.cfg.train
         return constrain(batch_GL1.reshape(t.n_micro, t.micro_batch, -1), self.layout, (None, ax.BATCH, None))
 
-    def apply_model(self, params: Any, ids_BL: jax.Array, key: jax.Array, fp8_scales: Any = None):
+    def apply_model(self, params: Any, ids_BL: jax.Array, key: jax.Array, fp8_scales: Any = None, model=None):
+        """The training forward of `model` (default: the step's model; canonical numerics: the leaf model)."""
         variables = {"params": params} if fp8_scales is None else {"params": params, "fp8": fp8_scales}
-        return self.model.apply(variables, ids_BL, train=True, key=key)
+        return (model or self.model).apply(variables, ids_BL, train=True, key=key)
 
     def fp8_scales(self, state: TrainState) -> Any:
         """The scales this step's fp8 projections use (computed at the end of the step before), or None."""
         return state.collections["fp8"]["scale"] if self.fp8 else None
 
-    def micro_objective(self, params: Any, tokens_BL1: jax.Array, key: jax.Array, fp8_scales: Any = None):
-        """(j, (lm sum, MTP sum, aux)) of one microbatch; the gradient is taken of j."""
-        outs = self.apply_model(params, tokens_BL1[:, :-1], key, fp8_scales)
+    def micro_objective(self, params: Any, tokens_BL1: jax.Array, key: jax.Array, fp8_scales: Any = None, model=None):
+        """(j, (lm sum, MTP sum, aux)) of one microbatch (with model=self.leaf_model: one leaf of canonical
+        numerics' gradient tree); the gradient is taken of j."""
+        outs = self.apply_model(params, tokens_BL1[:, :-1], key, fp8_scales, model)
         with jax.named_scope("loss"):
             terms = self.objective.terms(*outs, tokens_BL1)
         return self.objective.total(terms), terms
@@ -235,13 +237,8 @@ class Trainer:
         return pipeline.StageFns(chunk, embed, head, self.objective.aux_weight, m_cfg.d_model)
 
     def leaf_objective(self, params: Any, tokens_CL1: jax.Array, key: jax.Array, fp8_scales: Any = None):
-        """(j, terms) of one leaf (determinism.canonical_leaf sequences): the leaf of canonical numerics'
-        gradient tree."""
-        variables = {"params": params} if fp8_scales is None else {"params": params, "fp8": fp8_scales}
-        outs = self.leaf_model.apply(variables, tokens_CL1[:, :-1], train=True, key=key)
-        with jax.named_scope("loss"):
-            terms = self.objective.terms(*outs, tokens_CL1)
-        return self.objective.total(terms), terms
+        """(j, terms) of one leaf (determinism.canonical_leaf sequences) of canonical numerics' gradient tree."""
+        return self.micro_objective(params, tokens_CL1, key, fp8_scales, self.leaf_model)
 
     def canonical_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array, fp8_scales: Any = None):
         """Gradient and loss-term sums under canonical numerics (docs/DETERMINISM.md, "Canonical numerics"),
