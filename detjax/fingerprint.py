@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 import jax
@@ -115,21 +116,42 @@ def row_digest(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.stack([h1, h2], axis=-1), axis=1, dtype=jnp.uint32)
 
 
-def tree_digest(tree: Any) -> jax.Array:
+def tree_digest(tree: Any, grouped: bool = True) -> jax.Array:
     """uint32[2] over a pytree: leaf digests mixed with each leaf's path, so moved leaves are caught."""
-    return tree_digest_and_finite(tree, count_nonfinite=False)[0]
+    return tree_digest_and_finite(tree, count_nonfinite=False, grouped=grouped)[0]
 
 
-def tree_digest_and_finite(tree: Any, count_nonfinite: bool = True) -> tuple[jax.Array, jax.Array]:
+def tree_digest_and_finite(
+    tree: Any, count_nonfinite: bool = True, grouped: bool = True
+) -> tuple[jax.Array, jax.Array]:
     """(tree_digest, bool[leaves]: each leaf has no inf/NaN), from one pass over each leaf (the non-finite
-    guard rides on the digest's reads)."""
+    guard rides on the digest's reads).
+
+    `grouped`: leaves of one role in different layers (the same path once layer numbers are dropped, the same
+    shape and dtype) are stacked and digested by one vmapped reduction instead of one reduction per leaf — a
+    few dozen reductions for a tree of hundreds of leaves. Integer sums: the same bits either way (tested)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    sums: list[Any] = [None] * len(leaves)
+    groups: dict[Any, list[int]] = {}
+    for i, (path, leaf) in enumerate(leaves):
+        if grouped and not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            role = re.sub(r"\d+", "#", jax.tree_util.keystr(path))
+            groups.setdefault((role, tuple(leaf.shape), str(leaf.dtype)), []).append(i)
+        else:
+            groups[("leaf", i)] = [i]
+    for idx in groups.values():
+        if len(idx) == 1:
+            sums[idx[0]] = _lane_sums(leaves[idx[0]][1], count_nonfinite)
+            continue
+        stacked = jnp.stack([leaves[i][1] for i in idx])
+        h1, h2, bad = jax.vmap(lambda x: _lane_sums(x, count_nonfinite))(stacked)
+        for n, i in enumerate(idx):
+            sums[i] = (h1[n], h2[n], bad[n])
     acc = jnp.zeros((2,), jnp.uint32)
     finite = []
-    for path, leaf in leaves:
+    for (path, _), (h1, h2, bad) in zip(leaves, sums, strict=True):
         key = jax.tree_util.keystr(path).encode()
         salt = np.uint32(int.from_bytes(hashlib.blake2s(key, digest_size=4).digest(), "little"))
-        h1, h2, bad = _lane_sums(leaf, count_nonfinite)
         acc = acc + _fmix(jnp.stack([h1, h2]) ^ salt) * np.array([1, 3], np.uint32)
         finite.append(bad == 0)
     return acc, jnp.stack(finite) if finite else jnp.ones((0,), bool)

@@ -127,16 +127,16 @@ def sweep_flash(reps: int) -> None:
     from detjax.pallas_kernels.flash_attention import kernel as fk
 
     # gpu_dense attention per microbatch: B 4, 16 query heads, 4 kv heads, L 2048, head dim 64, bf16
-    bh, bkv, length, d = 64, 16, 2048, 64
+    b, h, kh, length, d = 4, 16, 4, 2048, 64
     ks = jax.random.split(jax.random.key(0), 4)
-    q, k, v, do = (_stack(ks[i], ((bh if i in (0, 3) else bkv), length, d), jnp.bfloat16) for i in range(4))
+    q, k, v, do = (_stack(ks[i], (b, length, h if i in (0, 3) else kh, d), jnp.bfloat16) for i in range(4))
 
     def fwd(q, k, v):
-        return fk.flash_fwd(q, k, v, g=bh // bkv, interpret=False)
+        return fk.flash_fwd(q, k, v, interpret=False)
 
     def bwd(q, k, v, do):
-        o, lse = fk.flash_fwd(q, k, v, g=bh // bkv, interpret=False)
-        return fk.flash_bwd(q, k, v, o, lse, do, g=bh // bkv, interpret=False)
+        o, lse = fk.flash_fwd(q, k, v, interpret=False)
+        return fk.flash_bwd(q, k, v, o, lse, do, interpret=False)
 
     _sweep("flash fwd", fk.TILES, "fwd", FLASH_FWD, [("fwd", fwd, (q, k, v))], reps)
     _sweep("flash bwd (+fwd)", fk.TILES, "bwd", FLASH_BWD, [("fwd+bwd", bwd, (q, k, v, do))], reps)

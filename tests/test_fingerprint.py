@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from detjax.fingerprint import digest_hex, row_digest, tensor_digest, tree_digest
+from detjax.fingerprint import digest_hex, row_digest, tensor_digest, tree_digest, tree_digest_and_finite
 
 
 def _xor_digest(x):
@@ -42,6 +42,23 @@ def test_tree_digest_sees_moved_leaves():
     a, b = jnp.ones(3), jnp.zeros(3)
     assert digest_hex(tree_digest({"x": a, "y": b})) != digest_hex(tree_digest({"x": b, "y": a}))
     assert digest_hex(tree_digest({"k": jax.random.key(1)})) != digest_hex(tree_digest({"k": jax.random.key(2)}))
+
+
+def test_grouped_tree_digest_equals_the_per_leaf_one():
+    """Same-role leaves of different layers are digested by one stacked reduction: the same bits and per-leaf
+    finite flags as one reduction per leaf; swapping two layers' leaves still changes the digest."""
+    ks = jax.random.split(jax.random.key(0), 8)
+    tree = {f"layer_{i}": {"w": jax.random.normal(ks[i], (6, 5)), "s": jnp.full((5,), float(i))} for i in range(4)}
+    tree["head"] = jax.random.normal(ks[7], (5, 3)).astype(jnp.bfloat16)
+    tree["layer_2"]["w"] = tree["layer_2"]["w"].at[3, 1].set(jnp.nan)
+    grouped, ok_g = jax.jit(lambda t: tree_digest_and_finite(t, grouped=True))(tree)
+    single, ok_s = jax.jit(lambda t: tree_digest_and_finite(t, grouped=False))(tree)
+    assert np.array_equal(np.asarray(grouped), np.asarray(single))
+    assert np.asarray(ok_g).tolist() == np.asarray(ok_s).tolist()
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    assert [p for p, ok in zip(paths, np.asarray(ok_g), strict=True) if not ok] == ["['layer_2']['w']"]
+    swapped = {**tree, "layer_0": tree["layer_1"], "layer_1": tree["layer_0"]}
+    assert digest_hex(tree_digest(swapped)) != digest_hex(grouped)  # negative control
 
 
 def test_digest_values_are_pinned():

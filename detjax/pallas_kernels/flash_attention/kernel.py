@@ -1,6 +1,8 @@
 """Causal GQA flash attention in Pallas: forward, and a backward with no atomics.
 
-Layout: q (B*H, L, Q), k and v (B*K, L, Q), G = H // K query heads per kv head. Tiles are pinned in TILES.
+Layout: q (B, L, H, Q), k and v (B, L, K, Q) — the projections' layout, read in place by the BlockSpecs (no
+transposes around the kernels) — G = H // K query heads per kv head; the row log-sum-exp is (B*H, L, 1).
+Tiles are pinned in TILES.
 Products take the inputs' dtype (bf16 in training; p and dS are rounded to it, as cuDNN and FlashAttention
 do) and accumulate in float32; float32 inputs multiply as IEEE float32.
 - forward: one program per (query head, query block); online softmax over kv blocks 0..i in order; writes
@@ -105,8 +107,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     def per_block(h, i, carry, masked: bool):
         dk, dv = carry
         rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
-        q = q_ref[h, rows, :]
-        do = do_ref[h, rows, :]
+        q = q_ref[rows, h, :]
+        do = do_ref[rows, h, :]
         s = _dot(q, k, trans_b=True) * scale
         if masked:
             s = _causal(s, i, j, bq, bk)
@@ -147,12 +149,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _heavy_first(n_q: int):
-    """Index map of a query-block operand for grid (head, step): step 0 is the LAST query block. Under a causal
-    mask query block i does i + 1 blocks of work, and the GPU launches programs in grid order (the head axis
-    fastest), so the longest programs start first and the short ones fill the tail. Which program runs when
-    never changes what it computes: the order changes time, not bits."""
-    return lambda h, i: (h, n_q - 1 - i, 0)
+def _heavy_first(n_q: int, heads: int | None = None):
+    """Index map of a query-block operand for grid (batch x head, step): step 0 is the LAST query block. Under a
+    causal mask query block i does i + 1 blocks of work, and the GPU launches programs in grid order (the head
+    axis fastest), so the longest programs start first and the short ones fill the tail. Which program runs
+    when never changes what it computes: the order changes time, not bits. `heads`: the operand is
+    (B, L, H, Q) (block (None, bq, None, Q)); else it is (B*H, L, 1)."""
+    if heads is None:
+        return lambda h, i: (h, n_q - 1 - i, 0)
+    return lambda h, i: (h // heads, n_q - 1 - i, h % heads, 0)
 
 
 def _check(length: int, d: int, which: str) -> tuple[int, int]:
@@ -164,60 +169,63 @@ def _check(length: int, d: int, which: str) -> tuple[int, int]:
     return b
 
 
-@functools.partial(jax.jit, static_argnames=("g", "interpret"))
-def flash_fwd(q, k, v, *, g: int, interpret: bool):
-    """q (BH, L, Q), k/v (BK, L, Q) -> o (BH, L, Q), lse (BH, L, 1)."""
-    bh, length, d = q.shape
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def flash_fwd(q, k, v, *, interpret: bool):
+    """q (B, L, H, Q), k/v (B, L, K, Q) -> o (B, L, H, Q), lse (B*H, L, 1)."""
+    b, length, h, d = q.shape
+    kh = k.shape[2]
+    g = h // kh
     bq, bk = _check(length, d, "fwd")
     scale = d**-0.5
     t = TILES["fwd"]
+    n_q = length // bq
+    q_blk = pl.BlockSpec((None, bq, None, d), _heavy_first(n_q, h))
+    kv_full = pl.BlockSpec((None, length, None, d), lambda c, i: (c // h, 0, (c % h) // g, 0))
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, bq=bq, bk=bk, n_q=length // bq),
-        grid=(bh, length // bq),
-        in_specs=[
-            pl.BlockSpec((None, bq, d), _heavy_first(length // bq)),
-            pl.BlockSpec((None, length, d), lambda h, i: (h // g, 0, 0)),
-            pl.BlockSpec((None, length, d), lambda h, i: (h // g, 0, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, bq, d), _heavy_first(length // bq)),
-            pl.BlockSpec((None, bq, 1), _heavy_first(length // bq)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((bh, length, 1), jnp.float32)],
+        functools.partial(_fwd_kernel, scale=scale, bq=bq, bk=bk, n_q=n_q),
+        grid=(b * h, n_q),
+        in_specs=[q_blk, kv_full, kv_full],
+        out_specs=[q_blk, pl.BlockSpec((None, bq, 1), _heavy_first(n_q))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b * h, length, 1), jnp.float32)],
         name="flash_attention_fwd",
         interpret=interpret,
         compiler_params=triton_params(t["num_warps"], t["num_stages"], interpret),
     )(q, k, v)
 
 
-@functools.partial(jax.jit, static_argnames=("g", "interpret"))
-def flash_bwd(q, k, v, o, lse, do, *, g: int, interpret: bool):
-    bh, length, d = q.shape
-    bkv = k.shape[0]
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def flash_bwd(q, k, v, o, lse, do, *, interpret: bool):
+    """q, o, do (B, L, H, Q), k/v (B, L, K, Q), lse (B*H, L, 1) -> dq, dk, dv in the layouts of q, k, v."""
+    b, length, h, d = q.shape
+    kh = k.shape[2]
+    g = h // kh
     bq, bk = _check(length, d, "bwd")
     scale = d**-0.5
     t = TILES["bwd"]
     params = triton_params(t["num_warps"], t["num_stages"], interpret)
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
-    full_q = pl.BlockSpec((g, length, d), lambda c, j: (c, 0, 0))
-    full_r = pl.BlockSpec((g, length, 1), lambda c, j: (c, 0, 0))
-    kv_blk = pl.BlockSpec((None, bk, d), lambda c, j: (c, j, 0))
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # (B, L, H), exact per row
+    delta = delta.transpose(0, 2, 1).reshape(b * h, length, 1)
+    # dK/dV: grid (batch x kv head, kv block); a program reads the G query heads of its group
+    group_q = pl.BlockSpec((None, length, g, d), lambda c, j: (c // kh, 0, c % kh, 0))
+    group_r = pl.BlockSpec((g, length, 1), lambda c, j: (c, 0, 0))
+    kv_blk = pl.BlockSpec((None, bk, None, d), lambda c, j: (c // kh, j, c % kh, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, bq=bq, bk=bk, g=g, n_q=length // bq),
-        grid=(bkv, length // bk),
-        in_specs=[full_q, kv_blk, kv_blk, full_q, full_r, full_r],
+        grid=(b * kh, length // bk),
+        in_specs=[group_q, kv_blk, kv_blk, group_q, group_r, group_r],
         out_specs=[kv_blk, kv_blk],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         name="flash_attention_dkv",
         interpret=interpret,
         compiler_params=params,
     )(q, k, v, do, lse, delta)
-    q_blk = pl.BlockSpec((None, bq, d), _heavy_first(length // bq))
-    r_blk = pl.BlockSpec((None, bq, 1), _heavy_first(length // bq))
-    kv_full = pl.BlockSpec((None, length, d), lambda h, i: (h // g, 0, 0))
+    n_q = length // bq
+    q_blk = pl.BlockSpec((None, bq, None, d), _heavy_first(n_q, h))
+    r_blk = pl.BlockSpec((None, bq, 1), _heavy_first(n_q))
+    kv_full = pl.BlockSpec((None, length, None, d), lambda c, i: (c // h, 0, (c % h) // g, 0))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, bq=bq, bk=bk, n_q=length // bq),
-        grid=(bh, length // bq),
+        functools.partial(_dq_kernel, scale=scale, bq=bq, bk=bk, n_q=n_q),
+        grid=(b * h, n_q),
         in_specs=[q_blk, kv_full, kv_full, q_blk, r_blk, r_blk],
         out_specs=q_blk,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
