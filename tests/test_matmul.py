@@ -164,3 +164,65 @@ def test_matmul_replays_bit_exact():
     fn = jax.jit(lambda x, w: jax.value_and_grad(lambda x, w: jnp.sum(matmul(x, w, jnp.float32) * g), (0, 1))(x, w))
     assert_replays_bit_exact(fn, (x, w), replays=4)
     assert_replays_bit_exact(fn, (x, w), replays=3, contention=matmul_contention(256, 5))
+
+
+# ------------------------------------------------------------------ the fused SwiGLU MLP (pallas_kernels/swiglu)
+def _swiglu_inputs(m=200, d=128, f=256, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (m, d)).astype(jnp.bfloat16)
+    wg, wu = (0.1 * jax.random.normal(k, (d, f)) for k in ks[1:3])
+    return x, wg, wu, 0.1 * jax.random.normal(ks[3], (f, d)), jax.random.normal(ks[4], (m, d))
+
+
+def _swiglu_grads(fn, x, wg, wu, wd, g):
+    return jax.value_and_grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * g), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+
+
+def test_swiglu_matches_reference():
+    """Forward and the four gradients against the plain-jnp MLP (bf16 operands, float32 accumulation): the
+    backward keeps d h in float32 where the reference rounds it, hence the gradients' bf16-level tolerance."""
+    from detjax.pallas_kernels.swiglu.ops import swiglu_mlp
+    from detjax.pallas_kernels.swiglu.reference import swiglu_mlp_ref
+
+    from detjax.pallas_kernels.matmul.ops import dense_many
+
+    x, wg, wu, wd, g = _swiglu_inputs()
+    y = swiglu_mlp(x, wg, wu, wd)
+    assert _rel(y, swiglu_mlp_ref(x, wg, wu, wd)) <= 1e-2  # bf16 output: a few ulps
+    gate, up = dense_many(["md,df->mf"] * 2, x, [wg, wu], jnp.bfloat16)  # the unfused MLP's forward: same bits
+    assert _same(y, dense("mf,fd->md", jax.nn.silu(gate) * up, wd, jnp.bfloat16))
+    (_, got), (_, want) = (_swiglu_grads(f, x, wg, wu, wd, g) for f in (swiglu_mlp, swiglu_mlp_ref))
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and _rel(a, b) <= 1e-2
+
+
+def check_swiglu_batch_invariance(m: int, d: int, f: int) -> None:
+    """Rows of the fused MLP over x[:r] (forward, and dx with the cotangent's rows) equal the full run's bits;
+    negative control: weights one bf16 ulp away give other bits (so the comparison can fail)."""
+    from detjax.pallas_kernels.swiglu.ops import swiglu_mlp
+
+    x, wg, wu, wd, g = _swiglu_inputs(m, d, f, seed=4)
+    full = swiglu_mlp(x, wg, wu, wd)
+    dx = _swiglu_grads(swiglu_mlp, x, wg, wu, wd, g)[1][0]
+    for r in (1, 7, 64, 100, m):
+        assert _same(swiglu_mlp(x[:r], wg, wu, wd), full[:r]), f"rows :{r}"
+        assert _same(_swiglu_grads(swiglu_mlp, x[:r], wg, wu, wd, g[:r])[1][0], dx[:r]), f"dx rows :{r}"
+    assert not _same(swiglu_mlp(x, wg * (1 + 2**-7), wu, wd), full)
+
+
+def test_swiglu_is_batch_invariant():
+    check_swiglu_batch_invariance(200, 128, 256)
+
+
+@pytest.mark.gpu
+def test_swiglu_is_batch_invariant_on_gpu():
+    check_swiglu_batch_invariance(1000, 1024, 1024)
+
+
+def test_swiglu_replays_bit_exact():
+    from detjax.pallas_kernels.swiglu.ops import swiglu_mlp
+
+    x, wg, wu, wd, g = _swiglu_inputs(130, 64, 128, seed=2)
+    fn = jax.jit(lambda *a: _swiglu_grads(swiglu_mlp, *a, g))
+    assert_replays_bit_exact(fn, (x, wg, wu, wd), replays=4)
+    assert_replays_bit_exact(fn, (x, wg, wu, wd), replays=3, contention=matmul_contention(256, 5))
