@@ -181,10 +181,9 @@ def _swiglu_grads(fn, x, wg, wu, wd, g):
 def test_swiglu_matches_reference():
     """Forward and the four gradients against the plain-jnp MLP (bf16 operands, float32 accumulation): the
     backward keeps d h in float32 where the reference rounds it, hence the gradients' bf16-level tolerance."""
+    from detjax.pallas_kernels.matmul.ops import dense_many
     from detjax.pallas_kernels.swiglu.ops import swiglu_mlp
     from detjax.pallas_kernels.swiglu.reference import swiglu_mlp_ref
-
-    from detjax.pallas_kernels.matmul.ops import dense_many
 
     x, wg, wu, wd, g = _swiglu_inputs()
     y = swiglu_mlp(x, wg, wu, wd)
