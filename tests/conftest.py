@@ -35,7 +35,15 @@ TINY = REPO / "configs" / "tiny.yaml"
 
 # The README runs two xdist workers with --dist loadfile: each takes whole files, in collection order, as it
 # frees up. Longest files first (measured order), so that no heavy file starts last and runs alone.
-HEAVY_FIRST = ("test_mesh_cells", "test_trace", "test_ckpt", "test_mesh_pipeline", "test_mesh", "test_train")
+HEAVY_FIRST = (
+    "test_mesh_cells",
+    "test_canonical",
+    "test_trace",
+    "test_ckpt",
+    "test_mesh_pipeline",
+    "test_mesh",
+    "test_train",
+)
 
 
 def _file_rank(item) -> int:
