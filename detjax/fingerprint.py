@@ -13,6 +13,10 @@ versions are never compared with each other):
 - 2 (current): the position enters through one multiply-add; lane 1 is the murmur3 finaliser of the bits
   xor that, lane 2 a one-round xorshift-multiply of the bits plus it. Both per-element maps are bijections of
   the bits at a fixed position, so a change of any one element changes both sums.
+
+Cost: a tree's leaves of one role in different layers are digested by one stacked reduction (`grouped`, the
+same bits as one reduction per leaf): gpu_dense's digests went from 6.9 to 3.1 ms per step (docs/BENCHMARKS.md
+session 14) -- the per-leaf reductions (about 590 of them) were bound by their count, not by bytes.
 """
 
 from __future__ import annotations
