@@ -1,4 +1,4 @@
-"""Offline tile sweep of the Pallas kernels (flash, RMSNorm, SSD, MoE gmm, SwiGLU backward) at the GPU configs' shapes.
+"""Offline tile sweep for the flash-attention, RMSNorm, SSD and MoE gmm kernels at the gpu_dense / gpu_medium shapes.
 
     python3 scripts/tile_sweep.py                       # every kernel
     python3 scripts/tile_sweep.py --kernels flash,rmsnorm --reps 20
@@ -63,14 +63,6 @@ RMSNORM_BWD = [
 ]
 RMSNORM_WGRAD = [{"block_cols": 128}, {"block_cols": 32}, {"block_cols": 16}]
 SSD_WARPS = [4, 2, 8]
-SWIGLU_BWD = [
-    {"bm": 128, "block_r": 64, "num_warps": 8, "num_stages": 3},
-    {"bm": 128, "block_r": 64, "num_warps": 8, "num_stages": 4},
-    {"bm": 128, "block_r": 64, "num_warps": 4, "num_stages": 3},
-    {"bm": 64, "block_r": 64, "num_warps": 4, "num_stages": 3},
-    {"bm": 64, "block_r": 64, "num_warps": 4, "num_stages": 4},
-    {"bm": 64, "block_r": 64, "num_warps": 8, "num_stages": 3},
-]
 GMM = [
     {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3},
     {"block_m": 64, "block_k": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
@@ -226,33 +218,9 @@ def sweep_gmm(reps: int) -> None:
     _sweep("gmm", gk.TILES, None, GMM, [("gmm", fwd, (x, w, gs)), ("tgmm", wgrad, (x, dy, gs))], reps)
 
 
-def sweep_swiglu(reps: int) -> None:
-    from detjax.pallas_kernels.matmul.kernel import matmul_kernel
-    from detjax.pallas_kernels.swiglu import kernel as wk
-
-    # gpu_dense MLP per microbatch: 8192 tokens, d_model 1024, ffn 4096, bf16
-    m, d, f = 8192, 1024, 4096
-    ks = jax.random.split(jax.random.key(4), 3)
-    dy, gu = _stack(ks[0], (m, d), jnp.bfloat16), _stack(ks[1], (m, 2 * f), jnp.bfloat16)
-    w_down = _stack(ks[2], (f, d), jnp.bfloat16, 0.03)
-
-    def fused(dy, w, gu):
-        return wk.down_dx_silu_bwd(dy, w, gu, interpret=False)
-
-    def unfused(dy, w, gu):  # the matmul's dx, then XLA's silu * up backward and the concatenation
-        dh = matmul_kernel(dy, w, kind="dx", out_dtype=jnp.bfloat16, interpret=False)
-        gate, up = wk.deinterleave(gu)
-        _, vjp = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)
-        return jnp.concatenate(vjp(dh), axis=1)
-
-    args = (dy, w_down, gu)
-    _sweep("swiglu bwd", wk.TILES, "bwd", SWIGLU_BWD, [("fused", fused, args)], reps)
-    print(f"  unfused (matmul dx + XLA): {_time(_many(unfused), args, reps):.4f} ms", flush=True)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm,swiglu")
+    ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--old-src", default=None, help="a tree holding an older ssd/kernel.py to time and compare")
     a = ap.parse_args()
@@ -269,8 +237,6 @@ def main() -> int:
         sweep_ssd(a.reps, a.old_src)
     if "gmm" in which:
         sweep_gmm(a.reps)
-    if "swiglu" in which:
-        sweep_swiglu(a.reps)
     return 0
 
 

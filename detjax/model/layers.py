@@ -14,7 +14,6 @@ from detjax.pallas_kernels.matmul.ops import dense, dense_many
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
 from detjax.pallas_kernels.segment_sum.ops import segment_sum
-from detjax.pallas_kernels.swiglu.ops import swiglu_fits, swiglu_mlp
 from detjax.sharding import rules as ax
 from detjax.sharding.rules import constrain
 
@@ -226,10 +225,6 @@ class MLP(nn.Module):
         w_gate_DF = param(self, "w_gate", init, (d, f), (ax.EMBED, ax.MLP))
         w_up_DF = param(self, "w_up", init, (d, f), (ax.EMBED, ax.MLP))
         w_down_FD = param(self, "w_down", init, (f, d), (ax.MLP, ax.EMBED))
-        if kern == "pallas" and not self.fp8 and swiglu_fits(d, f):
-            # the SwiGLU inside the matmuls (pallas_kernels/swiglu): no gate/up round trip through memory
-            x2d = x_BLD.astype(self.dtype).reshape(-1, d)
-            return swiglu_mlp(x2d, w_gate_DF, w_up_DF, w_down_FD).reshape(x_BLD.shape)
         names = (ax.BATCH, ax.LENGTH, ax.ACT_MLP)
         gate_BLF, up_BLF = proj_many(
             ["bld,df->blf"] * 2, x_BLD, [w_gate_DF, w_up_DF], self.dtype, kern, scale_var(self, "gate_up", self.fp8)
