@@ -776,6 +776,14 @@ def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
         node[parts[-1]] = raw  # not YAML (e.g. a pattern starting with '*'): the plain string; types still checked
 
 
+def _yaml_problem(e: Exception) -> str:
+    """A YAML parse error in one line: where (1-based line, column) and what."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
+
+
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Load YAML (or defaults when path is None), then apply `a.b=value` overrides."""
     tree: dict[str, Any] = {}
@@ -788,7 +796,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         try:
             loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{p}' is not valid YAML: {e}. Fix: correct the syntax") from e
+            problem = _yaml_problem(e)
+            raise ConfigError(f"config file '{p}' is not valid YAML: {problem}. Fix: correct the syntax") from e
         if loaded is None:
             raise ConfigError(
                 f"config file '{p}' is empty. Fix: give at least one section, e.g. copy configs/tiny.yaml"
