@@ -120,9 +120,9 @@ def row_digest(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.stack([h1, h2], axis=-1), axis=1, dtype=jnp.uint32)
 
 
-def tree_digest(tree: Any, grouped: bool = True) -> jax.Array:
+def tree_digest(tree: Any) -> jax.Array:
     """uint32[2] over a pytree: leaf digests mixed with each leaf's path, so moved leaves are caught."""
-    return tree_digest_and_finite(tree, count_nonfinite=False, grouped=grouped)[0]
+    return tree_digest_and_finite(tree, count_nonfinite=False)[0]
 
 
 # A stacked group's bytes are capped: where a backend does not fuse the stack into the reduction, the copy it
