@@ -31,6 +31,33 @@ def test_pair_sum_is_the_adjacent_pair_tree():
     np.testing.assert_array_equal(u32(canonical.full_sum(y)), u32(canonical.pair_sum(canonical.pair_sum(y, 1))))
 
 
+def test_pair_sum_levels_per_pass_do_not_change_bits(monkeypatch):
+    """pair_sum reduces blocks of 2**LEVELS terms per pass: the same tree as one level per pass, byte for byte,
+    for lengths that are and are not powers of two (padded), on every axis; a left-to-right sum of the same
+    terms differs (negative control)."""
+    ks = jax.random.split(jax.random.key(4), 3)
+    shapes = [(1000,), (37, 3), (5, 64, 6), (2048, 2), (16,), (1,)]
+    for shape, key in zip(shapes, jax.random.split(ks[0], len(shapes)), strict=True):
+        x = jax.random.normal(key, shape, jnp.float32) * jnp.exp(6 * jax.random.normal(ks[1], shape))
+        for axis in range(len(shape)):
+            got = {}
+            for levels in (1, 3, 4):  # eagerly: no trace cache can hide the setting
+                monkeypatch.setattr(canonical, "LEVELS", levels)
+                got[levels] = u32(canonical.pair_sum(x, axis))
+                got[levels, "full"] = u32(canonical.full_sum(x))
+                got[levels, "ops"] = len(jax.make_jaxpr(lambda v: canonical.full_sum(v))(x).eqns)  # fresh trace
+            if x.size >= 16:  # the setting took effect: another program (fewer passes, more slices per pass)
+                assert got[4, "ops"] != got[1, "ops"], shape
+            for levels in (3, 4):
+                np.testing.assert_array_equal(got[levels], got[1], err_msg=f"{shape} axis {axis}")
+                np.testing.assert_array_equal(got[levels, "full"], got[1, "full"], err_msg=f"{shape}")
+    x = jax.random.normal(ks[2], (1000,), jnp.float32) * jnp.logspace(-4, 4, 1000)
+    left_to_right = np.float32(0)
+    for v in np.asarray(x):
+        left_to_right = np.float32(left_to_right + v)
+    assert u32(canonical.pair_sum(x)) != u32(left_to_right)
+
+
 @pytest.mark.parametrize("block", [1, 2, 4, 8, 16])
 def test_accumulator_over_blocks_is_the_whole_tree(block):
     """Blocks of any power-of-two size, each summed by its own pair tree and pushed in order, give the tree

@@ -24,6 +24,12 @@ def is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+# Tree levels per elementwise pass: blocks of 2**LEVELS adjacent terms are reduced by their own pair tree in one
+# pass (one fused op on the GPU instead of one per level). The same adds in the same order: any value gives
+# the same bits (tests/test_canonical.py compares it with one level per pass).
+LEVELS = 4
+
+
 def pair_sum(x: jax.Array, axis: int = 0) -> jax.Array:
     """Sum over `axis` as a balanced binary tree of adjacent pairs (the axis is removed)."""
     axis = axis % x.ndim
@@ -34,11 +40,13 @@ def pair_sum(x: jax.Array, axis: int = 0) -> jax.Array:
         pad[axis] = (0, width - n)
         x = jnp.pad(x, pad)
     while x.shape[axis] > 1:
-        half = x.shape[axis] // 2
-        pairs = x.reshape(x.shape[:axis] + (half, 2) + x.shape[axis + 1 :])
-        x = jax.lax.index_in_dim(pairs, 0, axis + 1, keepdims=False) + jax.lax.index_in_dim(
-            pairs, 1, axis + 1, keepdims=False
-        )
+        m = x.shape[axis]
+        g = 1 << min(LEVELS, m.bit_length() - 1)  # terms per block this pass (m is a power of two)
+        blocks = x.reshape(x.shape[:axis] + (m // g, g) + x.shape[axis + 1 :])
+        parts = [jax.lax.index_in_dim(blocks, j, axis + 1, keepdims=False) for j in range(g)]
+        while len(parts) > 1:  # the block's levels: (0 + 1), (2 + 3), ... then those pairwise
+            parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+        x = parts[0]
     return jax.lax.index_in_dim(x, 0, axis, keepdims=False)
 
 
