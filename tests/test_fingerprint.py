@@ -44,7 +44,7 @@ def test_tree_digest_sees_moved_leaves():
     assert digest_hex(tree_digest({"k": jax.random.key(1)})) != digest_hex(tree_digest({"k": jax.random.key(2)}))
 
 
-def test_grouped_tree_digest_equals_the_per_leaf_one():
+def test_grouped_tree_digest_equals_the_per_leaf_one(monkeypatch):
     """Same-role leaves of different layers are digested by one stacked reduction: the same bits and per-leaf
     finite flags as one reduction per leaf; swapping two layers' leaves still changes the digest."""
     ks = jax.random.split(jax.random.key(0), 8)
@@ -61,11 +61,8 @@ def test_grouped_tree_digest_equals_the_per_leaf_one():
     assert digest_hex(tree_digest(swapped)) != digest_hex(grouped)  # negative control
     import detjax.fingerprint as fp
 
-    cap, fp.GROUP_BYTES = fp.GROUP_BYTES, 2 * 6 * 5 * 4  # two w leaves per stacked run: still the same bits
-    try:
-        assert np.array_equal(np.asarray(jax.jit(lambda t: tree_digest_and_finite(t))(tree)[0]), np.asarray(single))
-    finally:
-        fp.GROUP_BYTES = cap
+    monkeypatch.setattr(fp, "GROUP_BYTES", 2 * 6 * 5 * 4)  # two w leaves per stacked run: still the same bits
+    assert np.array_equal(np.asarray(jax.jit(lambda t: tree_digest_and_finite(t))(tree)[0]), np.asarray(single))
 
 
 def test_digest_values_are_pinned():
