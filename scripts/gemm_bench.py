@@ -3,9 +3,11 @@ of gpu_medium and gpu_dense (forward, dx and dw), plus the offline tile sweep th
 sets and shape classes (detjax/pallas_kernels/matmul/kernel.py: TILE_SETS, tile_set).
 
     python3 scripts/gemm_bench.py                   # the table with the pinned tile sets
+    python3 scripts/gemm_bench.py --rounds 5        # + four more passes: each pass's aggregate and the median
     python3 scripts/gemm_bench.py --sweep           # time every candidate tile set per product and shape
     python3 scripts/gemm_bench.py --tile-bits       # do the output bits depend on the tile set? (same block_r)
     python3 scripts/gemm_bench.py --sweep --kinds dw --no-table   # one product only, no table
+    python3 scripts/gemm_bench.py --sweep --kinds dw --dw-chunks 1024,4096 --no-table   # pinned dw vs other chunks
 
 Run with XLA's default flags (autotuning on): the XLA column is the GEMM XLA picks for the shape. Times: one
 jitted call runs the product on 8 different input sets (so no launch or host sync is timed per product);
@@ -58,13 +60,20 @@ EXTRA_BF16 = [
 ]
 
 
+EXTRA_F32 = [  # the MoE router's float32 products (K or N = 8): wider tiles for the memory-bound fwd / dx
+    {"bm": 128, "bn": 128, "block_r": 16, "num_warps": 4, "num_stages": 2, "split": 0},
+    {"bm": 64, "bn": 256, "block_r": 16, "num_warps": 4, "num_stages": 2, "split": 0},
+    {"bm": 128, "bn": 16, "block_r": 64, "num_warps": 4, "num_stages": 3, "split": 0},
+]
+
+
 def candidates(dtype: str, kind: str = "fwd") -> list[dict[str, int]]:
     """The pinned sets of this dtype and the extra ones; for dw each also as a split set (one program per
     (token chunk, tile)), which gives the same bits (kernel.py docstring)."""
     from detjax.pallas_kernels.matmul.kernel import TILE_SETS
 
     base = [t for name, t in TILE_SETS.items() if name.startswith("f32_") == (dtype == "float32")]
-    base = [dict(t, split=0) for t in base] + (EXTRA_BF16 if dtype == "bfloat16" else [])
+    base = [dict(t, split=0) for t in base] + (EXTRA_BF16 if dtype == "bfloat16" else EXTRA_F32)
     uniq = []
     for t in base + ([dict(t, split=1) for t in base] if kind == "dw" else []):
         if t not in uniq:
@@ -145,36 +154,64 @@ def all_shapes():
     return seen
 
 
-def table(reps: int) -> None:
+def table(reps: int, rounds: int = 1) -> None:
+    """The table (first round) and each round's aggregate; with rounds > 1 also the median aggregate, since
+    two tables on one machine can differ by a few percent (docs/BENCHMARKS.md, session 15)."""
     print(
         "| config | projection | M x K x N | product | Pallas ms | XLA ms | XLA/Pallas | Pallas TFLOP/s | XLA TFLOP/s |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    agg = {}
-    for (k, n, dtype), users in all_shapes().items():
-        for kind in KINDS:
-            sets = inputs(kind, k, n, dtype)
-            tp, tx = timed_pair(pallas_fn(kind, dtype), xla_fn(kind, dtype), sets, reps)
-            fl = 2 * M * k * n
-            for cfg, name, count in users:
-                p, x = agg.get(cfg, (0.0, 0.0))
-                agg[cfg] = (p + count * tp, x + count * tx)
-                print(
-                    f"| {cfg} | {name} | {M}x{k}x{n} {dtype} | {kind} | {tp:.4f} | {tx:.4f} | {tx / tp:.2f} | "
-                    f"{fl / tp / 1e9:.0f} | {fl / tx / 1e9:.0f} |",
-                    flush=True,
-                )
-    for cfg, (p, x) in agg.items():
-        print(
-            f"aggregate {cfg} (count-weighted, fwd + dx + dw): Pallas {p:.3f} ms, XLA {x:.3f} ms, "
-            f"XLA/Pallas {x / p:.3f}"
-        )
+    ratios = {}
+    for rnd in range(rounds):
+        agg = {}
+        for (k, n, dtype), users in all_shapes().items():
+            for kind in KINDS:
+                sets = inputs(kind, k, n, dtype)
+                tp, tx = timed_pair(pallas_fn(kind, dtype), xla_fn(kind, dtype), sets, reps)
+                fl = 2 * M * k * n
+                for cfg, name, count in users:
+                    p, x = agg.get(cfg, (0.0, 0.0))
+                    agg[cfg] = (p + count * tp, x + count * tx)
+                    if rnd == 0:
+                        print(
+                            f"| {cfg} | {name} | {M}x{k}x{n} {dtype} | {kind} | {tp:.4f} | {tx:.4f} | {tx / tp:.2f} | "
+                            f"{fl / tp / 1e9:.0f} | {fl / tx / 1e9:.0f} |",
+                            flush=True,
+                        )
+        for cfg, (p, x) in agg.items():
+            ratios.setdefault(cfg, []).append(x / p)
+            print(
+                f"aggregate {cfg} round {rnd} (count-weighted, fwd + dx + dw): Pallas {p:.3f} ms, XLA {x:.3f} ms, "
+                f"XLA/Pallas {x / p:.3f}",
+                flush=True,
+            )
+    if rounds > 1:
+        for cfg, r in ratios.items():
+            print(
+                f"aggregate {cfg}: median XLA/Pallas over {rounds} rounds {statistics.median(r):.3f} "
+                f"(min {min(r):.3f}, max {max(r):.3f})"
+            )
 
 
-def sweep(reps: int, kinds: tuple[str, ...]) -> None:
+def chunk_candidates(chunks: tuple[int, ...]) -> list[dict[str, int]]:
+    """Split dw sets with token chunks other than dw_row_chunk's. Another chunk is another reduction order (a
+    new trajectory, unlike the tile sets), so these rows only say whether a different fixed rule would pay."""
+    shapes = [(128, 128, 8), (128, 256, 8), (256, 128, 8)]
+    return [
+        {"bm": bm, "bn": bn, "block_r": 64, "num_warps": w, "num_stages": 3, "split": 1, "r_chunk": c}
+        for c in chunks
+        for bm, bn, w in shapes
+    ]
+
+
+def sweep(reps: int, kinds: tuple[str, ...], dw_chunks: tuple[int, ...] = ()) -> None:
+    from detjax.pallas_kernels.matmul.kernel import TILE_SETS, tile_set
+
     for (k, n, dtype), _users in all_shapes().items():
         for kind in kinds:
             cands = candidates(dtype, kind)
+            if kind == "dw" and dtype == "bfloat16" and dw_chunks:  # the pinned set, then the other chunks
+                cands = [{"split": 0, **TILE_SETS[tile_set(kind, dtype, k, n)]}] + chunk_candidates(dw_chunks)
             sets = inputs(kind, k, n, dtype)
             times = [timed(pallas_fn(kind, dtype, c), sets, reps) for c in cands]
             best = min(range(len(cands)), key=times.__getitem__)
@@ -232,9 +269,13 @@ def tile_bits() -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1, help="table passes; > 1 adds the median aggregate")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--tile-bits", action="store_true")
     ap.add_argument("--kinds", default="fwd,dx,dw", help="products to sweep (comma-separated)")
+    ap.add_argument(
+        "--dw-chunks", default="", help="dw: the pinned set against split sets with these token chunks (e.g. 1024,4096)"
+    )
     ap.add_argument("--no-table", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="time e4m3 products in K-major layouts (model.fp8 experiment)")
     a = ap.parse_args()
@@ -242,11 +283,11 @@ def main() -> int:
     if a.tile_bits:
         tile_bits()
     if a.sweep:
-        sweep(a.reps, tuple(a.kinds.split(",")))
+        sweep(a.reps, tuple(a.kinds.split(",")), tuple(int(c) for c in a.dw_chunks.split(",") if c))
     if a.fp8:
         fp8_sweep(a.reps)
     if not a.no_table:
-        table(a.reps)
+        table(a.reps, a.rounds)
     return 0
 
 

@@ -2,6 +2,7 @@
 
     python3 scripts/tile_sweep.py                       # every kernel
     python3 scripts/tile_sweep.py --kernels flash,rmsnorm --reps 20
+    python3 scripts/tile_sweep.py --kernels flash-bwd   # flash attention's dQ and dK/dV tiles only
 
 For each candidate tile set the kernel's TILES entry is replaced, every jit cache is cleared, and the kernel
 (forward, and backward where it has one) is timed: one jitted call runs it on SETS different input sets, the
@@ -32,15 +33,26 @@ FLASH_FWD = [
     {"block_q": 128, "block_k": 32, "num_warps": 4, "num_stages": 3},
     {"block_q": 256, "block_k": 64, "num_warps": 8, "num_stages": 2},
 ]
-FLASH_BWD = [
-    {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
+FLASH_BWD = [  # dQ: block_q query rows per program, block_k keys per loop step
     {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 3},
-    {"block_q": 32, "block_k": 64, "num_warps": 4, "num_stages": 2},
-    {"block_q": 64, "block_k": 128, "num_warps": 8, "num_stages": 2},
+    {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
+    {"block_q": 128, "block_k": 32, "num_warps": 4, "num_stages": 3},
+    {"block_q": 128, "block_k": 32, "num_warps": 8, "num_stages": 3},
     {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 2},
-    {"block_q": 64, "block_k": 32, "num_warps": 4, "num_stages": 2},
+    {"block_q": 128, "block_k": 64, "num_warps": 4, "num_stages": 3},
+    {"block_q": 64, "block_k": 32, "num_warps": 4, "num_stages": 3},
+    {"block_q": 64, "block_k": 128, "num_warps": 8, "num_stages": 2},
+]
+FLASH_DKV = [  # dK/dV: block_k keys per program, block_q query rows per loop step
+    {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 3},
+    {"block_q": 32, "block_k": 128, "num_warps": 4, "num_stages": 3},
+    {"block_q": 32, "block_k": 128, "num_warps": 8, "num_stages": 3},
+    {"block_q": 64, "block_k": 128, "num_warps": 8, "num_stages": 2},
+    {"block_q": 64, "block_k": 128, "num_warps": 8, "num_stages": 3},
+    {"block_q": 32, "block_k": 64, "num_warps": 4, "num_stages": 3},
+    {"block_q": 16, "block_k": 128, "num_warps": 4, "num_stages": 3},
     {"block_q": 128, "block_k": 128, "num_warps": 8, "num_stages": 2},
-    {"block_q": 32, "block_k": 128, "num_warps": 8, "num_stages": 2},
+    {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
 ]
 RMSNORM_FWD = [
     {"rows": 8, "block_rows": 8, "num_warps": 4, "num_stages": 1},
@@ -123,7 +135,17 @@ def _stack(key, shape, dtype, scale=1.0):
     return [(scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype) for k in jax.random.split(key, SETS)]
 
 
-def sweep_flash(reps: int) -> None:
+def _old_kernel(old_src: str, name: str):
+    """detjax/pallas_kernels/<name>/kernel.py of an older tree, for before/after and a bit comparison."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_old", f"{old_src}/detjax/pallas_kernels/{name}/kernel.py")
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    return old
+
+
+def sweep_flash(reps: int, forward: bool = True, old_src: str | None = None) -> None:
     from detjax.pallas_kernels.flash_attention import kernel as fk
 
     # gpu_dense attention per microbatch: B 4, 16 query heads, 4 kv heads, L 2048, head dim 64, bf16
@@ -134,12 +156,33 @@ def sweep_flash(reps: int) -> None:
     def fwd(q, k, v):
         return fk.flash_fwd(q, k, v, interpret=False)
 
-    def bwd(q, k, v, do):
-        o, lse = fk.flash_fwd(q, k, v, interpret=False)
+    def bwd(q, k, v, o, lse, do):
         return fk.flash_bwd(q, k, v, o, lse, do, interpret=False)
 
-    _sweep("flash fwd", fk.TILES, "fwd", FLASH_FWD, [("fwd", fwd, (q, k, v))], reps)
-    _sweep("flash bwd (+fwd)", fk.TILES, "bwd", FLASH_BWD, [("fwd+bwd", bwd, (q, k, v, do))], reps)
+    outs = [fwd(*a) for a in zip(q, k, v, strict=True)]
+    o, lse = [x[0] for x in outs], [x[1] for x in outs]
+    bwd_args = (q, k, v, o, lse, do)
+    if forward:
+        _sweep("flash fwd", fk.TILES, "fwd", FLASH_FWD, [("fwd", fwd, (q, k, v))], reps)
+    # the backward alone (o and lse from the pinned forward); dQ's and dK/dV's tiles are swept one at a time
+    _sweep("flash dQ (bwd with it)", fk.TILES, "bwd", FLASH_BWD, [("bwd", bwd, bwd_args)], reps)
+    _sweep("flash dK/dV (bwd with it)", fk.TILES, "dkv", FLASH_DKV, [("bwd", bwd, bwd_args)], reps)
+    if old_src:  # the pinned kernels of an older tree (same (B, L, H, Q) layout): time, then bits of fwd + bwd
+        old = _old_kernel(old_src, "flash_attention")
+
+        def old_bwd(q, k, v, o, lse, do):
+            return old.flash_bwd(q, k, v, o, lse, do, interpret=False)
+
+        _sweep("flash bwd (pinned, this tree)", fk.TILES, None, [dict(fk.TILES)], [("bwd", bwd, bwd_args)], reps)
+        _sweep("flash bwd (pinned, old tree)", old.TILES, None, [dict(old.TILES)], [("bwd", old_bwd, bwd_args)], reps)
+        one = (q[0], k[0], v[0], do[0])
+
+        def both(mod, q, k, v, do):
+            o, lse = mod.flash_fwd(q, k, v, interpret=False)
+            return o, lse, mod.flash_bwd(q, k, v, o, lse, do, interpret=False)
+
+        same = _bytes(jax.jit(lambda *a: both(fk, *a))(*one)) == _bytes(jax.jit(lambda *a: both(old, *a))(*one))
+        print(f"  flash new vs old tree, o, lse, dq, dk, dv byte-equal: {same}", flush=True)
 
 
 def sweep_rmsnorm(reps: int) -> None:
@@ -186,12 +229,8 @@ def sweep_ssd(reps: int, old_src: str | None) -> None:
         return [("fwd", fwd, (x, arow, bb, cc)), ("fwd+bwd", both, (x, arow, bb, cc, dy))]
 
     _sweep("ssd", sk.TILES, None, [{"num_warps": w} for w in SSD_WARPS], cases(sk), reps)
-    if old_src:  # the serial kernel of an older tree, for before/after and a bit comparison
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("ssd_old", f"{old_src}/detjax/pallas_kernels/ssd/kernel.py")
-        old = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old)
+    if old_src:  # the kernel of an older tree, for before/after and a bit comparison
+        old = _old_kernel(old_src, "ssd")
         _sweep("ssd (old tree)", old.TILES, None, [dict(old.TILES)], cases(old), reps)
         new_out = jax.jit(cases(sk)[1][1])(*(a[0] for a in cases(sk)[1][2]))
         old_out = jax.jit(cases(old)[1][1])(*(a[0] for a in cases(old)[1][2]))
@@ -222,15 +261,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--old-src", default=None, help="a tree holding an older ssd/kernel.py to time and compare")
+    ap.add_argument("--old-src", default=None, help="an older tree: time and compare its ssd / flash kernels")
     a = ap.parse_args()
     if jax.default_backend() != "gpu":
         print("tile_sweep: needs a GPU (the tiles are Triton launch parameters)", file=sys.stderr)
         return 2
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     which = a.kernels.split(",")
-    if "flash" in which:
-        sweep_flash(a.reps)
+    if "flash" in which or "flash-bwd" in which:
+        sweep_flash(a.reps, forward="flash" in which, old_src=a.old_src)
     if "rmsnorm" in which:
         sweep_rmsnorm(a.reps)
     if "ssd" in which:

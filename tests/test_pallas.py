@@ -132,8 +132,8 @@ def _attn_inputs(seed=0, b=2, length=48, h=4, kv=2, d=16):
 
 @pytest.mark.parametrize("shape", [{}, {"b": 1, "length": 256, "h": 2, "kv": 1}], ids=["L48", "L256"])
 def test_flash_attention_matches_reference(shape):
-    """L48 runs 16-row tiles; L256 the pinned 128 x 64 forward and 64 x 64 backward tiles, with blocks fully
-    visible, masked on the diagonal and skipped."""
+    """L48 runs 16-row tiles; L256 the pinned 64 x 64 tiles, with blocks fully visible, masked on the diagonal
+    and skipped."""
     q, k, v, gk = _attn_inputs(**shape)
     g = jax.random.normal(gk, q.shape)
     with jax.default_matmul_precision("highest"):  # the GPU reference would otherwise multiply in TF32
@@ -141,6 +141,24 @@ def test_flash_attention_matches_reference(shape):
         gb = jax.grad(lambda *x: jnp.sum(flash_attention_ref(*x) * g), argnums=(0, 1, 2))(q, k, v)
     assert _rel(flash_attention(q, k, v), ref) <= TOL_FWD * 4
     ga = jax.grad(lambda *x: jnp.sum(flash_attention(*x) * g), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(ga, gb, strict=True):
+        assert _rel(a, b) <= TOL_GRAD
+
+
+@pytest.mark.parametrize("tiles", [(32, 64), (64, 32)], ids=["q32k64", "q64k32"])
+def test_flash_dkv_uneven_tiles_match_reference(tiles, monkeypatch):
+    """dK/dV with query and key blocks of different sizes (tile_sweep's candidates): the causal mask of the
+    transposed (keys x queries) scores and the first/last query blocks a key block sees stay right."""
+    from detjax.pallas_kernels.flash_attention import kernel as fk
+
+    monkeypatch.setitem(fk.TILES, "dkv", {"block_q": tiles[0], "block_k": tiles[1], "num_warps": 4, "num_stages": 2})
+    jax.clear_caches()
+    q, k, v, gk = _attn_inputs(2, b=1, length=128, h=2, kv=1)
+    g = jax.random.normal(gk, q.shape)
+    with jax.default_matmul_precision("highest"):
+        gb = jax.grad(lambda *x: jnp.sum(flash_attention_ref(*x) * g), argnums=(1, 2))(q, k, v)
+    ga = jax.grad(lambda *x: jnp.sum(flash_attention(*x) * g), argnums=(1, 2))(q, k, v)
+    jax.clear_caches()
     for a, b in zip(ga, gb, strict=True):
         assert _rel(a, b) <= TOL_GRAD
 

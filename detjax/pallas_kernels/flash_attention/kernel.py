@@ -9,7 +9,8 @@ do) and accumulate in float32; float32 inputs multiply as IEEE float32.
   o and the row log-sum-exp.
 - dK/dV: one program per (kv head, kv block) owns its dK/dV tile and loops, in a fixed order, over the G
   query heads of its group and the query blocks that can see it (i >= j). One writer per tile: the sum
-  order is fixed by construction — the "separate writers in space" rule, with no slots left to order.
+  order is fixed by construction — the "separate writers in space" rule, with no slots left to order. It
+  computes S^T = K Q^T (keys x queries), so P^T and dS^T feed dV += P^T dO and dK += dS^T Q directly.
 - dQ: one program per (query head, query block) loops over kv blocks 0..i in order.
 """
 
@@ -23,13 +24,14 @@ from jax.experimental import pallas as pl
 
 from detjax.pallas_kernels.backend import triton_params
 
-# Pinned tiles (forward: 64 query rows x 64 keys, 4 warps; backward: 64 x 64, 4 warps, 3 stages), chosen
+# Pinned tiles (forward: 64 query rows x 64 keys, 4 warps; dQ ("bwd") and dK/dV: 64 x 64, 4 warps, 3 stages), chosen
 # with scripts/tile_sweep.py at the gpu_dense shape on the H200, longest query blocks first (docs/BENCHMARKS.md).
 # A sequence that is not a multiple of a tile uses the largest power of two >= 16 that divides it
 # (`blocks`): the tiles depend on the shape only, never on a measurement.
 TILES = {
     "fwd": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
-    "bwd": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 3},
+    "bwd": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 3},  # dQ
+    "dkv": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 3},
 }
 _NEG = -1e30
 
@@ -99,6 +101,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, bq, bk, n_q):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, bq, bk, g, n_q):
+    """Works in the transposed orientation (keys x queries), so that P^T and dS^T come out of their products
+    in the layout the next products take: no register transposes. lse and delta arrive as (1, L) rows."""
     j = pl.program_id(1)
     k, v = k_ref[...], v_ref[...]
     first_q = (j * bk) // bq  # the first query block that sees this kv block
@@ -109,13 +113,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
         q = q_ref[rows, h, :]
         do = do_ref[rows, h, :]
-        s = _dot(q, k, trans_b=True) * scale
+        s_t = _dot(k, q, trans_b=True) * scale  # (bk, bq)
         if masked:
-            s = _causal(s, i, j, bq, bk)
-        p = jnp.exp(s - lse_ref[h, rows, :])
-        dv = dv + _dot_t(p.astype(do.dtype), do)
-        ds = p * (_dot(do, v, trans_b=True) - delta_ref[h, rows, :])
-        return dk + _dot_t(ds.astype(q.dtype), q) * scale, dv
+            keys = jax.lax.broadcasted_iota(jnp.int32, (bk, bq), 0) + j * bk
+            queries = jax.lax.broadcasted_iota(jnp.int32, (bk, bq), 1) + i * bq
+            s_t = jnp.where(queries >= keys, s_t, _NEG)
+        p_t = jnp.exp(s_t - lse_ref[h, :, rows])
+        dv = dv + _dot(p_t.astype(do.dtype), do)
+        ds_t = p_t * (_dot(v, do, trans_b=True) - delta_ref[h, :, rows])
+        return dk + _dot(ds_t.astype(q.dtype), q) * scale, dv
 
     def per_head(h, carry):  # fixed order: group heads ascending, then query blocks ascending
         carry = jax.lax.fori_loop(first_q, last_masked + 1, lambda i, c: per_block(h, i, c, True), carry)
@@ -199,15 +205,15 @@ def flash_bwd(q, k, v, o, lse, do, *, interpret: bool):
     b, length, h, d = q.shape
     kh = k.shape[2]
     g = h // kh
-    bq, bk = _check(length, d, "bwd")
     scale = d**-0.5
-    t = TILES["bwd"]
-    params = triton_params(t["num_warps"], t["num_stages"], interpret)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # (B, L, H), exact per row
     delta = delta.transpose(0, 2, 1).reshape(b * h, length, 1)
-    # dK/dV: grid (batch x kv head, kv block); a program reads the G query heads of its group
+    # dK/dV: grid (batch x kv head, kv block); a program reads the G query heads of its group, and lse / delta
+    # as rows (B*H, 1, L): the same bytes as (B*H, L, 1)
+    bq, bk = _check(length, d, "dkv")
+    t = TILES["dkv"]
     group_q = pl.BlockSpec((None, length, g, d), lambda c, j: (c // kh, 0, c % kh, 0))
-    group_r = pl.BlockSpec((g, length, 1), lambda c, j: (c, 0, 0))
+    group_r = pl.BlockSpec((g, 1, length), lambda c, j: (c, 0, 0))
     kv_blk = pl.BlockSpec((None, bk, None, d), lambda c, j: (c // kh, j, c % kh, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, bq=bq, bk=bk, g=g, n_q=length // bq),
@@ -217,8 +223,10 @@ def flash_bwd(q, k, v, o, lse, do, *, interpret: bool):
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         name="flash_attention_dkv",
         interpret=interpret,
-        compiler_params=params,
-    )(q, k, v, do, lse, delta)
+        compiler_params=triton_params(t["num_warps"], t["num_stages"], interpret),
+    )(q, k, v, do, lse.reshape(b * h, 1, length), delta.reshape(b * h, 1, length))
+    bq, bk = _check(length, d, "bwd")
+    t = TILES["bwd"]
     n_q = length // bq
     q_blk = pl.BlockSpec((None, bq, None, d), _heavy_first(n_q, h))
     r_blk = pl.BlockSpec((None, bq, 1), _heavy_first(n_q))
@@ -231,6 +239,6 @@ def flash_bwd(q, k, v, o, lse, do, *, interpret: bool):
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="flash_attention_dq",
         interpret=interpret,
-        compiler_params=params,
+        compiler_params=triton_params(t["num_warps"], t["num_stages"], interpret),
     )(q, k, v, do, lse, delta)
     return dq, dk, dv

@@ -10,7 +10,7 @@ from detjax.pallas_kernels.flash_attention.kernel import blocks, flash_bwd, flas
 
 def flash_fits(length: int) -> bool:
     """Whether the kernel's tiles fit a sequence of `length` (a multiple of 16)."""
-    return blocks(length, "fwd") is not None and blocks(length, "bwd") is not None
+    return all(blocks(length, w) is not None for w in ("fwd", "bwd", "dkv"))
 
 
 @jax.custom_vjp

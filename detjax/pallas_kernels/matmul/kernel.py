@@ -7,7 +7,8 @@ out[i, j] = sum over the reduction dim R of a[i, r] * b[r, j], where a and b may
 One program per (bm x bn) output tile reduces R by ONE ascending loop over blocks of block_r,
 accumulating in float32 -- no stream-K, no atomics, one writer per output element. The weight gradient dw
 (R = tokens) of a weight with fewer than DW_UNCHUNKED_SIZE elements follows one more fixed rule: tokens are
-taken in chunks of DW_ROW_CHUNK rows (constants, never derived from M); each chunk is reduced by the
+taken in chunks of `dw_row_chunk(k, n)` rows (2048 for weights of at most 2**20 elements, else 4096: a
+function of the weight's shape, never of M); each chunk is reduced by the
 ascending loop and the chunk sums are added in ascending chunk order. A tile set either runs that chunk
 loop inside one program, or ("split") gives each (chunk, tile) its own program and adds the float32 chunk
 sums afterwards in the same order -- the same operations in the same order, so the choice changes speed,
@@ -26,10 +27,10 @@ The tile sets and shape classes were chosen offline by scripts/gemm_bench.py --s
 and command in docs/BENCHMARKS.md), never at run time. float32 operands (the MoE router) are multiplied as
 IEEE float32 (no TF32).
 
-Speed (H200, `python3 scripts/gemm_bench.py`, docs/BENCHMARKS.md session 9): over every projection shape of
-gpu_dense / gpu_medium, weighted by use, 0.93 / 0.92 x the speed of XLA's autotuned GEMMs (0.88 / 0.90 on
-another machine) -- slower chiefly in the fwd and dw of K = 1024-2048 weights; the LM head forward is
-faster. In the gpu_medium step the chunked dw made the step 0.8 % faster than one loop (paired runs).
+Speed (H200, `python3 scripts/gemm_bench.py`, docs/BENCHMARKS.md session 15): over every projection shape of
+gpu_dense / gpu_medium, weighted by use, 0.93-0.95 / 0.93-0.96 x the speed of XLA's autotuned GEMMs (three
+runs; they spread as much as that) -- slower chiefly in the dw of K = 1024-4096 weights; the LM head forward
+is faster.
 """
 
 from __future__ import annotations
@@ -42,12 +43,20 @@ from jax.experimental import pallas as pl
 
 from detjax.pallas_kernels.backend import triton_params
 
-DW_ROW_CHUNK = 2048  # tokens per chunk of the weight-gradient reduction (see the module docstring)
 DW_UNCHUNKED_SIZE = 1 << 23  # weights with this many elements or more: dw in one loop (enough tiles already)
+
+
+def dw_row_chunk(k: int, n: int) -> int:
+    """Tokens per chunk of the weight-gradient reduction of a (k, n) weight (0: one loop, no chunks). Weights
+    of at most 2**20 elements fill the GPU with 2048-row chunks; larger ones are faster with 4096 (fewer
+    float32 partial sums to write and add; sweep in docs/BENCHMARKS.md, session 15)."""
+    size = k * n
+    return 0 if size >= DW_UNCHUNKED_SIZE else 2048 if size <= 1 << 20 else 4096
+
 
 # Named tile sets: bm x bn output tile, block_r reduction block, Triton warps and pipeline stages, and for
 # dw whether each token chunk gets its own program ("split"). Every bfloat16 set reduces in blocks of 64
-# and every float32 set in IEEE float32 FMAs, and dw always in DW_ROW_CHUNK chunks, so the tile set changes
+# and every float32 set in IEEE float32 FMAs, and dw always in dw_row_chunk's chunks, so the tile set changes
 # speed, never bits (checked on the H200 for every set: scripts/gemm_bench.py --tile-bits and
 # tests/test_matmul.py::test_tile_sets_give_the_same_bits_on_gpu).
 TILE_SETS: dict[str, dict[str, int]] = {
@@ -80,12 +89,13 @@ def tile_set(kind: str, dtype, k: int, n: int) -> str:
     if kind == "dx":
         return "128x128w8" if n <= 128 else "128x256s4"
     # dw (K x N output): small outputs split the token chunks over programs to fill the SMs
-    return "128x256" if k * n >= DW_UNCHUNKED_SIZE else "128x256 split" if k * n <= 1 << 20 else "128x128w8 split"
+    size = k * n
+    return "128x256" if size >= DW_UNCHUNKED_SIZE else "128x256 split" if size <= 1 << 21 else "128x128w8 split"
 
 
 def _mm_kernel(a_ref, b_ref, o_ref, *, br: int, nr: int, chunk: int, trans_a: bool, trans_b: bool, precision):
     """One output tile: R reduced in blocks of br, ascending; with chunk < nr blocks, in chunks of `chunk`
-    blocks whose sums are added in ascending chunk order (the dw rule, see DW_ROW_CHUNK)."""
+    blocks whose sums are added in ascending chunk order (the dw rule, see dw_row_chunk)."""
     dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
 
     def body(r, acc):
@@ -127,10 +137,10 @@ def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: t
     m = a.shape[1] if trans_a else a.shape[0]
     n = b.shape[0] if trans_b else b.shape[1]
     r = a.shape[0] if trans_a else a.shape[1]
-    # dw reduces over tokens: in chunks of DW_ROW_CHUNK rows once there is more than one (rows padded with
+    # dw reduces over tokens: in chunks of dw_row_chunk rows once there is more than one (rows padded with
     # zeros to whole chunks, which add exact zeros), except for weights of DW_UNCHUNKED_SIZE elements or
     # more; fwd and dx reduce over a weight dim in one loop
-    chunk_rows = t.get("r_chunk", DW_ROW_CHUNK if k_w * n_w < DW_UNCHUNKED_SIZE else 0) if kind == "dw" else 0
+    chunk_rows = t.get("r_chunk", dw_row_chunk(k_w, n_w)) if kind == "dw" else 0
     if chunk_rows % br:
         raise ValueError(f"r_chunk {chunk_rows} is not a multiple of block_r {br}")
     r_chunk = chunk_rows if 0 < chunk_rows < r else 0
