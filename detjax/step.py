@@ -267,7 +267,7 @@ class Trainer:
                 (g, amax), terms = grad(params, tokens_CL1, key, scales)
                 return (g, terms), amax
             g, terms = jax.grad(self.leaf_objective, has_aux=True)(params, tokens_CL1, key)
-            return (g, terms), ()
+            return jax.lax.optimization_barrier((g, terms)), ()
 
         def amax_max(a_K):
             return jax.tree.map(lambda a: jnp.max(a, axis=0), a_K)

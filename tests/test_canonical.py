@@ -3,6 +3,7 @@ meshes (byte equality, with default numerics as the negative control)."""
 
 import json
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from detjax.config import ConfigError, load_config
 from detjax.sharding import canonical
 
 MESH_CFG = "configs/tiny_mesh.yaml"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def u32(x) -> np.ndarray:
@@ -171,6 +173,48 @@ def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
 def test_one_step_is_byte_equal_on_data_8():
     """The same two canonical hybrid steps on data 8 (one sequence per device) as on one device."""
     _assert_step_equal(_hybrid_canonical(["mesh.data=8"]), _hybrid_canonical(["mesh.devices=1"]), "data=8")
+
+
+_LEAVES_PER_SCAN = """
+import json, jax, numpy as np
+from detjax import step as st
+from detjax.config import load_config
+over = ["determinism.numerics=canonical", "mesh.devices=1", "model.pattern='M*E-M*E-'"]
+cfg = load_config("configs/tiny_mesh.yaml", over)
+tr = st.Trainer(cfg, None)
+state = tr.init_state(jax.random.key(0))
+batch = jax.random.randint(jax.random.key(1), (16, cfg.train.seq_len + 1), 0, 264)
+key = tr.step_key(state)
+out = {}
+for stack in (4, 1):
+    st.STACK = stack
+    fn = jax.jit(lambda p, b, k: tr.canonical_grad_sums(p, b, k)[:2])
+    out[stack] = [np.asarray(x).view(np.uint32) for x in jax.tree.leaves(fn(state.params, batch, key))]
+other = [np.asarray(x).view(np.uint32) for x in jax.tree.leaves(fn(state.params, batch.at[3, 5].set(7), key))]
+same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+print("RESULT " + json.dumps({"equal": same(out[4], out[1]), "control_equal": same(other, out[1])}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # ~3 min on 2 cores: a fresh process compiling two 16-leaf steps at the default XLA level
+def test_leaves_per_scan_do_not_change_the_gradient_sums(python):
+    """One device, 16 one-sequence leaves of the two-layer-group hybrid: scans of 4 leaves (step.STACK 4) and
+    sixteen single-leaf groups (whose length-1 scans XLA inlines) give the same gradient and loss sums, byte
+    for byte. It runs in a process with XLA's default optimization level (the suite's -O0 hides the effect):
+    before the leaf gradients passed an optimization barrier and Mamba2's decay gradient summed rounded
+    products by a pair tree, XLA fused a leaf's last products into the adds after them differently in the two
+    programs, and layer_0's and layer_4's a_log gradients differed in 4 and 2 elements. Negative control: one
+    changed token changes the compared bytes."""
+    import subprocess
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_ENABLE_COMPILATION_CACHE="false")
+    out = subprocess.run([python, "-c", _LEAVES_PER_SCAN], capture_output=True, text=True, env=env, cwd=REPO)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, out.stderr[-3000:]
+    res = json.loads(line[0][7:])
+    assert res["equal"]
+    assert not res["control_equal"], "negative control: another token should change the sums"
 
 
 def test_leaves_of_several_sequences_are_mesh_invariant():

@@ -13,6 +13,7 @@ from detjax.model.fp8 import scale_var
 from detjax.model.layers import normal_init, param, proj, proj_many
 from detjax.model.ssd import ssd_chunked
 from detjax.pallas_kernels.ssd.ops import ssd
+from detjax.sharding import canonical
 from detjax.sharding import rules as ax
 from detjax.sharding.rules import constrain
 
@@ -35,6 +36,29 @@ def _dt_bias_init(key, shape, dtype=jnp.float32, dt_min=1e-3, dt_max=1e-1):
     u = jax.random.uniform(key, shape, dtype)
     dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
     return dt + jnp.log(-jnp.expm1(-dt))  # inverse softplus
+
+
+@jax.custom_vjp
+def decay_times_dt(a_H: jax.Array, dt_BLH: jax.Array) -> jax.Array:
+    """a * dt per token and head. Its backward sums a's gradient over the tokens as a fixed pair tree of
+    products rounded first (an optimization barrier between product and sum): left to XLA, the reduce could
+    be fused with the products into FMAs differently in different programs, and the same sequence's a_log
+    gradient came out 1-4 ulp apart inside and outside a loop (canonical numerics needs one program's bits
+    in every context; tests/test_canonical.py)."""
+    return a_H[None, None, :] * dt_BLH
+
+
+def _decay_fwd(a_H, dt_BLH):
+    return decay_times_dt(a_H, dt_BLH), (a_H, dt_BLH)
+
+
+def _decay_bwd(res, g_BLH):
+    a_H, dt_BLH = res
+    prod_BLH = jax.lax.optimization_barrier(g_BLH * dt_BLH)
+    return canonical.pair_sum(prod_BLH.reshape(-1, prod_BLH.shape[-1]), 0), g_BLH * a_H[None, None, :]
+
+
+decay_times_dt.defvjp(_decay_fwd, _decay_bwd)
 
 
 def _a_log_init(key, shape, dtype=jnp.float32):
@@ -105,8 +129,8 @@ class Mamba2(nn.Module):
         b_BLN, c_BLN = bc_BLJN[:, :, 0], bc_BLJN[:, :, 1]
 
         dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + dt_bias_H[None, None, :])
-        a_11H = -jnp.exp(a_log_H)[None, None, :]
-        y_BLHP = SSD(c.chunk_size, self.kernels, name="ssd")(x_BLHP * dt_BLH[..., None], a_11H * dt_BLH, b_BLN, c_BLN)
+        adt_BLH = decay_times_dt(-jnp.exp(a_log_H), dt_BLH)
+        y_BLHP = SSD(c.chunk_size, self.kernels, name="ssd")(x_BLHP * dt_BLH[..., None], adt_BLH, b_BLN, c_BLN)
         y_BLHP = y_BLHP + d_skip_H[None, None, :, None] * x_BLHP
         y_BLHP = constrain(y_BLHP * nn.silu(z_BLHP.astype(jnp.float32)), lay, names, "ssm_y")
         # gated RMSNorm over the whole inner width (all heads)
