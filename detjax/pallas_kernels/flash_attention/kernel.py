@@ -60,12 +60,6 @@ def _dot(a, b, trans_b: bool = False):
     return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
 
 
-def _dot_t(a, b):
-    """a^T @ b with float32 accumulation."""
-    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
-
-
 def _causal(s, i, j, bq, bk):
     rows = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0) + i * bq
     cols = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1) + j * bk
