@@ -41,18 +41,19 @@ def test_pair_sum_levels_per_pass_do_not_change_bits(monkeypatch):
     shapes = [(1000,), (37, 3), (5, 64, 6), (2048, 2), (16,), (1,)]
     for shape, key in zip(shapes, jax.random.split(ks[0], len(shapes)), strict=True):
         x = jax.random.normal(key, shape, jnp.float32) * jnp.exp(6 * jax.random.normal(ks[1], shape))
-        for axis in range(len(shape)):
-            got = {}
-            for levels in (1, 3, 4):  # eagerly: no trace cache can hide the setting
-                monkeypatch.setattr(canonical, "LEVELS", levels)
-                got[levels] = u32(canonical.pair_sum(x, axis))
-                got[levels, "full"] = u32(canonical.full_sum(x))
-                got[levels, "ops"] = len(jax.make_jaxpr(lambda v: canonical.full_sum(v))(x).eqns)  # fresh trace
-            if x.size >= 16:  # the setting took effect: another program (fewer passes, more slices per pass)
-                assert got[4, "ops"] != got[1, "ops"], shape
-            for levels in (3, 4):
-                np.testing.assert_array_equal(got[levels], got[1], err_msg=f"{shape} axis {axis}")
-                np.testing.assert_array_equal(got[levels, "full"], got[1, "full"], err_msg=f"{shape}")
+        got = {}
+        for levels in (1, 3, 4):  # a fresh function per jit: no trace cache can hide the setting
+            monkeypatch.setattr(canonical, "LEVELS", levels)
+            for axis in range(len(shape)):
+                got[levels, axis] = u32(jax.jit(lambda v, a=axis: canonical.pair_sum(v, a))(x))
+            got[levels, "full"] = u32(jax.jit(lambda v: canonical.full_sum(v))(x))
+            got[levels, "ops"] = len(jax.make_jaxpr(lambda v: canonical.full_sum(v))(x).eqns)  # fresh trace
+        if x.size >= 16:  # the setting took effect: another program (fewer passes, more slices per pass)
+            assert got[4, "ops"] != got[1, "ops"], shape
+        for levels in (3, 4):
+            for axis in range(len(shape)):
+                np.testing.assert_array_equal(got[levels, axis], got[1, axis], err_msg=f"{shape} axis {axis}")
+            np.testing.assert_array_equal(got[levels, "full"], got[1, "full"], err_msg=f"{shape}")
     x = jax.random.normal(ks[2], (1000,), jnp.float32) * jnp.logspace(-4, 4, 1000)
     left_to_right = np.float32(0)
     for v in np.asarray(x):
