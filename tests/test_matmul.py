@@ -129,17 +129,59 @@ def test_dw_token_chunks_split_or_not_give_the_same_bits():
 
 @pytest.mark.gpu
 def test_matmul_is_batch_invariant_on_gpu():
-    """The same properties compiled by Triton on the GPU, at model-like sizes (several tiles each way)."""
+    """The same properties compiled on the GPU, at model-like sizes (several tiles each way): Triton, and on
+    Hopper the Mosaic GPU kernel (a weight of >= MOSAIC_MIN_SIZE elements)."""
+    from detjax.pallas_kernels.matmul.kernel import MOSAIC_MIN_SIZE
+
     check_batch_invariance(1000, 1024, 1000)
     check_batch_invariance(700, 1024, 8, jnp.float32)
+    check_batch_invariance(600, 1024, MOSAIC_MIN_SIZE // 1024 + 104)
+
+
+@pytest.mark.gpu
+def test_matmul_replays_bit_exact_on_gpu():
+    """Replays and replays under contention of both GPU kernels (the Mosaic one on Hopper) in one step."""
+    x, w, g = _inputs(2, 1030, 1024, 4200)
+    fn = jax.jit(lambda x, w: jax.value_and_grad(lambda x, w: jnp.sum(matmul(x, w, jnp.float32) * g), (0, 1))(x, w))
+    assert_replays_bit_exact(fn, (x, w), replays=4)
+    assert_replays_bit_exact(fn, (x, w), replays=3, contention=matmul_contention(2048, 5))
+
+
+def test_mosaic_matmul_matches_reference_interpreted():
+    """The Mosaic GPU kernel (mosaic.py) under its interpreter on CPU: fwd, dx and chunked / unchunked dw
+    against XLA's dot, and rows of a row subset equal to the full product's (its pipeline and tile
+    indexing; the GPU's bits are checked by the GPU tests above -- the interpreter's dot is not wgmma)."""
+    x, w, g = _inputs(7, 192, 64, 250)
+    w, g = w.astype(jnp.bfloat16), g.astype(jnp.bfloat16)
+
+    def run(kind, a, b, **kw):
+        t = tuple(sorted(dict(backend="mosaic", **kw).items()))
+        return matmul_kernel(a, b, kind=kind, out_dtype=jnp.float32, interpret=True, sweep_tiles=t)
+
+    fwd = run("fwd", x, w)
+    assert _rel(fwd, matmul_ref(x, w)) <= 1e-6
+    assert _same(run("fwd", x[:7], w), fwd[:7])
+    assert _rel(run("dx", g, w), matmul_ref(g, w.T)) <= 1e-6
+    want = matmul_ref(x.T, g)
+    chunked = run("dw", x, g, r_chunk=64)
+    assert _rel(chunked, want) <= 1e-6 and _rel(run("dw", x, g, r_chunk=0), want) <= 1e-6
+    # the chunk partials are added in ascending order: the same sum in another order differs
+    parts = [run("dw", x[i : i + 64], g[i : i + 64], r_chunk=0) for i in (0, 64, 128)]
+    assert _same(chunked, (parts[0] + parts[1]) + parts[2])
+    assert not _same(chunked, parts[0] + (parts[1] + parts[2]))
 
 
 @pytest.mark.gpu
 def test_tile_sets_give_the_same_bits_on_gpu():
     """The shape classes may pick any tile set: on the GPU every set of one dtype gives the same bits (dw with
-    four token chunks, so split and chunk-looping sets are compared too)."""
+    four token chunks, so split and chunk-looping sets are compared too), and on Hopper the Mosaic GPU kernel
+    (mosaic.py, which bfloat16 products use there) gives the Triton sets' bits."""
+    from detjax.pallas_kernels.matmul import mosaic
     from detjax.pallas_kernels.matmul.kernel import TILE_SETS
 
+    sets = dict(TILE_SETS)
+    if mosaic.available():
+        sets["mosaic"] = {"backend": "mosaic"}
     for dtype, prefix in ((jnp.bfloat16, ""), (jnp.float32, "f32_")):
         x, w, g = _inputs(4, 1000, 1024, 520, dtype)
         args = {"fwd": (x, w.astype(dtype)), "dx": (g.astype(dtype), w.astype(dtype)), "dw": (x, g.astype(dtype))}
@@ -153,7 +195,7 @@ def test_tile_sets_give_the_same_bits_on_gpu():
                     interpret=False,
                     sweep_tiles=tuple(sorted(dict(t, **({"r_chunk": 256} if kind == "dw" else {})).items())),
                 )
-                for name, t in TILE_SETS.items()
+                for name, t in sets.items()
                 if name.startswith("f32_") == (prefix == "f32_")
             ]
             assert all(_same(o, outs[0]) for o in outs[1:]), (kind, dtype)

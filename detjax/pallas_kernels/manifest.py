@@ -10,8 +10,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+KERNEL_ENTRY_POINTS = ("pallas_call", "plgpu.kernel")  # Pallas' Triton/interpreter and Mosaic GPU launchers
+
+
 def kernel_files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "pallas_call" in p.read_text())
+    return sorted(
+        str(p.relative_to(root)) for p in root.rglob("*.py") if any(e in p.read_text() for e in KERNEL_ENTRY_POINTS)
+    )
 
 
 def _test_exists(repo: Path, ref: str) -> bool:

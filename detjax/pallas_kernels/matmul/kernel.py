@@ -27,10 +27,12 @@ The tile sets and shape classes were chosen offline by scripts/gemm_bench.py --s
 and command in docs/BENCHMARKS.md), never at run time. float32 operands (the MoE router) are multiplied as
 IEEE float32 (no TF32).
 
-Speed (H200, `python3 scripts/gemm_bench.py`, docs/BENCHMARKS.md session 15): over every projection shape of
-gpu_dense / gpu_medium, weighted by use, 0.93-0.95 / 0.93-0.96 x the speed of XLA's autotuned GEMMs (three
-runs; they spread as much as that) -- slower chiefly in the dw of K = 1024-4096 weights; the LM head forward
-is faster.
+On Hopper, bfloat16 products of weights of at least MOSAIC_MIN_SIZE elements run the same rule in a Mosaic GPU
+kernel instead (mosaic.py, `use_mosaic`): the same bits, faster on large weights.
+
+Speed (H200, `python3 scripts/gemm_bench.py --rounds 3`, docs/BENCHMARKS.md session 16): over every
+projection shape of gpu_dense / gpu_medium, weighted by use, about 0.98 / 1.00 x the speed of XLA's
+autotuned GEMMs with the Mosaic kernel on large weights (session 15, Triton only: 0.93-0.95 / 0.93-0.96).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from detjax.pallas_kernels.backend import triton_params
+from detjax.pallas_kernels.matmul import mosaic
 
 DW_UNCHUNKED_SIZE = 1 << 23  # weights with this many elements or more: dw in one loop (enough tiles already)
 
@@ -116,6 +119,46 @@ def _mm_kernel(a_ref, b_ref, o_ref, *, br: int, nr: int, chunk: int, trans_a: bo
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
+MOSAIC_MIN_SIZE = 1 << 22  # weights with this many elements or more: the Mosaic GPU kernel on Hopper
+
+
+def use_mosaic(a_dtype, b_dtype, k: int, n: int, interpret: bool) -> bool:
+    """Whether the product of a (k, n) weight runs the Mosaic GPU kernel (mosaic.py): bfloat16 operands on a
+    Hopper GPU and a weight of at least MOSAIC_MIN_SIZE elements, where it was as fast as the Triton kernel or
+    faster (up to 1.17 x: the LM head); smaller weights, float32 and fp8 products and other devices run the
+    Triton kernel. Both kernels give the same bits (byte-equal on the H200 for every product of gpu_dense and
+    gpu_medium, docs/BENCHMARKS.md session 16), so this choice, like the tile set, changes speed, never bits."""
+    return not interpret and a_dtype == b_dtype == jnp.bfloat16 and k * n >= MOSAIC_MIN_SIZE and mosaic.available()
+
+
+def _mosaic_product(a, b, *, kind, out_dtype, k_w, n_w, m, n, r, t, interpret):
+    """kind's product through mosaic.mosaic_matmul: the same reduction rule as the Triton path (one
+    ascending loop of 64-row blocks per output tile; dw of weights under DW_UNCHUNKED_SIZE elements in
+    dw_row_chunk chunks whose float32 sums are added in ascending order here)."""
+    trans_a, trans_b = kind == "dw", kind == "dx"
+    chunk_rows = t.get("r_chunk", dw_row_chunk(k_w, n_w)) if kind == "dw" else 0
+    r_chunk = chunk_rows if 0 < chunk_rows < r else 0
+    r_mult = r_chunk or mosaic.BLOCK_R
+    cm, cn = mosaic.cta_tile(kind)
+    a = _pad_to(a, (r_mult, cm) if trans_a else (cm, r_mult))
+    b = _pad_to(b, (cn, r_mult) if trans_b else (r_mult, cn))
+    out = mosaic.mosaic_matmul(
+        a,
+        b,
+        kind=kind,
+        out_dtype=out_dtype,
+        r_chunk=r_chunk,
+        stages=t.get("stages", mosaic.STAGES),
+        interpret=interpret,
+    )
+    if r_chunk:
+        acc = out[0]
+        for c in range(1, out.shape[0]):
+            acc = acc + out[c]
+        out = acc.astype(out_dtype)
+    return out[:m, :n] if out.shape != (m, n) else out
+
+
 def _pad_to(x: jax.Array, mult: tuple[int, int]) -> jax.Array:
     pads = [(0, -d % m) for d, m in zip(x.shape, mult, strict=True)]
     return jnp.pad(x, pads) if any(p for _, p in pads) else x
@@ -127,16 +170,21 @@ def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: t
     (e4m3 / e5m2: model.fp8's products, float32 accumulation).
 
     `sweep_tiles` (sorted (name, value) pairs) replaces the pinned tiles: for the offline sweep in
-    scripts/gemm_bench.py and the tests only (they may also set `r_chunk`); the model never passes it."""
+    scripts/gemm_bench.py and the tests only (they may also set `r_chunk`, or `backend`: "mosaic" / "triton"
+    to force one kernel); the model never passes it."""
     if a.dtype != b.dtype and not (_is_fp8(a.dtype) and _is_fp8(b.dtype)):
         raise ValueError(f"matmul operands must share a dtype (or both be fp8), got {a.dtype} and {b.dtype}")
     trans_a, trans_b = kind == "dw", kind == "dx"
     k_w, n_w = {"fwd": (b.shape[0], b.shape[1]), "dx": b.shape, "dw": (a.shape[1], b.shape[1])}[kind]
     t = dict(sweep_tiles) if sweep_tiles else TILE_SETS[tile_set(kind, a.dtype, k_w, n_w)]
-    bm, bn, br = t["bm"], t["bn"], t["block_r"]
     m = a.shape[1] if trans_a else a.shape[0]
     n = b.shape[0] if trans_b else b.shape[1]
     r = a.shape[0] if trans_a else a.shape[1]
+    if t.get("backend", "mosaic" if use_mosaic(a.dtype, b.dtype, k_w, n_w, interpret) else "triton") == "mosaic":
+        return _mosaic_product(
+            a, b, kind=kind, out_dtype=out_dtype, k_w=k_w, n_w=n_w, m=m, n=n, r=r, t=t, interpret=interpret
+        )
+    bm, bn, br = t["bm"], t["bn"], t["block_r"]
     # dw reduces over tokens: in chunks of dw_row_chunk rows once there is more than one (rows padded with
     # zeros to whole chunks, which add exact zeros), except for weights of DW_UNCHUNKED_SIZE elements or
     # more; fwd and dx reduce over a weight dim in one loop

@@ -1,0 +1,190 @@
+"""The matmul's three products on Hopper through Pallas' Mosaic GPU backend: TMA loads into swizzled shared
+memory, wgmma from shared memory, a warp-specialized pipeline (one memory warpgroup, two compute
+warpgroups) and a persistent grid of one CTA per SM.
+
+The reduction rule is the Triton kernel's (kernel.py): every output tile is owned by ONE warpgroup, which
+reduces R by one ascending loop over blocks of BLOCK_R = 64 into a float32 accumulator that starts at zero
+(wgmma, k = 16 per instruction, issued in order) -- no split-K, no stream-K, no atomics; the weight gradient
+of a weight under DW_UNCHUNKED_SIZE elements sums `dw_row_chunk(k, n)`-row token chunks, each chunk its own
+(chunk, tile) work item writing a float32 partial sum, the partials added in ascending chunk order after the
+kernel. Which SM takes which tile, and in which order, changes when a tile is written, never what it holds.
+The tile shape comes from the product kind alone (never from M), and operands are zero-padded to whole
+tiles, so the batch invariance of kernel.py holds here by the same argument (tests/test_matmul.py, GPU).
+
+Transposed operands (dx reads w transposed, dw reads x transposed) are loaded in their stored layout and
+handed to wgmma as a transposed shared-memory view, which Hopper's bf16 wgmma reads directly.
+
+Used by kernel.matmul_kernel for bfloat16 products of weights of at least kernel.MOSAIC_MIN_SIZE elements on
+Hopper GPUs (compute capability 9.0), where it gives the Triton kernel's bits (byte-equal on the H200 for
+every product of gpu_dense and gpu_medium) at up to 1.17 x its speed; smaller weights, float32 products (the
+MoE router), fp8 products and every other device use the Triton kernel (docs/BENCHMARKS.md, session 16). On
+CPU the tests run it under Pallas' Mosaic GPU interpreter, whose dot is not wgmma: that checks the indexing
+and the chunk rule, not the GPU's bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+BLOCK_R = 64  # reduction block: four k = 16 wgmma steps per pipeline stage
+TILE = 128  # each compute warpgroup's output tile is TILE x TILE; a CTA's two warpgroups sit side by side
+SWIZZLE = 128  # bytes: a 64-element bf16 row, the widest swizzle
+STAGES = 4  # pipeline depth (4 x (128 x 64 + 64 x 256) bf16 = 192 KiB of shared memory)
+SNAKE_WIDTH = 8  # tiles per band of the persistent loop's order (L2 locality; no effect on bits)
+
+
+def available() -> bool:
+    """Whether this process runs on a Hopper GPU with Pallas' Mosaic GPU backend importable."""
+    if jax.default_backend() != "gpu":
+        return False
+    try:
+        dev = jax.devices()[0]
+        if getattr(dev, "compute_capability", "") != "9.0":
+            return False
+        importlib.import_module("jax.experimental.pallas.mosaic_gpu")
+    except Exception:  # no CUDA device details or no Mosaic GPU in this jax
+        return False
+    return True
+
+
+def cta_tile(kind: str) -> tuple[int, int]:
+    """(rows, columns) of one CTA's output: the two warpgroups split columns for fwd/dw, rows for dx (the
+    split is always along the operand that is NOT read transposed, so neither warpgroup slices a transposed
+    view)."""
+    return (2 * TILE, TILE) if kind == "dx" else (TILE, 2 * TILE)
+
+
+def _num_sms() -> int:
+    return jax.devices()[0].core_count
+
+
+def mosaic_matmul(
+    a, b, *, kind: str, out_dtype, r_chunk: int, stages: int = STAGES, interpret: bool = False
+) -> jax.Array:
+    """The product `kind` of kernel.py on operands already padded: a, b bf16 with the output's rows and
+    columns whole multiples of cta_tile(kind) and R a multiple of BLOCK_R (and of r_chunk when r_chunk > 0).
+    r_chunk > 0 (dw only): float32 partial sums per chunk, returned as (R / r_chunk, m, n) for the caller
+    to add in ascending order; otherwise the (m, n) product in out_dtype."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    trans_a, trans_b = kind == "dw", kind == "dx"
+    m = a.shape[1] if trans_a else a.shape[0]
+    n = b.shape[0] if trans_b else b.shape[1]
+    r = a.shape[0] if trans_a else a.shape[1]
+    cm, cn = cta_tile(kind)
+    if m % cm or n % cn or r % BLOCK_R or (r_chunk and r % r_chunk):
+        raise ValueError(
+            f"mosaic matmul {kind}: shape m={m} n={n} r={r} is not padded to the tiles {cm}x{cn}x{BLOCK_R}"
+        )
+    chunk = r_chunk or r
+    n_chunks = r // chunk
+    m_tiles, n_tiles = m // cm, n // cn
+    out_dtype = jnp.float32 if r_chunk else jnp.dtype(out_dtype)
+    split_rows = kind == "dx"
+
+    elems = SWIZZLE // jnp.dtype(a.dtype).itemsize
+    tiled = (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE))
+    # epilogue: each warpgroup writes its tile in (64 x epi_n) pieces through two shared-memory slots
+    epi_n = SWIZZLE // jnp.dtype(out_dtype).itemsize
+    out_tiled = (plgpu.TilingTransform((8, epi_n)), plgpu.SwizzleTransform(SWIZZLE))
+    epi_m = 64
+
+    a_block = (BLOCK_R, cm) if trans_a else (cm, BLOCK_R)
+    b_block = (cn, BLOCK_R) if trans_b else (BLOCK_R, cn)
+    a_index = (lambda k: (k, 0)) if trans_a else (lambda k: (0, k))
+    b_index = (lambda k: (0, k)) if trans_b else (lambda k: (k, 0))
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(chunk // BLOCK_R,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec(a_block, a_index, transforms=tiled, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec(b_block, b_index, transforms=tiled, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=stages,
+            compute_context=context,
+        )
+
+    def body(a_gmem, b_gmem, out_gmem):
+        def no_op(*_, **__):
+            return None
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=pipeline(no_op, no_op).get_allocations(a_gmem, b_gmem),
+            out_smem=plgpu.SMEM((2, 2, epi_m, epi_n), out_dtype, transforms=out_tiled),
+            collective_axes="wg",
+        )
+        def scope(allocs, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((n_chunks * m_tiles * n_tiles,), collective_axes="sm")
+            def tile_loop(info):
+                (lin,) = info.index
+                c = lin // (m_tiles * n_tiles)
+                mi, ni = plgpu.planar_snake(lin % (m_tiles * n_tiles), (m_tiles, n_tiles), 1, SNAKE_WIDTH)
+                rows = pl.ds(mi * cm, cm)
+                cols = pl.ds(ni * cn, cn)
+                rs = pl.ds(c * chunk, chunk)
+                # this warpgroup's TILE x TILE part of the CTA tile
+                wrows = pl.ds(wg * TILE, TILE) if split_rows else slice(None)
+                wcols = slice(None) if split_rows else pl.ds(wg * TILE, TILE)
+                out_rows = pl.ds(c * m + mi * cm, cm)
+
+                def context(run):
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE, TILE), jnp.float32))
+                    def acc_scope(acc):
+                        run(acc)
+                        val = acc[...].astype(out_dtype)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        piece = 0
+                        for pm in range(TILE // epi_m):
+                            for pn in range(TILE // epi_n):
+                                slot = piece % 2
+                                piece += 1
+                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                                out_smem[wg, slot] = val[pm * epi_m : (pm + 1) * epi_m, pn * epi_n : (pn + 1) * epi_n]
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(
+                                    out_smem.at[wg, slot],
+                                    out_gmem.at[out_rows, cols]
+                                    .at[wrows, wcols]
+                                    .at[pl.ds(pm * epi_m, epi_m), pl.ds(pn * epi_n, epi_n)],
+                                )
+
+                def step(_, a_smem, b_smem, acc):
+                    lhs = a_smem.transpose((1, 0)) if trans_a else a_smem.at[wrows]
+                    rhs = b_smem.transpose((1, 0)) if trans_b else b_smem.at[:, wcols]
+                    plgpu.wgmma(acc, lhs, rhs)
+                    plgpu.wgmma_wait(0)
+                    return acc
+
+                a_view = a_gmem.at[rs, rows] if trans_a else a_gmem.at[rows, rs]
+                b_view = b_gmem.at[cols, rs] if trans_b else b_gmem.at[rs, cols]
+                pipeline(step, context)(a_view, b_view, allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    out_rows_total = n_chunks * m if r_chunk else m
+    run = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((out_rows_total, n), out_dtype),
+        grid=(min(4 if interpret else _num_sms(), n_chunks * m_tiles * n_tiles),),  # the interpreter: 4 "SMs"
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
+    )
+    out = run(a, b)
+    return out.reshape(n_chunks, m, n) if r_chunk else out
