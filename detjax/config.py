@@ -305,9 +305,11 @@ class DeterminismConfig:
     #                GEMMs left to XLA (only tiny ones pass), and refused otherwise.
     strategy: Literal["xla_flags", "kernels"] = "xla_flags"
     # "canonical" (strict mode): every sum over tokens is a fixed pair tree over leaves of sequences in global
-    # order (detjax.sharding.canonical), so the data and fsdp degrees do not change the bits, and a run may
-    # resume on another such mesh. Each device runs its leaves one at a time, so train.micro_batch changes
-    # neither the bits nor the schedule there. Tensor, expert and pipeline parallelism are refused under it.
+    # order (detjax.sharding.canonical), so the data, fsdp and expert degrees do not change the bits, and a run
+    # may resume on another such mesh. Each device runs its leaves one at a time, so train.micro_batch changes
+    # neither the bits nor the schedule there. `expert` then shards the expert weights and their optimizer
+    # state and splits the batch like fsdp: each device runs every expert on its own leaves (no all-to-all
+    # token dispatch). Tensor and pipeline parallelism are refused under it.
     numerics: Literal["default", "canonical"] = "default"
     # Canonical numerics: sequences per leaf of the gradient tree (a power of two dividing train.global_batch).
     # A leaf is one batch-`canonical_leaf` program (its tokens reduced inside the kernels, its aux loss one
@@ -626,14 +628,15 @@ def canonical_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
         return []
     if d.mode != "strict":
         return [("determinism.numerics", "canonical", "needs determinism.mode=strict", "set determinism.mode=strict")]
-    for axis in ("tensor", "pipeline", "expert"):
+    for axis in ("tensor", "pipeline"):
         if getattr(mesh, axis) > 1:
             return [
                 (
                     f"mesh.{axis}",
                     getattr(mesh, axis),
                     f"{axis} parallelism has no canonical (mesh-invariant) path yet",
-                    f"set mesh.{axis}=1 (data and fsdp parallelism are canonical), or determinism.numerics=default",
+                    f"set mesh.{axis}=1 (data, fsdp and expert parallelism are canonical), or "
+                    "determinism.numerics=default",
                 )
             ]
     if cfg.trace.level != "none" or cfg.debug.inject_nondeterminism.scope:
@@ -667,6 +670,17 @@ def canonical_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
             )
         ]
     return []
+
+
+def canonical_notes(cfg: Config) -> list[str]:
+    """What canonical numerics does differently from default numerics on this mesh (the trainer prints them)."""
+    if not cfg.determinism.canonical or cfg.mesh.expert <= 1:
+        return []
+    return [
+        f"canonical numerics: mesh.expert = {cfg.mesh.expert} shards the expert weights and their optimizer "
+        "state and splits the batch like fsdp; each device runs every expert on its own sequences (no "
+        "all-to-all token dispatch: expert-parallel compute is not canonical yet)"
+    ]
 
 
 def fp8_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:

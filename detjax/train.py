@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from detjax import determinism
-from detjax.config import Config, ConfigError, dump_config, load_config
+from detjax.config import Config, ConfigError, canonical_notes, dump_config, load_config
 
 
 @dataclass
@@ -178,6 +178,8 @@ def train(
     primary = is_primary()
     for w in cfg.train.warnings() if primary else []:
         print(f"warning: {w}", file=sys.stderr)
+    for note in canonical_notes(cfg) if primary else []:
+        print(f"note: {note}", file=sys.stderr)
     resume = cfg.ckpt.resume if resume is None else resume
     resume = resume or resume_step is not None
     if resume and not cfg.ckpt.enabled:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from detjax.config import ConfigError, load_config
+from detjax.config import ConfigError, canonical_notes, load_config
 from detjax.sharding import canonical
 
 MESH_CFG = "configs/tiny_mesh.yaml"
@@ -100,6 +100,12 @@ def test_config_rules():
     canon = ["determinism.numerics=canonical"]
     with pytest.raises(ConfigError, match=r"mesh\.tensor.*no canonical"):
         load_config(MESH_CFG, canon + ["mesh.tensor=2"])
+    with pytest.raises(ConfigError, match=r"mesh\.pipeline.*no canonical"):
+        load_config(MESH_CFG, canon + ["mesh.pipeline=2", "model.pattern='M*E-M*E-'"])
+    # an expert axis is allowed, as storage sharding with no token dispatch, and the trainer says so
+    assert "no all-to-all token dispatch" in " ".join(canonical_notes(load_config(MESH_CFG, canon + ["mesh.expert=2"])))
+    assert canonical_notes(load_config(MESH_CFG, canon + ["mesh.data=8"])) == []
+    assert canonical_notes(load_config(MESH_CFG, ["mesh.expert=2"])) == []
     with pytest.raises(ConfigError, match=r"train\.global_batch.*power of two"):
         load_config(MESH_CFG, canon + ["train.global_batch=12", "train.micro_batch=4"])
     with pytest.raises(ConfigError, match=r"trace\.level.*numerics=default"):
@@ -158,12 +164,12 @@ def _assert_step_equal(got, ref, what) -> None:
 
 def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
     """Canonical: two steps (the second is the first with a nonzero learning rate, so AdamW's update counts)
-    on one device and on fsdp 2 x data 4 with another microbatch size give the same parameters and
+    on one device and on fsdp 2 x expert 2 x data 2 with another microbatch size give the same parameters and
     step metrics (digests included), byte for byte, for the hybrid model (Mamba2, attention, MoE, MLP blocks and the
     MTP head of configs/tiny_mesh.yaml; data 8: the extended variant below, the two-process test and the mesh
     sweep). Default numerics differ with the microbatch size."""
     ref = _hybrid_canonical(["mesh.devices=1"])
-    mesh = ["mesh.fsdp=2", "mesh.data=4", "train.micro_batch=2"]
+    mesh = ["mesh.fsdp=2", "mesh.expert=2", "mesh.data=2", "train.micro_batch=2"]
     _assert_step_equal(_hybrid_canonical(mesh), ref, mesh)
     # negative control: default numerics accumulate microbatches in sequence, so their size changes the bits
     mb8, mb2 = _one_step(["mesh.devices=1"]), _one_step(["mesh.devices=1", "train.micro_batch=2"])

@@ -66,8 +66,8 @@ def build_layout(cfg: Config, devices: Sequence[jax.Device] | None = None) -> La
     # weights, so each kernel sees one device's arrays; elsewhere the partitioner would have to split them.
     if cfg.model.kernels == "pallas" and len(devices) > 1 and not cfg.determinism.canonical:
         raise ConfigError(
-            f"config key 'model.kernels' = 'pallas': the Pallas kernels run on a single-device mesh, or on data "
-            f"and fsdp meshes under canonical numerics; this mesh has {len(devices)} devices. Fix: set "
+            f"config key 'model.kernels' = 'pallas': the Pallas kernels run on a single-device mesh, or on data, "
+            f"fsdp and expert meshes under canonical numerics; this mesh has {len(devices)} devices. Fix: set "
             "mesh.devices=1, determinism.numerics=canonical, or model.kernels=reference"
         )
     deg = resolve_degrees(cfg, len(devices))
