@@ -288,17 +288,19 @@ def test_pallas_kernels_on_a_batch_mesh(model):
 
 @pytest.mark.extended  # ~1 min on 2 cores; the one-step test above covers the same trees in the default run
 def test_resume_on_another_mesh_continues_the_trajectory(tmp_path):
-    """Canonical: train on dp8, stop after step 1 (a checkpoint at an odd step), resume on fsdp8 and continue:
-    fingerprints and final parameters byte-equal to the uninterrupted dp8 run. Under default numerics the
-    same resume is refused (the mesh is part of the trajectory there)."""
+    """Canonical: train on dp8, stop after step 1 (a checkpoint at an odd step), resume on fsdp 2 x expert 4
+    (the experts' weights and optimizer state resharded) and continue: fingerprints and final parameters
+    byte-equal to the uninterrupted dp8 run. Under default numerics the same resume is refused (the mesh is
+    part of the trajectory there)."""
     from detjax.ckpt import CheckpointError
     from detjax.train import train
 
-    base = ["model.pattern='-'", "model.mtp.depth=0", "train.steps=3", "ckpt.every=1", "run.save_final_params=true"]
+    base = ["model.pattern='E-'", "model.mtp.depth=0", "train.steps=3", "ckpt.every=1", "run.save_final_params=true"]
     canon = base + ["determinism.numerics=canonical"]
     ref = train(load_config(MESH_CFG, canon + ["mesh.data=8"]), tmp_path / "ref")
     train(load_config(MESH_CFG, canon + ["mesh.data=8", "run.stop_after=1"]), tmp_path / "moved")
-    got = train(load_config(MESH_CFG, canon + ["mesh.fsdp=8", "mesh.data=1"]), tmp_path / "moved", resume=True)
+    moved = ["mesh.fsdp=2", "mesh.expert=4", "mesh.data=1"]
+    got = train(load_config(MESH_CFG, canon + moved), tmp_path / "moved", resume=True)
     assert (got.run_dir / "fingerprints.jsonl").read_bytes() == (ref.run_dir / "fingerprints.jsonl").read_bytes()
     a, b = np.load(ref.run_dir / "final_params.npz"), np.load(got.run_dir / "final_params.npz")
     for k in a:
