@@ -38,6 +38,7 @@ TINY = REPO / "configs" / "tiny.yaml"
 HEAVY_FIRST = (
     "test_mesh_cells",
     "test_canonical",
+    "test_pallas",
     "test_trace",
     "test_ckpt",
     "test_mesh_pipeline",
