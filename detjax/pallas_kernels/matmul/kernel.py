@@ -152,11 +152,16 @@ def _mosaic_product(a, b, *, kind, out_dtype, k_w, n_w, m, n, r, t, interpret):
         interpret=interpret,
     )
     if r_chunk:
-        acc = out[0]
-        for c in range(1, out.shape[0]):
-            acc = acc + out[c]
-        out = acc.astype(out_dtype)
+        out = _add_in_order(out).astype(out_dtype)
     return out[:m, :n] if out.shape != (m, n) else out
+
+
+def _add_in_order(parts: jax.Array) -> jax.Array:
+    """((parts[0] + parts[1]) + parts[2]) + ...: the dw rule's ascending sum of float32 chunk sums."""
+    acc = parts[0]
+    for c in range(1, parts.shape[0]):
+        acc = acc + parts[c]
+    return acc
 
 
 def _pad_to(x: jax.Array, mult: tuple[int, int]) -> jax.Array:
@@ -222,10 +227,7 @@ def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: t
             interpret=interpret,
             compiler_params=params,
         )(a, b).reshape(n_chunks, mp, np_)
-        acc = parts[0]
-        for c in range(1, n_chunks):
-            acc = acc + parts[c]
-        out = acc.astype(out_dtype)
+        out = _add_in_order(parts).astype(out_dtype)
     else:
         out = pl.pallas_call(
             functools.partial(kernel, nr=r // br, chunk=(r_chunk or r) // br),
