@@ -25,7 +25,8 @@ run.fingerprints is on unless they say otherwise.
 Rounds alternate the modes (fastest, strict, ..., fastest, strict, ...) so drift hits all alike. Reported:
 median steady-state step time per mode (warm-up steps dropped; each step synchronised), MFU (detjax.flops),
 peak device memory, and the tax (mode / baseline - 1) x 100 %, the baseline being `fastest` when it runs
-(else the first mode).
+(else the first mode); and the same for the pipelined step time (steps dispatched back to back, as the
+training loop runs them; plain_step.time_steps).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 MODES = {
@@ -92,23 +92,12 @@ def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int
     ds = make_dataset(cfg)
     batches = [jax.device_put(np.asarray(ds[i]), rep) for i in range(8)]  # rotate: not one cached input
     determinism.check_step(cfg, step, state, batches[0])
-    t0 = time.perf_counter()
-    state, m = step(state, batches[0])
-    jax.block_until_ready((state, m))
-    compile_s = time.perf_counter() - t0
-    times = []
-    for i in range(1, warmup + steps):
-        t0 = time.perf_counter()
-        state, m = step(state, batches[i % len(batches)])
-        jax.block_until_ready((state, m))
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    from plain_step import time_steps
+
+    res = time_steps(step, state, batches, steps, warmup)
     return {
-        "median_ms": 1e3 * statistics.median(times),
-        "min_ms": 1e3 * min(times),
-        "max_ms": 1e3 * max(times),
-        "first_step_s": compile_s,
-        "final_loss": float(m["lm_loss"]),
+        **{k: v for k, v in res.items() if k not in ("state", "out")},
+        "final_loss": float(res["out"]["lm_loss"]),
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
@@ -160,7 +149,8 @@ def main() -> int:
             results[mode].append(res)
             print(
                 f"round {r} {mode:7s} median {res['median_ms']:.2f} ms  (min {res['min_ms']:.2f}, "
-                f"max {res['max_ms']:.2f}; first step {res['first_step_s']:.1f} s)",
+                f"max {res['max_ms']:.2f}; pipelined {res['pipelined_ms']:.2f} ms; "
+                f"first step {res['first_step_s']:.1f} s)",
                 flush=True,
             )
     base_mode = "fastest" if "fastest" in modes else modes[0]
@@ -175,15 +165,21 @@ def main() -> int:
         f"\n{any_res['device']}, jax {any_res['jax']}, {any_res['tokens_per_step']} tokens/step, "
         f"{flops / 1e12:.2f} model TFLOP/step, {a.rounds} rounds x {a.steps} timed steps"
     )
-    print(f"| mode | median step (ms) | tokens/s | MFU | peak mem (GiB) | tax vs {base_mode} |")
-    print("|---|---|---|---|---|---|")
+    pbase = statistics.median(x["pipelined_ms"] for x in results[base_mode])
+    print(
+        f"| mode | median step (ms) | tokens/s | MFU | peak mem (GiB) | tax vs {base_mode} "
+        "| pipelined step (ms) | pipelined MFU | pipelined tax |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for mode in modes:
         med = statistics.median(x["median_ms"] for x in results[mode])
+        pip = statistics.median(x["pipelined_ms"] for x in results[mode])
         tok_s = any_res["tokens_per_step"] / (med / 1e3)
-        mfu = flops / (med / 1e3) / PEAK_FLOPS_BF16
+        mfu, pmfu = (flops / (t / 1e3) / PEAK_FLOPS_BF16 for t in (med, pip))
         peak = max((x.get("peak_mem_bytes") or 0) for x in results[mode]) / 2**30
         print(
-            f"| {mode} | {med:.2f} | {tok_s:,.0f} | {100 * mfu:.1f} % | {peak:.1f} | {100 * (med / base - 1):+.1f} % |"
+            f"| {mode} | {med:.2f} | {tok_s:,.0f} | {100 * mfu:.1f} % | {peak:.1f} | {100 * (med / base - 1):+.1f} % "
+            f"| {pip:.2f} | {100 * pmfu:.1f} % | {100 * (pip / pbase - 1):+.1f} % |"
         )
     return 0
 

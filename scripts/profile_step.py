@@ -10,6 +10,9 @@ xprof; a Perfetto JSON trace is written beside it) and prints:
   to the Flax/named scope that produced it; `layer_N` becomes `block[<letter>]` so that all blocks of one
   type add up; forward and backward (ops under a transpose) are separate rows;
 - the top device ops by time, with their scope.
+
+`--plain` profiles scripts/plain_step.py's plain-JAX step of the same (dense) config instead (its ops carry no
+module scopes: read its table by op).
 """
 
 from __future__ import annotations
@@ -133,6 +136,8 @@ def main() -> int:
         help="leave XLA's CUDA-graph command buffers on (default: off while profiling, so ops map to scopes)",
     )
     ap.add_argument("--dump-events", type=int, default=0, help="print the first N device events (raw)")
+    ap.add_argument("--plain", action="store_true", help="profile scripts/plain_step.py's step of the config")
+    ap.add_argument("--attention", default="cudnn", choices=["cudnn", "xla"], help="the plain step's attention")
     ap.add_argument("--src", default=None, help="profile the detjax package under this tree (e.g. an older commit)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
@@ -158,13 +163,32 @@ def main() -> int:
     from detjax.sharding.mesh import build_layout
     from detjax.step import Trainer, compile_init, compile_train_step
 
-    layout = build_layout(cfg)
-    trainer = Trainer(cfg, layout=layout)
-    state_sh, batch_sh = trainer.state_shardings(), trainer.batch_sharding()
-    state = compile_init(trainer, state_sh)(jax.random.key(cfg.train.seed))
-    step = compile_train_step(trainer, state_sh, batch_sh)
     ds = make_dataset(cfg)
-    batches = [jax.device_put(np.asarray(ds[i]), batch_sh) for i in range(4)]
+    if a.plain:
+        sys.path.insert(0, str(here / "scripts"))
+        import plain_step
+
+        init, plain = plain_step.build(cfg, a.attention)
+        devices = jax.devices()[:1]
+        batches = [jax.device_put(np.asarray(ds[i]), devices[0]) for i in range(4)]
+        state = init(jax.random.key(cfg.train.seed))
+        # the AOT executable runs the steps too: a second compilation of the same cuDNN-attention module in
+        # one process failed at execution on jax 0.11.2 (IndexError from an absl map), one does not
+        compiled = plain.lower(*state, batches[0]).compile()
+
+        def step(state, batch):
+            p, o, loss = compiled(*state, batch)
+            return (p, o), loss
+
+        step.lower = lambda *_: type("Lowered", (), {"compile": lambda self: compiled})()
+    else:
+        layout = build_layout(cfg)
+        devices = list(layout.mesh.devices.flat)
+        trainer = Trainer(cfg, layout=layout)
+        state_sh, batch_sh = trainer.state_shardings(), trainer.batch_sharding()
+        state = compile_init(trainer, state_sh)(jax.random.key(cfg.train.seed))
+        step = compile_train_step(trainer, state_sh, batch_sh)
+        batches = [jax.device_put(np.asarray(ds[i]), batch_sh) for i in range(4)]
     names = hlo_op_names(step.lower(state, batches[0]).compile().as_text())
     for i in range(a.warmup):
         state, m = step(state, batches[i % 4])
@@ -174,7 +198,7 @@ def main() -> int:
         state, m = step(state, batches[i % 4])
     jax.block_until_ready((state, m))
     dt_plain = (time.perf_counter() - t0) / a.steps
-    out = Path(a.out) / cfg.run.name
+    out = Path(a.out) / (cfg.run.name + ("_plain" if a.plain else ""))
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with jax.profiler.trace(str(out), create_perfetto_trace=True):
@@ -182,11 +206,11 @@ def main() -> int:
             state, m = step(state, batches[i % 4])
         jax.block_until_ready((state, m))
     dt = (time.perf_counter() - t0) / a.steps
-    devices = list(layout.mesh.devices.flat)
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices() if d in devices]
     peak = max([p for p in peaks if p is not None], default=None)
     flops = flops_mod.model_flops_per_step(cfg)
-    print(f"{cfg.run.name}: {jax.devices()[0].device_kind}, jax {jax.__version__}, {len(devices)} device(s)")
+    what = f"{cfg.run.name}{' (plain step)' if a.plain else ''}"
+    print(f"{what}: {jax.devices()[0].device_kind}, jax {jax.__version__}, {len(devices)} device(s)")
     print(
         f"step {1e3 * dt_plain:.2f} ms ({a.steps} steps, wall clock; {1e3 * dt:.2f} ms under the profiler); "
         f"model {flops / 1e12:.2f} TFLOP/step -> MFU {100 * flops_mod.mfu(cfg, dt_plain, len(devices)):.1f} %"

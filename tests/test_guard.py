@@ -184,6 +184,9 @@ def test_resume_with_another_resolved_mesh_is_refused(python, tiny_path, tmp_pat
     assert len(err) == 1 and "was written on the mesh" in err[0] and "'data': 2" in err[0] and "Fix: " in err[0]
 
 
+# ~50 s on 2 cores (a training process of its own). The refusal path is the one the resolved-mesh test above
+# runs end to end, and test_layout_changes_list_what_changes_bits checks the host-device-count rule itself.
+@pytest.mark.extended
 def test_resume_on_another_host_device_count_is_refused(python, tiny_path, tmp_path):
     """A single-device run written with 1 host CPU device, resumed in a process with 2: the mesh is the same,
     but XLA's CPU numerics follow the host device count, so the resume is refused (exit 2, one line)."""

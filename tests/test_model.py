@@ -70,11 +70,11 @@ def test_hybrid_lm_shapes_and_pattern():
     cfg = dataclasses.replace(ModelConfig(), pattern="M*E-", d_model=32, ffn_dim=32)
     m = HybridLM(cfg)
     ids = jnp.zeros((2, 16), jnp.int32)
-    params = nn.unbox(m.init(jax.random.key(0), ids)["params"])
+    params = nn.unbox(jax.jit(m.init)(jax.random.key(0), ids)["params"])  # jitted: one compile, not one per op
     assert {f"layer_{i}" for i in range(4)} <= set(params)
     assert "mixer" in params["layer_2"] and "w_router" in params["layer_2"]["mixer"]
     assert "a_log" in params["layer_0"]["mixer"]
-    logits, mtp_logits, aux = m.apply({"params": params}, ids)
+    logits, mtp_logits, aux = jax.jit(m.apply)({"params": params}, ids)
     assert logits.shape == (2, 16, cfg.vocab_size) and mtp_logits.shape == (2, 15, cfg.vocab_size)
     assert jax.tree.leaves(params)[0].dtype == jnp.float32
     assert float(aux) > 0

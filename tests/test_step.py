@@ -6,18 +6,24 @@ import pytest
 
 from detjax.config import load_config
 from detjax.data.pipeline import make_dataset
-from detjax.sharding.mesh import replicated, single_device_mesh
 from detjax.step import Trainer, compile_init, compile_train_step
 
 
 @pytest.fixture(scope="module")
 def compiled(tiny_path):
-    cfg = load_config(tiny_path, ["train.steps=4"])
-    trainer = Trainer(cfg)
-    rep = replicated(single_device_mesh())
-    init = compile_init(trainer, rep)
-    step = compile_train_step(trainer, rep, rep)
-    batch = jax.device_put(np.asarray(make_dataset(cfg)[0]), rep)
+    """The step exactly as `python -m detjax.train` builds it for test_train.py's tiny runs (the same config,
+    layout and shardings), so that it loads their executable from the suite's persistent compilation cache
+    when they ran first."""
+    from test_train import STEPS
+
+    from detjax.sharding.mesh import build_layout
+
+    cfg = load_config(tiny_path, [f"train.steps={STEPS}"])
+    trainer = Trainer(cfg, layout=build_layout(cfg))
+    state_sh, batch_sh = trainer.state_shardings(), trainer.batch_sharding()
+    init = compile_init(trainer, state_sh)
+    step = compile_train_step(trainer, state_sh, batch_sh)
+    batch = jax.device_put(np.asarray(make_dataset(cfg)[0]), batch_sh)
     lowered = step.lower(init(jax.random.key(0)), batch)
     return cfg, init, step, batch, lowered, lowered.compile()
 
