@@ -22,11 +22,35 @@ def test_strict_refuses_xla_attention(tiny_path):
         determinism.check_features(cfg)
 
 
-@pytest.mark.parametrize("over", ["model.attention_impl=cudnn", "model.embed_grad=scatter_add"])
+@pytest.mark.parametrize(
+    "over",
+    ["model.attention_impl=cudnn,determinism.strategy=kernels,model.kernels=pallas", "model.embed_grad=scatter_add"],
+    ids=["cudnn-kernels-strategy", "scatter-add-embedding-grad"],
+)
 def test_strict_refuses_the_other_fast_paths(tiny_path, over):
     key = over.split("=")[0]
     with pytest.raises(determinism.DeterminismError, match=rf"{key.replace('.', r'[.]')}: .*Fix: "):
-        determinism.check_features(load_config(tiny_path, [over]))
+        determinism.check_features(load_config(tiny_path, over.split(",")))
+
+
+def test_cudnn_attention_only_under_the_xla_flags_strategy(tiny_path):
+    """cuDNN's fused attention is deterministic under XLA's deterministic-ops flag (the xla_flags strategy
+    sets it; replays byte-equal on the H200, scripts/cudnn_attention_check.py), so strict mode accepts it
+    there and refuses it under the kernels strategy, which runs without the flag. Off a GPU it is refused by
+    the mesh builder with a one-line fix."""
+    from detjax.config import ConfigError
+    from detjax.sharding.mesh import build_layout
+
+    ok = load_config(tiny_path, ["model.attention_impl=cudnn", "determinism.strategy=xla_flags"])
+    assert determinism.check_features(ok) is None
+    over = ["model.attention_impl=cudnn", "determinism.strategy=kernels", "model.kernels=pallas"]
+    with pytest.raises(determinism.DeterminismError, match=r"deterministic-ops flag.*Fix: .*strategy=xla_flags"):
+        determinism.check_features(load_config(tiny_path, over))
+    import jax
+
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ConfigError, match=r"'model\.attention_impl' = 'cudnn'.*needs an NVIDIA GPU.*Fix: "):
+            build_layout(ok)
 
 
 def test_off_mode_allows_them(tiny_path):

@@ -62,6 +62,11 @@ def build_layout(cfg: Config, devices: Sequence[jax.Device] | None = None) -> La
             )
         devices = devices[:n]
     devices = list(devices)
+    if cfg.model.attention_impl == "cudnn" and devices[0].platform != "gpu":
+        raise ConfigError(
+            f"config key 'model.attention_impl' = 'cudnn': cuDNN's fused attention needs an NVIDIA GPU, and "
+            f"these devices are {devices[0].platform}. Fix: use model.attention_impl=reference on this machine"
+        )
     # Under canonical numerics the model runs inside shard_map, one leaf per device at a time with whole
     # weights, so each kernel sees one device's arrays; elsewhere the partitioner would have to split them.
     if cfg.model.kernels == "pallas" and len(devices) > 1 and not cfg.determinism.canonical:
