@@ -84,20 +84,19 @@ REFUSALS: tuple[Refusal, ...] = (
         "model.attention_impl",
         lambda c: c.model.attention_impl == "xla",
         "jax.nn.dot_product_attention with implementation='xla' is not a path detjax has verified",
-        "use model.attention_impl=reference (or cudnn with determinism.strategy=xla_flags), or determinism.mode=off",
+        "use model.attention_impl=reference, or determinism.mode=off",
     ),
-    # cuDNN's flash attention: XLA asks cuDNN for its deterministic backward when its deterministic-ops flag
-    # is on (the xla_flags strategy), and the replays are byte-equal there (scripts/cudnn_attention_check.py,
-    # docs/BENCHMARKS.md session 17). The kernels strategy runs without that flag, so cuDNN's default backward
-    # (dQ summed with atomics) would run: refused. Like XLA's own kernels under that strategy, the bits are
-    # those of this cuDNN and this GPU.
+    # cuDNN's flash attention on its own replays byte-equal under XLA's deterministic-ops flag (XLA asks cuDNN
+    # for its deterministic backward) and differs in every replay without it (scripts/cudnn_attention_check.py,
+    # docs/BENCHMARKS.md session 17). But the strict step with it failed at its first execution on jax 0.11.2
+    # (an IndexError from inside XLA's executable), so no strategy offers it yet.
     Refusal(
         "model.attention_impl",
-        lambda c: c.model.attention_impl == "cudnn" and c.determinism.strategy != "xla_flags",
-        "cuDNN's fused attention is deterministic only under XLA's deterministic-ops flag, which the kernels "
-        "strategy does not set (its default backward sums dQ with atomics)",
+        lambda c: c.model.attention_impl == "cudnn",
+        "cuDNN's fused attention is deterministic only under XLA's deterministic-ops flag, and the strict "
+        "step with it fails inside XLA on jax 0.11.2 (docs/BENCHMARKS.md session 17)",
         "use model.attention_impl=reference (the Pallas flash attention under model.kernels=pallas), or "
-        "determinism.strategy=xla_flags, or determinism.mode=off",
+        "determinism.mode=off",
     ),
 )
 
