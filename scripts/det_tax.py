@@ -26,7 +26,8 @@ Rounds alternate the modes (fastest, strict, ..., fastest, strict, ...) so drift
 median steady-state step time per mode (warm-up steps dropped; each step synchronised), MFU (detjax.flops),
 peak device memory, and the tax (mode / baseline - 1) x 100 %, the baseline being `fastest` when it runs
 (else the first mode); and the same for the pipelined step time (steps dispatched back to back, as the
-training loop runs them; plain_step.time_steps).
+training loop runs them; plain_step.time_steps). A mode that fails is reported with its error and dropped;
+the others still run, and the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -124,8 +126,11 @@ def main() -> int:
         print(f"error: unknown mode(s) {unknown}; choose from {list(MODES)}", file=sys.stderr)
         return 2
     results: dict[str, list[dict]] = {m: [] for m in modes}
+    failed: dict[str, str] = {}  # a mode that fails is reported and dropped; the others still run
     for r in range(a.rounds):
         for mode in modes:
+            if mode in failed:
+                continue
             env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
             cmd = [
                 sys.executable,
@@ -144,7 +149,11 @@ def main() -> int:
             line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
             if out.returncode or not line:
                 print(out.stdout[-3000:], out.stderr[-3000:], file=sys.stderr)
-                return 1
+                lines = (out.stderr.strip() or out.stdout.strip() or "no output").splitlines()
+                errors = [x for x in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", x) or x.startswith("error:")]
+                failed[mode] = (errors or lines)[-1][:300]
+                print(f"round {r} {mode:7s} FAILED (exit {out.returncode}): {failed[mode]}", flush=True)
+                continue
             res = json.loads(line[0][7:])
             results[mode].append(res)
             print(
@@ -153,9 +162,13 @@ def main() -> int:
                 f"first step {res['first_step_s']:.1f} s)",
                 flush=True,
             )
-    base_mode = "fastest" if "fastest" in modes else modes[0]
+    ran = [m for m in modes if m not in failed]
+    if not ran:
+        print("error: every mode failed", file=sys.stderr)
+        return 1
+    base_mode = "fastest" if "fastest" in ran else ran[0]
     base = statistics.median(x["median_ms"] for x in results[base_mode])
-    any_res = results[modes[0]][0]
+    any_res = results[ran[0]][0]
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from detjax.config import load_config
     from detjax.flops import PEAK_FLOPS_BF16, model_flops_per_step
@@ -171,7 +184,7 @@ def main() -> int:
         "| pipelined step (ms) | pipelined MFU | pipelined tax |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for mode in modes:
+    for mode in ran:
         med = statistics.median(x["median_ms"] for x in results[mode])
         pip = statistics.median(x["pipelined_ms"] for x in results[mode])
         tok_s = any_res["tokens_per_step"] / (med / 1e3)
@@ -181,7 +194,9 @@ def main() -> int:
             f"| {mode} | {med:.2f} | {tok_s:,.0f} | {100 * mfu:.1f} % | {peak:.1f} | {100 * (med / base - 1):+.1f} % "
             f"| {pip:.2f} | {100 * pmfu:.1f} % | {100 * (pip / pbase - 1):+.1f} % |"
         )
-    return 0
+    for mode, why in failed.items():
+        print(f"| {mode} | failed: {why} | | | | | | | |")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
