@@ -224,23 +224,28 @@ def test_leaves_per_scan_do_not_change_the_gradient_sums(python):
     assert not res["control_equal"], "negative control: another token should change the sums"
 
 
-def test_leaves_of_several_sequences_are_mesh_invariant():
-    """Canonical with determinism.canonical_leaf=4: one device (four leaves stacked by one scan) and data 4
-    (one leaf per device, the devices joined by the top of the tree) give the same step, byte for byte. The
-    leaf size is part of the trajectory: one-sequence leaves give other bits (the negative control), and a mesh
-    with more batch devices than leaves is refused."""
+def test_a_mesh_with_more_batch_devices_than_leaves_is_refused():
     from detjax.sharding.mesh import build_layout
     from detjax.step import Trainer
 
+    cfg = load_config(MESH_CFG, ["determinism.numerics=canonical", "determinism.canonical_leaf=4", "mesh.data=8"])
+    with pytest.raises(ConfigError, match=r"dividing the 4 leaves.*smaller determinism\.canonical_leaf"):
+        Trainer(cfg, build_layout(cfg, jax.devices()[:8]))
+
+
+# ~35 s on 2 cores. Covered in kind by test_pallas_kernels_on_a_batch_mesh below (leaves of 2 sequences: one
+# device stacks them, fsdp 2 x data 2 holds one per device).
+@pytest.mark.extended
+def test_leaves_of_several_sequences_are_mesh_invariant():
+    """Canonical with determinism.canonical_leaf=4: one device (four leaves stacked by one scan) and data 4
+    (one leaf per device, the devices joined by the top of the tree) give the same step, byte for byte. The
+    leaf size is part of the trajectory: one-sequence leaves give other bits (the negative control)."""
     canon = ["determinism.numerics=canonical", "determinism.canonical_leaf=4"]
     ref = _one_step(canon + ["mesh.devices=1"])
     got = _one_step(canon + ["mesh.devices=4", "mesh.data=4"])
     assert _same(got[0], ref[0]) and _same(got[1]["digest"], ref[1]["digest"])
     one = _one_step(["determinism.numerics=canonical", "mesh.devices=1"])
     assert not _same(one[1]["digest"], ref[1]["digest"]), "negative control: the leaf size should change the bits"
-    cfg = load_config(MESH_CFG, canon + ["mesh.data=8"])
-    with pytest.raises(ConfigError, match=r"dividing the 4 leaves.*smaller determinism\.canonical_leaf"):
-        Trainer(cfg, build_layout(cfg, jax.devices()[:8]))
 
 
 def test_fp8_scales_are_mesh_invariant():
