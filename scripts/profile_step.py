@@ -12,7 +12,8 @@ xprof; a Perfetto JSON trace is written beside it) and prints:
 - the top device ops by time, with their scope.
 
 `--plain` profiles scripts/plain_step.py's plain-JAX step of the same (dense) config instead (its ops carry no
-module scopes: read its table by op).
+module scopes: read its table by op). On the H200 with jax 0.11.2 it has not run yet: its step failed at first
+execution inside XLA (IndexError; docs/BENCHMARKS.md session 17), although det_tax's plain mode runs.
 """
 
 from __future__ import annotations
