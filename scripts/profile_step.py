@@ -12,8 +12,10 @@ xprof; a Perfetto JSON trace is written beside it) and prints:
 - the top device ops by time, with their scope.
 
 `--plain` profiles scripts/plain_step.py's plain-JAX step of the same (dense) config instead (its ops carry no
-module scopes: read its table by op). On the H200 with jax 0.11.2 it has not run yet: its step failed at first
-execution inside XLA (IndexError; docs/BENCHMARKS.md session 17), although det_tax's plain mode runs.
+module scopes: read its table by op). It runs the plain step as det_tax's plain mode does, with XLA's default
+flags: on the H200 with jax 0.11.2 the earlier variants of --plain (command buffers off, the step compiled
+ahead of time) failed at the step's first execution inside XLA (IndexError; docs/BENCHMARKS.md session 17);
+this one has not run on the GPU yet.
 """
 
 from __future__ import annotations
@@ -155,7 +157,9 @@ def main() -> int:
     cfg = config_for_cli(a.config, a.overrides)
     if cfg is None:
         return 2
-    if not a.keep_command_buffers:  # CUDA-graph command buffers hide which HLO op each kernel belongs to
+    # CUDA-graph command buffers hide which HLO op each kernel belongs to. The plain step keeps XLA's defaults:
+    # it has no scopes to map, and it failed inside XLA with them off (docs/BENCHMARKS.md session 17).
+    if not a.keep_command_buffers and not a.plain:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
     import jax
     import numpy as np
@@ -173,15 +177,11 @@ def main() -> int:
         devices = jax.devices()[:1]
         batches = [jax.device_put(np.asarray(ds[i]), devices[0]) for i in range(4)]
         state = init(jax.random.key(cfg.train.seed))
-        # the AOT executable runs the steps too: a second compilation of the same cuDNN-attention module in
-        # one process failed at execution on jax 0.11.2 (IndexError from an absl map), one does not
-        compiled = plain.lower(*state, batches[0]).compile()
 
-        def step(state, batch):
-            p, o, loss = compiled(*state, batch)
+        def step(state, batch):  # called as det_tax's plain mode calls it (the path that ran on the H200)
+            p, o, loss = plain(*state, batch)
             return (p, o), loss
 
-        step.lower = lambda *_: type("Lowered", (), {"compile": lambda self: compiled})()
     else:
         layout = build_layout(cfg)
         devices = list(layout.mesh.devices.flat)
@@ -190,7 +190,8 @@ def main() -> int:
         state = compile_init(trainer, state_sh)(jax.random.key(cfg.train.seed))
         step = compile_train_step(trainer, state_sh, batch_sh)
         batches = [jax.device_put(np.asarray(ds[i]), batch_sh) for i in range(4)]
-    names = hlo_op_names(step.lower(state, batches[0]).compile().as_text())
+    # the plain step has no module scopes to map to, and is not lowered a second time
+    names = {} if a.plain else hlo_op_names(step.lower(state, batches[0]).compile().as_text())
     for i in range(a.warmup):
         state, m = step(state, batches[i % 4])
     jax.block_until_ready((state, m))
