@@ -83,7 +83,6 @@ def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int
     import numpy as np
 
     from detjax.data.pipeline import make_dataset
-    from detjax.runlog import peak_memory_bytes
     from detjax.sharding.mesh import replicated, single_device_mesh
     from detjax.step import Trainer, compile_init, compile_train_step
 
@@ -94,17 +93,10 @@ def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int
     ds = make_dataset(cfg)
     batches = [jax.device_put(np.asarray(ds[i]), rep) for i in range(8)]  # rotate: not one cached input
     determinism.check_step(cfg, step, state, batches[0])
-    from plain_step import time_steps
+    from plain_step import result, time_steps
 
-    res = time_steps(step, state, batches, steps, warmup)
-    return {
-        **{k: v for k, v in res.items() if k not in ("state", "out")},
-        "final_loss": float(res["out"]["lm_loss"]),
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
-        "peak_mem_bytes": peak_memory_bytes(jax.devices()[:1]),
-    }
+    timing, m = time_steps(step, state, batches, steps, warmup)
+    return result(timing, cfg, float(m["lm_loss"]))
 
 
 def main() -> int:

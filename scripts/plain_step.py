@@ -109,7 +109,8 @@ def time_steps(run, state, batches: list, steps: int, warmup: int, windows: int 
       its end; the median of the windows' per-step means. The host dispatches step t+1 while the device runs
       step t, as in detjax.train's loop (which reads step t-1's metrics after queueing step t) and in a plain
       training loop that does not fetch its loss every step.
-    The first call (compilation) is timed alone as `first_step_s`."""
+    The first call (compilation) is timed alone as `first_step_s`. Returns (the timing fields, the last step's
+    output)."""
     import jax
 
     t0 = time.perf_counter()
@@ -138,8 +139,22 @@ def time_steps(run, state, batches: list, steps: int, warmup: int, windows: int 
         "max_ms": 1e3 * max(times),
         "pipelined_ms": 1e3 * statistics.median(means),
         "first_step_s": compile_s,
-        "state": state,
-        "out": out,
+    }, out
+
+
+def result(timing: dict, cfg, final_loss: float) -> dict:
+    """One worker's result line (plain_step.measure and det_tax's workers): timing fields plus the run's facts."""
+    import jax
+
+    from detjax.runlog import peak_memory_bytes
+
+    return {
+        **timing,
+        "final_loss": final_loss,
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
+        "peak_mem_bytes": peak_memory_bytes(jax.devices()[:1]),
     }
 
 
@@ -149,7 +164,6 @@ def measure(cfg, steps: int, warmup: int, attention: str = "cudnn") -> dict:
     import numpy as np
 
     from detjax.data.pipeline import make_dataset
-    from detjax.runlog import peak_memory_bytes
 
     init, step = build(cfg, attention)
     params, opt_state = init(jax.random.key(cfg.train.seed))
@@ -160,15 +174,8 @@ def measure(cfg, steps: int, warmup: int, attention: str = "cudnn") -> dict:
         p, o, loss = step(*state, batch)
         return (p, o), loss
 
-    res = time_steps(run, (params, opt_state), batches, steps, warmup)
-    return {
-        **{k: v for k, v in res.items() if k not in ("state", "out")},
-        "final_loss": float(res["out"]),
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
-        "peak_mem_bytes": peak_memory_bytes(jax.devices()[:1]),
-    }
+    timing, loss = time_steps(run, (params, opt_state), batches, steps, warmup)
+    return result(timing, cfg, float(loss))
 
 
 def main() -> int:
