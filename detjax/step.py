@@ -4,7 +4,7 @@ tracer (detjax.trace) compiles its own instrumented variants, built from the sam
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -18,6 +18,7 @@ from detjax import fingerprint as fp
 from detjax.config import Config, ConfigError
 from detjax.loss import Objective, token_ce_sum
 from detjax.model import fp8
+from detjax.model.layers import DTYPES, module_copies
 from detjax.model.lm import HybridLM, block_class, layer_key
 from detjax.optim import lr_schedule, make_optimizer
 from detjax.sharding import canonical, pipeline
@@ -158,19 +159,49 @@ class Trainer:
         t = self.cfg.train
         return constrain(batch_GL1.reshape(t.n_micro, t.micro_batch, -1), self.layout, (None, ax.BATCH, None))
 
-    def apply_model(self, params: Any, ids_BL: jax.Array, key: jax.Array, fp8_scales: Any = None, model=None):
-        """The training forward of `model` (default: the step's model; canonical numerics: the leaf model)."""
+    def compute_copies(self, params: Any) -> Any:
+        """The model's "compute" collection: the projection weights cast to the compute dtype, and fused
+        where the model multiplies several as one product (detjax.model.layers.COMPUTE_COPIES), or None
+        where nothing reads them (model.kernels other than pallas, fp8, a float32 compute dtype).
+
+        A step makes them once, before its microbatch (or leaf) loop, instead of casting and concatenating
+        the float32 masters again in every microbatch's forward and backward (3.2 ms of gpu_dense's step,
+        docs/BENCHMARKS.md session 17). The same casts and concatenations, so the same bits; the products'
+        gradients still reach the masters."""
+        dtype = DTYPES[self.cfg.model.compute_dtype]
+        if self.cfg.model.kernels != "pallas" or self.fp8 or dtype == jnp.float32:
+            return None
+
+        def walk(tree):
+            out = module_copies(tree, dtype)
+            for name, sub in tree.items():
+                if isinstance(sub, Mapping) and (copies := walk(sub)):
+                    out[name] = copies
+            return out
+
+        with jax.named_scope("compute_copies"):
+            return walk(params)
+
+    def apply_model(
+        self, params: Any, ids_BL: jax.Array, key: jax.Array, fp8_scales: Any = None, model=None, compute=None
+    ):
+        """The training forward of `model` (default: the step's model; canonical numerics: the leaf model),
+        reading `compute` (compute_copies of params) where given."""
         variables = {"params": params} if fp8_scales is None else {"params": params, "fp8": fp8_scales}
+        if compute:
+            variables["compute"] = compute
         return (model or self.model).apply(variables, ids_BL, train=True, key=key)
 
     def fp8_scales(self, state: TrainState) -> Any:
         """The scales this step's fp8 projections use (computed at the end of the step before), or None."""
         return state.collections["fp8"]["scale"] if self.fp8 else None
 
-    def micro_objective(self, params: Any, tokens_BL1: jax.Array, key: jax.Array, fp8_scales: Any = None, model=None):
+    def micro_objective(
+        self, params: Any, tokens_BL1: jax.Array, key: jax.Array, fp8_scales: Any = None, model=None, compute=None
+    ):
         """(j, (lm sum, MTP sum, aux)) of one microbatch (with model=self.leaf_model: one leaf of canonical
-        numerics' gradient tree); the gradient is taken of j."""
-        outs = self.apply_model(params, tokens_BL1[:, :-1], key, fp8_scales, model)
+        numerics' gradient tree); the gradient is taken of j, not of the compute copies."""
+        outs = self.apply_model(params, tokens_BL1[:, :-1], key, fp8_scales, model, compute)
         with jax.named_scope("loss"):
             terms = self.objective.terms(*outs, tokens_BL1)
         return self.objective.total(terms), terms
@@ -190,12 +221,14 @@ class Trainer:
         "gradient" with respect to the scales, detjax.model.fp8 -- else none); extras come back stacked along
         the microbatch axis."""
 
+        compute = self.compute_copies(params) if micro_fn is None else None
+
         def plain(params, tokens, key, g_acc):
             if fp8_scales is not None:
                 grad = jax.grad(self.micro_objective, argnums=(0, 3), has_aux=True)
                 (g, amax), terms = grad(params, tokens, key, fp8_scales)
                 return g, terms, amax
-            g, terms = jax.grad(self.micro_objective, has_aux=True)(params, tokens, key)
+            g, terms = jax.grad(self.micro_objective, has_aux=True)(params, tokens, key, compute=compute)
             return g, terms, ()
 
         fn = micro_fn or plain
@@ -236,9 +269,11 @@ class Trainer:
 
         return pipeline.StageFns(chunk, embed, head, self.objective.aux_weight, m_cfg.d_model)
 
-    def leaf_objective(self, params: Any, tokens_CL1: jax.Array, key: jax.Array, fp8_scales: Any = None):
+    def leaf_objective(
+        self, params: Any, tokens_CL1: jax.Array, key: jax.Array, fp8_scales: Any = None, compute: Any = None
+    ):
         """(j, terms) of one leaf (determinism.canonical_leaf sequences) of canonical numerics' gradient tree."""
-        return self.micro_objective(params, tokens_CL1, key, fp8_scales, self.leaf_model)
+        return self.micro_objective(params, tokens_CL1, key, fp8_scales, self.leaf_model, compute)
 
     def canonical_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array, fp8_scales: Any = None):
         """Gradient and loss-term sums under canonical numerics (docs/DETERMINISM.md, "Canonical numerics"),
@@ -261,21 +296,23 @@ class Trainer:
         groups = per_shard // stack
         fp8_on = fp8_scales is not None
 
-        def leaf_grad(params, tokens_CL1, key, scales):
+        def leaf_grad(params, tokens_CL1, key, scales, compute):
             if fp8_on:  # the amaxes come back as the "gradient" with respect to the scales (detjax.model.fp8)
                 grad = jax.grad(self.leaf_objective, argnums=(0, 3), has_aux=True)
                 (g, amax), terms = grad(params, tokens_CL1, key, scales)
                 return (g, terms), amax
-            g, terms = jax.grad(self.leaf_objective, has_aux=True)(params, tokens_CL1, key)
+            g, terms = jax.grad(self.leaf_objective, has_aux=True)(params, tokens_CL1, key, compute=compute)
             return jax.lax.optimization_barrier((g, terms)), ()
 
         def amax_max(a_K):
             return jax.tree.map(lambda a: jnp.max(a, axis=0), a_K)
 
         def block_sums(params, tokens_NCL1, key, first, scales):
+            compute = self.compute_copies(params)  # once per device and step, before the leaf loop
+
             def leaf_body(_, xs):
                 tokens_CL1, j = xs
-                return None, leaf_grad(params, tokens_CL1, jax.random.fold_in(key, first + j), scales)
+                return None, leaf_grad(params, tokens_CL1, jax.random.fold_in(key, first + j), scales, compute)
 
             def group_sum(tokens_KCL1, j0):
                 _, (grads_K, amax_K) = jax.lax.scan(leaf_body, None, (tokens_KCL1, j0 + jnp.arange(stack)))

@@ -55,3 +55,43 @@ def test_step_replays_bit_exact(compiled):
         a, b = np.asarray(a), np.asarray(b)
         assert a.dtype == b.dtype and a.shape == b.shape
         assert a.tobytes() == b.tobytes()
+
+
+def test_compute_copies_are_what_the_projections_read(tiny_path):
+    """model.kernels=pallas: the step's once-per-step compute copies (weights cast and fused before the
+    microbatch loop) give the loss and every gradient byte-equal to casting at each use, and the products
+    really read them (negative control: a changed copy changes the loss); every projection group of the
+    hybrid has its copy."""
+    cfg = load_config(tiny_path, ["model.kernels=pallas"])
+    trainer = Trainer(cfg)
+    shapes = jax.eval_shape(trainer.compute_copies, jax.eval_shape(trainer.init_state, jax.random.key(0)).params)
+    keys = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    for want in (
+        "['layer_0']['mixer']['w_in_z+w_in_x+w_in_bc+w_in_dt']",
+        "['layer_0']['mixer']['w_out']",
+        "['layer_1']['mixer']['w_q+w_k+w_v']",
+        "['layer_1']['mixer']['w_o']",
+        "['layer_2']['mixer']['shared']['w_gate+w_up']",
+        "['layer_3']['mixer']['w_gate+w_up']",
+        "['layer_3']['mixer']['w_down']",
+        "['w_head']",
+    ):
+        assert want in keys, (want, sorted(keys))
+
+    small = ["model.pattern=*-", "model.mtp.depth=0", "model.dropout=0", "train.global_batch=2", "train.micro_batch=2"]
+    cfg = load_config(tiny_path, ["model.kernels=pallas", "train.seq_len=32", *small])
+    trainer = Trainer(cfg)
+    params = jax.jit(trainer.init_state)(jax.random.key(0)).params
+    compute = jax.jit(trainer.compute_copies)(params)
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.model.vocab_size)
+
+    @jax.jit
+    def grads(params, compute):
+        return jax.grad(trainer.micro_objective, has_aux=True)(params, tokens, jax.random.key(2), compute=compute)
+
+    ref, with_copies = jax.device_get(grads(params, None)), jax.device_get(grads(params, compute))
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(with_copies), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    changed = {**compute, "w_head": compute["w_head"] * 2}
+    loss = jax.device_get(grads(params, changed)[1][0])
+    assert np.asarray(loss).tobytes() != np.asarray(ref[1][0]).tobytes()

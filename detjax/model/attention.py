@@ -78,6 +78,7 @@ class Attention(nn.Module):
             self.dtype,
             kernels,
             scale_var(self, "qkv", self.fp8),
+            (self, ("w_q", "w_k", "w_v")),
         )
         q_BLHQ = constrain(rope(q_BLHQ, self.rope_theta), lay, q_names, "attn_q")
         k_BLKQ = constrain(rope(k_BLKQ, self.rope_theta), lay, kv_names, "attn_k")
@@ -89,4 +90,5 @@ class Attention(nn.Module):
         else:
             o_BLHQ = attention_reference(q_BLHQ, k_BLKQ, v_BLKQ)
         o_BLHQ = constrain(o_BLHQ, lay, q_names, "attn_out")
-        return proj("blhq,hqd->bld", o_BLHQ, w_o_HQD, self.dtype, kernels, scale_var(self, "o", self.fp8))
+        o_fp8 = scale_var(self, "o", self.fp8)
+        return proj("blhq,hqd->bld", o_BLHQ, w_o_HQD, self.dtype, kernels, o_fp8, (self, ("w_o",)))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.model.fp8 import fp8_dense_many, scale_var
-from detjax.pallas_kernels.matmul.ops import dense, dense_many
+from detjax.pallas_kernels.matmul.ops import compute_copy, dense, dense_many
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
 from detjax.pallas_kernels.segment_sum.ops import segment_sum
@@ -30,16 +30,64 @@ def param(module: nn.Module, name: str, init: nn.initializers.Initializer, shape
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
+# The weights the trainer casts (and fuses) once per step, outside the microbatch loop, into the model's
+# "compute" collection (detjax.step.Trainer.compute_copies): under each module's path, the key joins the
+# parameter names in the order the module multiplies them, with how many leading dims the product
+# contracts. A projection called with copy=(module, names) reads its copy from there when the trainer made
+# one (model.kernels=pallas without fp8); a named weight missing from a collection that exists is an error.
+COMPUTE_COPIES: dict[tuple[str, ...], tuple[int, int]] = {  # names -> (contracted dims, first weight's ndim)
+    ("w_q", "w_k", "w_v"): (1, 3),
+    ("w_o",): (2, 3),
+    ("w_gate", "w_up"): (1, 2),  # the MLP's (MoE's stacked experts, 3-D, take the gmm)
+    ("w_down",): (1, 2),
+    ("w_in_z", "w_in_x", "w_in_bc", "w_in_dt"): (1, 3),
+    ("w_out",): (2, 3),
+    ("w_head",): (1, 2),
+}
+
+
+def copy_key(names: tuple[str, ...]) -> str:
+    return "+".join(names)
+
+
+def module_copies(tree: dict, dtype) -> dict:
+    """The compute copies of one module's parameter dict (COMPUTE_COPIES), {copy_key: weight}."""
+    out = {}
+    for names, (contracted, ndim) in COMPUTE_COPIES.items():
+        ws = [tree.get(n) for n in names]
+        if all(isinstance(w, jax.Array) and w.dtype == jnp.float32 for w in ws) and ws[0].ndim == ndim:
+            out[copy_key(names)] = compute_copy(ws, contracted, dtype)
+    return out
+
+
+def _copy_of(copy: tuple[nn.Module, tuple[str, ...]] | None) -> jax.Array | None:
+    if copy is None:
+        return None
+    module, names = copy
+    if not module.has_variable("compute", copy_key(names)):
+        if "compute" in module.variables:
+            raise ValueError(f"no compute copy of {names} in {module.name}: add them to layers.COMPUTE_COPIES")
+        return None
+    return module.get_variable("compute", copy_key(names))
+
+
 def proj(
-    spec: str, x: jax.Array, w: jax.Array, dtype: jnp.dtype, kernels: str = "reference", fp8_scale=None
+    spec: str,
+    x: jax.Array,
+    w: jax.Array,
+    dtype: jnp.dtype,
+    kernels: str = "reference",
+    fp8_scale=None,
+    copy: tuple[nn.Module, tuple[str, ...]] | None = None,
 ) -> jax.Array:
     """Einsum in the compute dtype with fp32 accumulation; fp32 masters are cast at use. With
-    kernels=pallas it is detjax's pinned-tile Pallas matmul (forward and both backward products). With an
-    fp8 scale vector (model.fp8, detjax.model.fp8.scale_var) it runs in fp8 with delayed scaling."""
+    kernels=pallas it is detjax's pinned-tile Pallas matmul (forward and both backward products), reading
+    the trainer's compute copy of the weight when `copy` = (module, (name,)) finds one (COMPUTE_COPIES). With
+    an fp8 scale vector (model.fp8, detjax.model.fp8.scale_var) it runs in fp8 with delayed scaling."""
     if fp8_scale is not None:
         return fp8_dense_many([spec], x, [w], dtype, fp8_scale, kernels)[0]
     if kernels == "pallas":
-        return dense(spec, x, w, dtype)
+        return dense(spec, x, w, dtype, w_c=_copy_of(copy))
     return _xla_dense(spec, jnp.dtype(dtype), x.dtype, w.dtype, x, w)
 
 
@@ -78,15 +126,22 @@ _xla_dense.defvjp(_xla_dense_fwd, _xla_dense_bwd)
 
 
 def proj_many(
-    specs: list[str], x: jax.Array, ws: list[jax.Array], dtype: jnp.dtype, kernels: str, fp8_scale=None
+    specs: list[str],
+    x: jax.Array,
+    ws: list[jax.Array],
+    dtype: jnp.dtype,
+    kernels: str,
+    fp8_scale=None,
+    copy: tuple[nn.Module, tuple[str, ...]] | None = None,
 ) -> list[jax.Array]:
     """Several projections of one input (q/k/v, Mamba2's in-projections, SwiGLU gate/up). With
-    kernels=pallas they are one matmul over the concatenated weights, bit-identical to separate ones; in fp8
-    one product with one scale set (either kernels setting)."""
+    kernels=pallas they are one matmul over the concatenated weights, bit-identical to separate ones (and
+    `copy` as in proj: the fused compute copy); in fp8 one product with one scale set (either kernels
+    setting)."""
     if fp8_scale is not None:
         return fp8_dense_many(specs, x, ws, dtype, fp8_scale, kernels)
     if kernels == "pallas":
-        return dense_many(specs, x, ws, dtype)
+        return dense_many(specs, x, ws, dtype, w_cat_c=_copy_of(copy))
     return [proj(s, x, w, dtype) for s, w in zip(specs, ws, strict=True)]
 
 
@@ -227,9 +282,16 @@ class MLP(nn.Module):
         w_down_FD = param(self, "w_down", init, (f, d), (ax.MLP, ax.EMBED))
         names = (ax.BATCH, ax.LENGTH, ax.ACT_MLP)
         gate_BLF, up_BLF = proj_many(
-            ["bld,df->blf"] * 2, x_BLD, [w_gate_DF, w_up_DF], self.dtype, kern, scale_var(self, "gate_up", self.fp8)
+            ["bld,df->blf"] * 2,
+            x_BLD,
+            [w_gate_DF, w_up_DF],
+            self.dtype,
+            kern,
+            scale_var(self, "gate_up", self.fp8),
+            (self, ("w_gate", "w_up")),
         )
         gate_BLF = constrain(gate_BLF, self.layout, names, "mlp_hidden")
         up_BLF = constrain(up_BLF, self.layout, names)
         h_BLF = nn.silu(gate_BLF) * up_BLF
-        return proj("blf,fd->bld", h_BLF, w_down_FD, self.dtype, kern, scale_var(self, "down", self.fp8))
+        down_fp8 = scale_var(self, "down", self.fp8)
+        return proj("blf,fd->bld", h_BLF, w_down_FD, self.dtype, kern, down_fp8, (self, ("w_down",)))

@@ -107,7 +107,8 @@ class HybridLM(nn.Module):
             self.mtp_fp8_e = scale_var(self, "mtp_proj_e", c.fp8.enabled)
 
     def head(self, h_BLD: jax.Array) -> jax.Array:
-        logits_BLV = proj("bld,dv->blv", h_BLD, self.w_head_DV, DTYPES[self.cfg.compute_dtype], self.cfg.kernels)
+        dtype = DTYPES[self.cfg.compute_dtype]
+        logits_BLV = proj("bld,dv->blv", h_BLD, self.w_head_DV, dtype, self.cfg.kernels, copy=(self, ("w_head",)))
         return constrain(logits_BLV.astype(jnp.float32), self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB), "logits")
 
     def embed_ids(self, ids_BL: jax.Array) -> jax.Array:

@@ -121,6 +121,7 @@ class Mamba2(nn.Module):
             self.dtype,
             self.kernels,
             scale_var(self, "in_proj", self.fp8),
+            (self, ("w_in_z", "w_in_x", "w_in_bc", "w_in_dt")),
         )
         z_BLHP = constrain(z_BLHP, lay, names, "ssm_z")
         x_BLHP = constrain(x_BLHP, lay, names)
@@ -136,4 +137,5 @@ class Mamba2(nn.Module):
         # gated RMSNorm over the whole inner width (all heads)
         ms_BL11 = jnp.mean(y_BLHP * y_BLHP, axis=(-2, -1), keepdims=True)
         y_BLHP = y_BLHP * jax.lax.rsqrt(ms_BL11 + self.norm_eps) * norm_HP[None, None]
-        return proj("blhp,hpd->bld", y_BLHP, w_out_HPD, self.dtype, self.kernels, scale_var(self, "out_proj", self.fp8))
+        out_fp8 = scale_var(self, "out_proj", self.fp8)
+        return proj("blhp,hpd->bld", y_BLHP, w_out_HPD, self.dtype, self.kernels, out_fp8, (self, ("w_out",)))

@@ -4,7 +4,8 @@ gradient leaves the kernel in float32 without a low-precision rounding; dx has x
 
 `dense(spec, x, w)` is the einsum-shaped front end the model's projections use: it folds the contracted
 trailing dims of x and the leading dims of w into one 2-D product; `dense_many` runs several projections
-of one input as one product.
+of one input as one product. Both take an optional compute copy of the weights (`compute_copy`: cast and
+fused once per step by the trainer) instead of casting and concatenating the masters at every use.
 """
 
 from __future__ import annotations
@@ -20,26 +21,63 @@ from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.matmul.kernel import matmul_kernel
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def matmul(x_MK: jax.Array, w_KN: jax.Array, out_dtype=None) -> jax.Array:
-    out_dtype = out_dtype or x_MK.dtype
-    return matmul_kernel(x_MK, w_KN.astype(x_MK.dtype), kind="fwd", out_dtype=out_dtype, interpret=interpret_mode())
+def matmul(x_MK: jax.Array, w_KN: jax.Array, out_dtype=None, w_c_KN: jax.Array | None = None) -> jax.Array:
+    """x @ w in x's dtype with float32 accumulation; the weight gradient in w's dtype (the float32 master).
+
+    `w_c_KN`: w already in x's dtype (a compute copy the trainer makes once per step, outside the microbatch
+    loop: detjax.step.Trainer.compute_copies). The products then read it and never w's values; w only receives
+    the gradient. Without it w is cast here, in the forward and again in the backward. The same cast either
+    way, so the same bits."""
+    out_dtype = jnp.dtype(out_dtype or x_MK.dtype)
+    if w_c_KN is None:
+        return _matmul_cast(x_MK, w_KN, out_dtype)
+    if w_c_KN.shape != w_KN.shape or w_c_KN.dtype != x_MK.dtype:
+        raise ValueError(f"compute copy {w_c_KN.shape} {w_c_KN.dtype} does not match w {w_KN.shape} in {x_MK.dtype}")
+    return _matmul_copy(x_MK, w_KN, w_c_KN, out_dtype, jnp.dtype(w_KN.dtype))
 
 
-def _fwd(x_MK, w_KN, out_dtype):
-    return matmul(x_MK, w_KN, out_dtype), (x_MK, w_KN)
-
-
-def _bwd(out_dtype, res, dy_MN):
-    x_MK, w_KN = res
-    dy = dy_MN.astype(x_MK.dtype)  # operands in the compute dtype, float32 accumulation (as in the forward)
-    w = w_KN.astype(x_MK.dtype)
+def _products(x_MK, w, dy_MN, w_dtype):
+    """dx, dw from the compute-dtype weight `w`: operands in the compute dtype, float32 accumulation."""
+    dy = dy_MN.astype(x_MK.dtype)
     dx = matmul_kernel(dy, w, kind="dx", out_dtype=x_MK.dtype, interpret=interpret_mode())
-    dw = matmul_kernel(x_MK, dy, kind="dw", out_dtype=w_KN.dtype, interpret=interpret_mode())
+    dw = matmul_kernel(x_MK, dy, kind="dw", out_dtype=w_dtype, interpret=interpret_mode())
     return dx, dw
 
 
-matmul.defvjp(_fwd, _bwd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_cast(x_MK: jax.Array, w_KN: jax.Array, out_dtype) -> jax.Array:
+    return matmul_kernel(x_MK, w_KN.astype(x_MK.dtype), kind="fwd", out_dtype=out_dtype, interpret=interpret_mode())
+
+
+def _cast_fwd(x_MK, w_KN, out_dtype):
+    return _matmul_cast(x_MK, w_KN, out_dtype), (x_MK, w_KN)
+
+
+def _cast_bwd(out_dtype, res, dy_MN):
+    x_MK, w_KN = res
+    return _products(x_MK, w_KN.astype(x_MK.dtype), dy_MN, w_KN.dtype)
+
+
+_matmul_cast.defvjp(_cast_fwd, _cast_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _matmul_copy(x_MK: jax.Array, w_KN: jax.Array, w_c_KN: jax.Array, out_dtype, w_dtype) -> jax.Array:
+    return matmul_kernel(x_MK, w_c_KN, kind="fwd", out_dtype=out_dtype, interpret=interpret_mode())
+
+
+def _copy_fwd(x_MK, w_KN, w_c_KN, out_dtype, w_dtype):
+    # the residuals are the compute-dtype operands: w's values are never read (XLA drops what made them)
+    return _matmul_copy(x_MK, w_KN, w_c_KN, out_dtype, w_dtype), (x_MK, w_c_KN)
+
+
+def _copy_bwd(out_dtype, w_dtype, res, dy_MN):
+    x_MK, w_c_KN = res
+    dx, dw = _products(x_MK, w_c_KN, dy_MN, w_dtype)
+    return dx, dw, None  # the copy is a constant of the step: no gradient flows into it
+
+
+_matmul_copy.defvjp(_copy_fwd, _copy_bwd)
 
 
 # Fused weights are padded with zero columns to a whole number of the widest output tile (no effect on the
@@ -57,32 +95,68 @@ def _fold(spec: str) -> int:
     return c
 
 
-def dense(spec: str, x: jax.Array, w: jax.Array, dtype, out_dtype=None) -> jax.Array:
+def fused_width(widths: list[int], padded: bool = True) -> int:
+    """Columns of the concatenation of weights `widths` wide: zero-padded to FUSED_COLUMN_MULTIPLE when there
+    are two or more (and `padded`)."""
+    total = sum(widths)
+    return total + (-total % FUSED_COLUMN_MULTIPLE if len(widths) > 1 and padded else 0)
+
+
+def fuse(ws_KN: list[jax.Array], padded: bool = True) -> jax.Array:
+    """The 2-D weights side by side along N, zero-padded to fused_width (one weight: itself)."""
+    if len(ws_KN) == 1:
+        return ws_KN[0]
+    k = ws_KN[0].shape[0]
+    pad = fused_width([w.shape[1] for w in ws_KN], padded) - sum(w.shape[1] for w in ws_KN)
+    # zero columns inside the concatenation (a copy anyway) spare the kernel a padded copy of the activations
+    return jnp.concatenate(ws_KN + [jnp.zeros((k, pad), ws_KN[0].dtype)] * bool(pad), axis=1)
+
+
+def compute_copy(ws: list[jax.Array], contracted: int, dtype) -> jax.Array:
+    """What dense_many's product reads for weights `ws` whose first `contracted` dims are contracted: the
+    weights as 2-D, cast to `dtype` and fused (detjax.step.Trainer.compute_copies makes these once per step)."""
+    k = math.prod(ws[0].shape[:contracted])
+    return fuse([w.reshape(k, -1).astype(dtype) for w in ws])
+
+
+def dense(spec: str, x: jax.Array, w: jax.Array, dtype, out_dtype=None, w_c: jax.Array | None = None) -> jax.Array:
     """einsum(spec, x, w) for specs of the form '<free x><contracted>,<contracted><free w>-><free x><free w>'
-    (every projection in the model), as one 2-D Pallas matmul in `dtype` with float32 accumulation."""
-    return dense_many([spec], x, [w], dtype, out_dtype)[0]
+    (every projection in the model), as one 2-D Pallas matmul in `dtype` with float32 accumulation. `w_c`:
+    compute_copy([w], ...), made beforehand (else w is cast at use)."""
+    return dense_many([spec], x, [w], dtype, out_dtype, w_cat_c=w_c)[0]
+
+
+def contracted_dims(specs: list[str]) -> int:
+    """The number of leading weight dims the specs contract (one number for all, or ValueError)."""
+    cs = {_fold(s) for s in specs}
+    if len(cs) != 1:
+        raise ValueError(f"dense_many() needs specs contracting the same dims of x, got {specs}")
+    return cs.pop()
 
 
 def dense_many(
-    specs: list[str], x: jax.Array, ws: list[jax.Array], dtype, out_dtype=None, product: Callable | None = None
+    specs: list[str],
+    x: jax.Array,
+    ws: list[jax.Array],
+    dtype,
+    out_dtype=None,
+    product: Callable | None = None,
+    w_cat_c: jax.Array | None = None,
 ) -> list[jax.Array]:
     """Several projections of one input as ONE matmul over the weights concatenated along N, split after.
 
     Bit-identical to separate products: an output column's reduction does not depend on the columns
     beside it (the kernel's batch invariance), so fusing changes speed only. `product(x2d, w_cat)` replaces
-    the Pallas matmul (detjax.model.fp8: the fp8 product; no tile padding then)."""
-    cs = {_fold(s) for s in specs}
-    if len(cs) != 1:
-        raise ValueError(f"dense_many() needs specs contracting the same dims of x, got {specs}")
-    c = cs.pop()
+    the Pallas matmul (detjax.model.fp8: the fp8 product; no tile padding then). `w_cat_c`: compute_copy of
+    ws, made beforehand; the product reads it, and the float32 concatenation only carries the gradient back
+    to the masters (nothing computes it in the forward)."""
+    c = contracted_dims(specs)
     lead = x.shape[: x.ndim - c]
     k = math.prod(x.shape[x.ndim - c :])
     w2 = [w.reshape(k, -1) for w in ws]
-    pad = -sum(w.shape[1] for w in w2) % FUSED_COLUMN_MULTIPLE if len(w2) > 1 and product is None else 0
-    # zero columns inside the concatenation (a copy anyway) spare the kernel a padded copy of the activations
-    w_cat = w2[0] if len(w2) == 1 else jnp.concatenate(w2 + [jnp.zeros((k, pad), w2[0].dtype)] * bool(pad), axis=1)
+    w_cat = fuse(w2, padded=product is None)
     x2d = x.astype(dtype).reshape(-1, k)
-    y = matmul(x2d, w_cat, out_dtype or dtype) if product is None else product(x2d, w_cat)
+    y = matmul(x2d, w_cat, out_dtype or dtype, w_cat_c) if product is None else product(x2d, w_cat)
     outs, start = [], 0
     for w, w2d in zip(ws, w2, strict=True):
         outs.append(y[:, start : start + w2d.shape[1]].reshape(*lead, *w.shape[c:]))
