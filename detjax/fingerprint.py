@@ -13,6 +13,9 @@ versions are never compared with each other):
 - 2 (current): the position enters through one multiply-add; lane 1 is the murmur3 finaliser of the bits
   xor that, lane 2 a one-round xorshift-multiply of the bits plus it. Both per-element maps are bijections of
   the bits at a fixed position, so a change of any one element changes both sums.
+- 3 (not yet the default: scripts/digest_bench.py measures it against 2): the same position term; each lane
+  one multiply by an odd constant and one xorshift (of the bits xor it, and of the bits plus it), still a
+  bijection of the bits at a fixed position.
 
 Cost: a tree's leaves of one role in different layers are digested by one stacked reduction (`grouped`, the
 same bits as one reduction per leaf): gpu_dense's digests went from 6.9 to 3.1 ms per step (docs/BENCHMARKS.md
@@ -30,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_C1, _C2 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B)
+_C1, _C2, _C3 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
 DIGEST_VERSION = 2
-DIGEST_VERSIONS = (1, 2)
+DIGEST_VERSIONS = (1, 2, 3)
 
 
 def _fmix(h: jax.Array) -> jax.Array:
@@ -79,6 +82,11 @@ def _element_hashes(bits: jax.Array, salt: np.uint32, version: int = DIGEST_VERS
         p1 = _fmix(pos * _C1 + salt)
         p2 = _fmix(pos * _C2 + (salt ^ np.uint32(0x5BD1E995)))
         return _fmix(bits ^ p1), _fmix((bits + p2) * _C1)
+    if version == 3:  # one multiply and one xorshift per lane: each map a bijection of the bits, as in 2
+        p = pos * _C1 + salt
+        h1 = (bits ^ p) * _C2
+        h2 = (bits + (p ^ np.uint32(0x5BD1E995))) * _C3
+        return h1 ^ (h1 >> 15), h2 ^ (h2 >> 13)
     if version != 2:
         raise ValueError(f"unknown digest version {version} (this detjax knows {DIGEST_VERSIONS})")
     p = pos * _C1 + salt
@@ -150,7 +158,7 @@ def _bounded(groups: Any, leaves: list) -> list[list[int]]:
 
 
 def tree_digest_and_finite(
-    tree: Any, count_nonfinite: bool = True, grouped: bool = True
+    tree: Any, count_nonfinite: bool = True, grouped: bool = True, version: int = DIGEST_VERSION
 ) -> tuple[jax.Array, jax.Array]:
     """(tree_digest, bool[leaves]: each leaf has no inf/NaN), from one pass over each leaf (the non-finite
     guard rides on the digest's reads).
@@ -169,10 +177,10 @@ def tree_digest_and_finite(
             groups[("leaf", i)] = [i]
     for idx in _bounded(groups.values(), leaves):
         if len(idx) == 1:
-            sums[idx[0]] = _lane_sums(leaves[idx[0]][1], count_nonfinite)
+            sums[idx[0]] = _lane_sums(leaves[idx[0]][1], count_nonfinite, version)
             continue
         stacked = jnp.stack([leaves[i][1] for i in idx])
-        h1, h2, bad = jax.vmap(lambda x: _lane_sums(x, count_nonfinite))(stacked)
+        h1, h2, bad = jax.vmap(lambda x: _lane_sums(x, count_nonfinite, version))(stacked)
         for n, i in enumerate(idx):
             sums[i] = (h1[n], h2[n], bad[n])
     acc = jnp.zeros((2,), jnp.uint32)

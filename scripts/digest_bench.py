@@ -1,0 +1,72 @@
+"""Device time of the per-step fingerprint digests of a config's state, per digest version.
+
+    python scripts/digest_bench.py --config configs/gpu_dense.yaml [--versions 2,3] [--reps 20]
+
+The digests a step computes (detjax.step: the parameters with the non-finite count, the gradients and the
+optimizer state) over random bits shaped like the config's state, jitted, each version timed alone: the
+median of --reps synced calls after two warm-up calls. Reported in ms, with the bytes read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--versions", default="2,3")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    from detjax import fingerprint as fp
+    from detjax.config import load_config
+    from detjax.step import Trainer
+
+    cfg = load_config(a.config, a.overrides)
+    abstract = Trainer(cfg).abstract_state()
+    trees = {"params": abstract.params, "grads": abstract.params, "opt_state": abstract.opt_state}
+    key = iter(jax.random.split(jax.random.key(0), 1 + len(jax.tree.leaves(trees))))
+
+    def fill(s):
+        if jnp.issubdtype(s.dtype, jnp.floating):
+            return jax.random.normal(next(key), s.shape, s.dtype)
+        return jnp.zeros(s.shape, s.dtype)
+
+    state = jax.tree.map(fill, trees)
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    for version in (int(v) for v in a.versions.split(",")):
+
+        @jax.jit
+        def digests(state, version=version):
+            p, finite = fp.tree_digest_and_finite(state["params"], version=version)
+            g = fp.tree_digest_and_finite(state["grads"], count_nonfinite=False, version=version)[0]
+            o = fp.tree_digest_and_finite(state["opt_state"], count_nonfinite=False, version=version)[0]
+            return p, finite, g, o
+
+        for _ in range(2):
+            jax.block_until_ready(digests(state))
+        times = []
+        for _ in range(a.reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(digests(state))
+            times.append((time.perf_counter() - t0) * 1e3)
+        print(
+            f"digest version {version}: median {statistics.median(times):.3f} ms (min {min(times):.3f}) "
+            f"over {nbytes / 2**30:.2f} GiB, {jax.devices()[0].device_kind}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
