@@ -10,13 +10,12 @@ versions are never compared with each other):
 - 1: each lane hashes the element with a murmur3-finalised hash of its position (four finalisers per
   element). On the H200 the per-step digests cost 8.0 ms of a 181 ms gpu_dense step (6.9 ms with version
   2: the hash arithmetic is the smaller part of that cost; docs/BENCHMARKS.md session 12).
-- 2: the position enters through one multiply-add; lane 1 is the murmur3 finaliser of the bits
+- 2 (current): the position enters through one multiply-add; lane 1 is the murmur3 finaliser of the bits
   xor that, lane 2 a one-round xorshift-multiply of the bits plus it. Both per-element maps are bijections of
   the bits at a fixed position, so a change of any one element changes both sums.
-- 3 (current): the same position term; each lane one multiply by an odd constant and one xorshift (of the
-  bits xor it, and of the bits plus it), still a bijection of the bits at a fixed position, with fewer
-  integer operations per element (`python3 scripts/digest_bench.py --config configs/gpu_dense.yaml` times
-  the step's digests per version; docs/BENCHMARKS.md session 18).
+- 3 (not yet the default: scripts/digest_bench.py measures it against 2): the same position term; each lane
+  one multiply by an odd constant and one xorshift (of the bits xor it, and of the bits plus it), still a
+  bijection of the bits at a fixed position.
 
 Cost: a tree's leaves of one role in different layers are digested by one stacked reduction (`grouped`, the
 same bits as one reduction per leaf): gpu_dense's digests went from 6.9 to 3.1 ms per step (docs/BENCHMARKS.md
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _C1, _C2, _C3 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
-DIGEST_VERSION = 3
+DIGEST_VERSION = 2
 DIGEST_VERSIONS = (1, 2, 3)
 
 
