@@ -13,9 +13,9 @@ versions are never compared with each other):
 - 2 (current): the position enters through one multiply-add; lane 1 is the murmur3 finaliser of the bits
   xor that, lane 2 a one-round xorshift-multiply of the bits plus it. Both per-element maps are bijections of
   the bits at a fixed position, so a change of any one element changes both sums.
-- 3 (not yet the default: scripts/digest_bench.py measures it against 2): the same position term; each lane
-  one multiply by an odd constant and one xorshift (of the bits xor it, and of the bits plus it), still a
-  bijection of the bits at a fixed position.
+A third version with one multiply and one xorshift per lane (fewer integer operations) was measured and
+dropped: the step's digests of gpu_dense, timed alone, took 4.60 ms with it against 4.31 with version 2
+(`scripts/digest_bench.py`, docs/BENCHMARKS.md session 18), so the arithmetic is not what they wait on.
 
 Cost: a tree's leaves of one role in different layers are digested by one stacked reduction (`grouped`, the
 same bits as one reduction per leaf): gpu_dense's digests went from 6.9 to 3.1 ms per step (docs/BENCHMARKS.md
@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_C1, _C2, _C3 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
+_C1, _C2 = np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B)
 DIGEST_VERSION = 2
-DIGEST_VERSIONS = (1, 2, 3)
+DIGEST_VERSIONS = (1, 2)
 
 
 def _fmix(h: jax.Array) -> jax.Array:
@@ -82,11 +82,6 @@ def _element_hashes(bits: jax.Array, salt: np.uint32, version: int = DIGEST_VERS
         p1 = _fmix(pos * _C1 + salt)
         p2 = _fmix(pos * _C2 + (salt ^ np.uint32(0x5BD1E995)))
         return _fmix(bits ^ p1), _fmix((bits + p2) * _C1)
-    if version == 3:  # one multiply and one xorshift per lane: each map a bijection of the bits, as in 2
-        p = pos * _C1 + salt
-        h1 = (bits ^ p) * _C2
-        h2 = (bits + (p ^ np.uint32(0x5BD1E995))) * _C3
-        return h1 ^ (h1 >> 15), h2 ^ (h2 >> 13)
     if version != 2:
         raise ValueError(f"unknown digest version {version} (this detjax knows {DIGEST_VERSIONS})")
     p = pos * _C1 + salt

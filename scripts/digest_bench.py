@@ -1,6 +1,6 @@
 """Device time of the per-step fingerprint digests of a config's state, per digest version.
 
-    python scripts/digest_bench.py --config configs/gpu_dense.yaml [--versions 2,3] [--reps 20]
+    python scripts/digest_bench.py --config configs/gpu_dense.yaml [--versions 1,2] [--reps 20]
 
 The digests a step computes (detjax.step: the parameters with the non-finite count, the gradients and the
 optimizer state) over random bits shaped like the config's state, jitted, each version timed alone: the
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
-    ap.add_argument("--versions", default="2,3")
+    ap.add_argument("--versions", default="1,2")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()

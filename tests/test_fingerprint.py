@@ -90,9 +90,9 @@ def test_digest_values_are_pinned():
     assert digest_hex(jax.jit(tensor_digest)(split)) == digest_hex(tensor_digest(big))
 
 
-def test_every_digest_version_sees_every_single_bit_and_swaps_and_they_differ_from_each_other():
-    """Versions 2 (one position hash per element) and 3 (one multiply per lane) keep version 1's sensitivity:
-    every single-bit flip of every element changes both lanes, and swapping two elements changes the digest.
+def test_both_digest_versions_see_every_single_bit_and_swaps_and_differ_from_each_other():
+    """Version 2 (one position hash per element) keeps version 1's sensitivity: every single-bit flip of every
+    element changes both lanes, and swapping two elements changes the digest.
     Checkpoints written with version 1 are verified with version 1 (tests/test_ckpt.py)."""
     x = jax.random.normal(jax.random.key(3), (8, 16))
     bits = np.asarray(x).view(np.uint32)
@@ -103,9 +103,9 @@ def test_every_digest_version_sees_every_single_bit_and_swaps_and_they_differ_fr
     variants = jnp.asarray((bits[None] ^ flips).view(np.float32))
     swapped = bits.copy()
     swapped[0, 0], swapped[5, 9] = bits[5, 9], bits[0, 0]
-    for v in (1, 2, 3):
+    for v in (1, 2):
         base = np.asarray(tensor_digest(x, v))
         each = np.asarray(jax.vmap(lambda t, v=v: tensor_digest(t, v))(variants))
         assert (each != base).all(), f"version {v}: a bit flip left a lane unchanged"
         assert not np.array_equal(np.asarray(tensor_digest(jnp.asarray(swapped.view(np.float32)), v)), base)
-    assert len({digest_hex(tensor_digest(x, v)) for v in (1, 2, 3)}) == 3
+    assert digest_hex(tensor_digest(x, 1)) != digest_hex(tensor_digest(x, 2))
