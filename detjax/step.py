@@ -461,6 +461,9 @@ class Trainer:
         the microbatches in order (lax.scan), the same kernels and sums as training's forward."""
         scales = self.fp8_scales(state)
         variables = {"params": state.params} | ({"fp8": scales} if scales is not None else {})
+        compute = self.compute_copies(state.params)
+        if compute:  # cast (and fused) once, before the microbatch loop, as in training
+            variables["compute"] = compute
 
         def body(acc, tokens_BL1):
             logits_BLV = self.model.apply(variables, tokens_BL1[:, :-1], train=False)[0]

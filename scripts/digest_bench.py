@@ -1,10 +1,12 @@
 """Device time of the per-step fingerprint digests of a config's state, per digest version.
 
-    python scripts/digest_bench.py --config configs/gpu_dense.yaml [--versions 1,2] [--reps 20]
+    python scripts/digest_bench.py --config configs/gpu_dense.yaml [--versions 1,2] [--per-leaf] [--reps 20]
 
 The digests a step computes (detjax.step: the parameters with the non-finite count, the gradients and the
 optimizer state) over random bits shaped like the config's state, jitted, each version timed alone: the
-median of --reps synced calls after two warm-up calls. Reported in ms, with the bytes read.
+median of --reps synced calls after two warm-up calls. Reported in ms, with the bytes read. --per-leaf adds
+each version with one reduction per leaf (`grouped=False`: the same bits) beside the stacked groups the step
+uses.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main() -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--versions", default="1,2")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--per-leaf", action="store_true", help="also time one reduction per leaf")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
 
@@ -45,13 +48,14 @@ def main() -> int:
 
     state = jax.tree.map(fill, trees)
     nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-    for version in (int(v) for v in a.versions.split(",")):
+    variants = [(int(v), g) for v in a.versions.split(",") for g in ([True, False] if a.per_leaf else [True])]
+    for version, grouped in variants:
 
         @jax.jit
-        def digests(state, version=version):
-            p, finite = fp.tree_digest_and_finite(state["params"], version=version)
-            g = fp.tree_digest_and_finite(state["grads"], count_nonfinite=False, version=version)[0]
-            o = fp.tree_digest_and_finite(state["opt_state"], count_nonfinite=False, version=version)[0]
+        def digests(state, version=version, grouped=grouped):
+            p, finite = fp.tree_digest_and_finite(state["params"], grouped=grouped, version=version)
+            g = fp.tree_digest_and_finite(state["grads"], False, grouped, version)[0]
+            o = fp.tree_digest_and_finite(state["opt_state"], False, grouped, version)[0]
             return p, finite, g, o
 
         for _ in range(2):
@@ -61,9 +65,10 @@ def main() -> int:
             t0 = time.perf_counter()
             jax.block_until_ready(digests(state))
             times.append((time.perf_counter() - t0) * 1e3)
+        how = "grouped" if grouped else "per leaf"
         print(
-            f"digest version {version}: median {statistics.median(times):.3f} ms (min {min(times):.3f}) "
-            f"over {nbytes / 2**30:.2f} GiB, {jax.devices()[0].device_kind}"
+            f"digest version {version}, {how}: median {statistics.median(times):.3f} ms "
+            f"(min {min(times):.3f}) over {nbytes / 2**30:.2f} GiB, {jax.devices()[0].device_kind}"
         )
     return 0
 

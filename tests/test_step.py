@@ -59,9 +59,9 @@ def test_step_replays_bit_exact(compiled):
 
 def test_compute_copies_are_what_the_projections_read(tiny_path):
     """model.kernels=pallas: the step's once-per-step compute copies (weights cast and fused before the
-    microbatch loop) give the loss and every gradient byte-equal to casting at each use, and the products
-    really read them (negative control: a changed copy changes the loss); every projection group of the
-    hybrid has its copy."""
+    microbatch loop) give the loss, every gradient and the held-out loss byte-equal to casting at each use,
+    and the products really read them (negative control: a changed copy changes the loss); every projection
+    group of the hybrid has its copy."""
     cfg = load_config(tiny_path, ["model.kernels=pallas"])
     trainer = Trainer(cfg)
     shapes = jax.eval_shape(trainer.compute_copies, jax.eval_shape(trainer.init_state, jax.random.key(0)).params)
@@ -78,10 +78,11 @@ def test_compute_copies_are_what_the_projections_read(tiny_path):
     ):
         assert want in keys, (want, sorted(keys))
 
-    small = ["model.pattern=*-", "model.mtp.depth=0", "model.dropout=0", "train.global_batch=2", "train.micro_batch=2"]
+    small = ["model.pattern=-", "model.mtp.depth=0", "model.dropout=0", "train.global_batch=2", "train.micro_batch=2"]
     cfg = load_config(tiny_path, ["model.kernels=pallas", "train.seq_len=32", *small])
     trainer = Trainer(cfg)
-    params = jax.jit(trainer.init_state)(jax.random.key(0)).params
+    state = jax.jit(trainer.init_state)(jax.random.key(0))
+    params = state.params
     compute = jax.jit(trainer.compute_copies)(params)
     tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.model.vocab_size)
 
@@ -92,6 +93,16 @@ def test_compute_copies_are_what_the_projections_read(tiny_path):
     ref, with_copies = jax.device_get(grads(params, None)), jax.device_get(grads(params, compute))
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(with_copies), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    # the held-out loss reads the copies too: equal to the forward that casts at each use
+    from detjax.loss import token_ce_sum
+
+    @jax.jit
+    def cast_at_use(params):
+        logits = trainer.model.apply({"params": params}, tokens[:, :-1], train=False)[0]
+        return token_ce_sum(logits, tokens[:, 1:])
+
+    held_out = jax.jit(trainer.eval_sums)(state, tokens)
+    assert np.asarray(held_out).tobytes() == np.asarray(cast_at_use(params)).tobytes()
     changed = {**compute, "w_head": compute["w_head"] * 2}
     loss = jax.device_get(grads(params, changed)[1][0])
     assert np.asarray(loss).tobytes() != np.asarray(ref[1][0]).tobytes()
