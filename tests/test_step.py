@@ -78,7 +78,7 @@ def test_compute_copies_are_what_the_projections_read(tiny_path):
     ):
         assert want in keys, (want, sorted(keys))
 
-    small = ["model.pattern=-", "model.mtp.depth=0", "model.dropout=0", "train.global_batch=2", "train.micro_batch=2"]
+    small = ["model.pattern='-'", "model.mtp.depth=0", "model.dropout=0", "train.global_batch=2", "train.micro_batch=2"]
     cfg = load_config(tiny_path, ["model.kernels=pallas", "train.seq_len=32", *small])
     trainer = Trainer(cfg)
     state = jax.jit(trainer.init_state)(jax.random.key(0))
