@@ -165,9 +165,9 @@ class Trainer:
         where nothing reads them (model.kernels other than pallas, fp8, a float32 compute dtype).
 
         A step makes them once, before its microbatch (or leaf) loop, instead of casting and concatenating
-        the float32 masters again in every microbatch's forward and backward (3.2 ms of gpu_dense's step,
-        docs/BENCHMARKS.md session 17). The same casts and concatenations, so the same bits; the products'
-        gradients still reach the masters."""
+        the float32 masters again in every microbatch's forward and backward (3.2 ms of gpu_dense's step in
+        session 17's profile; the step was 2.6 ms faster with the copies, docs/BENCHMARKS.md session 18). The
+        same casts and concatenations, so the same bits; the products' gradients still reach the masters."""
         dtype = DTYPES[self.cfg.model.compute_dtype]
         if self.cfg.model.kernels != "pallas" or self.fp8 or dtype == jnp.float32:
             return None
