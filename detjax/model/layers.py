@@ -32,10 +32,11 @@ def param(module: nn.Module, name: str, init: nn.initializers.Initializer, shape
 
 # The weights the trainer casts (and fuses) once per step, outside the microbatch loop, into the model's
 # "compute" collection (detjax.step.Trainer.compute_copies): under each module's path, the key joins the
-# parameter names in the order the module multiplies them, with how many leading dims the product
-# contracts. A projection called with copy=(module, names) reads its copy from there when the trainer made
-# one (model.kernels=pallas without fp8); a named weight missing from a collection that exists is an error.
-COMPUTE_COPIES: dict[tuple[str, ...], tuple[int, int]] = {  # names -> (contracted dims, first weight's ndim)
+# parameter names in the order the module multiplies them; the value gives how many leading dims the product
+# contracts and the first weight's rank (which tells the MLP's 2-D gate/up from the MoE's stacked experts). A
+# projection called with copy=(module, names) reads its copy from there when the trainer made one
+# (model.kernels=pallas without fp8); a named weight missing from a collection that exists is an error.
+COMPUTE_COPIES: dict[tuple[str, ...], tuple[int, int]] = {
     ("w_q", "w_k", "w_v"): (1, 3),
     ("w_o",): (2, 3),
     ("w_gate", "w_up"): (1, 2),  # the MLP's (MoE's stacked experts, 3-D, take the gmm)
