@@ -35,7 +35,7 @@ def param(module: nn.Module, name: str, init: nn.initializers.Initializer, shape
 # parameter names in the order the module multiplies them; the value gives how many leading dims the product
 # contracts and the first weight's rank (which tells the MLP's 2-D gate/up from the MoE's stacked experts). A
 # projection called with copy=(module, names) reads its copy from there when the trainer made one
-# (model.kernels=pallas without fp8); a named weight missing from a collection that exists is an error.
+# (model.kernels=pallas without fp8); a module that has copies but not the one named is an error.
 COMPUTE_COPIES: dict[tuple[str, ...], tuple[int, int]] = {
     ("w_q", "w_k", "w_v"): (1, 3),
     ("w_o",): (2, 3),
