@@ -95,19 +95,13 @@ def _fold(spec: str) -> int:
     return c
 
 
-def fused_width(widths: list[int], padded: bool = True) -> int:
-    """Columns of the concatenation of weights `widths` wide: zero-padded to FUSED_COLUMN_MULTIPLE when there
-    are two or more (and `padded`)."""
-    total = sum(widths)
-    return total + (-total % FUSED_COLUMN_MULTIPLE if len(widths) > 1 and padded else 0)
-
-
 def fuse(ws_KN: list[jax.Array], padded: bool = True) -> jax.Array:
-    """The 2-D weights side by side along N, zero-padded to fused_width (one weight: itself)."""
+    """The 2-D weights side by side along N (one weight: itself), with `padded` zero columns up to a whole
+    multiple of FUSED_COLUMN_MULTIPLE."""
     if len(ws_KN) == 1:
         return ws_KN[0]
     k = ws_KN[0].shape[0]
-    pad = fused_width([w.shape[1] for w in ws_KN], padded) - sum(w.shape[1] for w in ws_KN)
+    pad = -sum(w.shape[1] for w in ws_KN) % FUSED_COLUMN_MULTIPLE if padded else 0
     # zero columns inside the concatenation (a copy anyway) spare the kernel a padded copy of the activations
     return jnp.concatenate(ws_KN + [jnp.zeros((k, pad), ws_KN[0].dtype)] * bool(pad), axis=1)
 
@@ -126,14 +120,6 @@ def dense(spec: str, x: jax.Array, w: jax.Array, dtype, out_dtype=None, w_c: jax
     return dense_many([spec], x, [w], dtype, out_dtype, w_cat_c=w_c)[0]
 
 
-def contracted_dims(specs: list[str]) -> int:
-    """The number of leading weight dims the specs contract (one number for all, or ValueError)."""
-    cs = {_fold(s) for s in specs}
-    if len(cs) != 1:
-        raise ValueError(f"dense_many() needs specs contracting the same dims of x, got {specs}")
-    return cs.pop()
-
-
 def dense_many(
     specs: list[str],
     x: jax.Array,
@@ -150,7 +136,10 @@ def dense_many(
     the Pallas matmul (detjax.model.fp8: the fp8 product; no tile padding then). `w_cat_c`: compute_copy of
     ws, made beforehand; the product reads it, and the float32 concatenation only carries the gradient back
     to the masters (nothing computes it in the forward)."""
-    c = contracted_dims(specs)
+    cs = {_fold(s) for s in specs}
+    if len(cs) != 1:
+        raise ValueError(f"dense_many() needs specs contracting the same dims of x, got {specs}")
+    c = cs.pop()
     lead = x.shape[: x.ndim - c]
     k = math.prod(x.shape[x.ndim - c :])
     w2 = [w.reshape(k, -1) for w in ws]
