@@ -13,9 +13,9 @@ xprof; a Perfetto JSON trace is written beside it) and prints:
 
 `--plain` profiles scripts/plain_step.py's plain-JAX step of the same (dense) config instead (its ops carry no
 module scopes: read its table by op). It runs the plain step as det_tax's plain mode does, with XLA's default
-flags: on the H200 with jax 0.11.2 the earlier variants of --plain (command buffers off, the step compiled
-ahead of time) failed at the step's first execution inside XLA (IndexError; docs/BENCHMARKS.md session 17);
-this one has not run on the GPU yet.
+flags. On the H200 with jax 0.11.2 every variant of --plain tried so far (command buffers off, the step
+compiled ahead of time, and this one) failed inside XLA under the profiler (IndexError), while the same step
+ran without it in det_tax (docs/BENCHMARKS.md sessions 17 and 18).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def main() -> int:
         batches = [jax.device_put(np.asarray(ds[i]), devices[0]) for i in range(4)]
         state = init(jax.random.key(cfg.train.seed))
 
-        def step(state, batch):  # called as det_tax's plain mode calls it (the path that ran on the H200)
+        def step(state, batch):  # called as det_tax's plain mode calls it (which runs on the H200 unprofiled)
             p, o, loss = plain(*state, batch)
             return (p, o), loss
 
