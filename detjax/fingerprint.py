@@ -131,6 +131,9 @@ def tree_digest(tree: Any) -> jax.Array:
 # A stacked group's bytes are capped: where a backend does not fuse the stack into the reduction, the copy it
 # makes stays small (gpu_dense's largest role, 16 MLP weights of 16 MiB, fits whole).
 GROUP_BYTES = 256 << 20
+# Leaves of at least this many bytes are digested alone, never stacked (None: every leaf may be stacked).
+# Stacking saves a reduction per leaf but may copy the leaf; scripts/digest_bench.py --alone-bytes times both.
+ALONE_BYTES: int | None = None
 
 
 def _bounded(groups: Any, leaves: list) -> list[list[int]]:
@@ -153,19 +156,28 @@ def _bounded(groups: Any, leaves: list) -> list[list[int]]:
 
 
 def tree_digest_and_finite(
-    tree: Any, count_nonfinite: bool = True, grouped: bool = True, version: int = DIGEST_VERSION
+    tree: Any,
+    count_nonfinite: bool = True,
+    grouped: bool = True,
+    version: int = DIGEST_VERSION,
+    alone_bytes: int | None = -1,
 ) -> tuple[jax.Array, jax.Array]:
     """(tree_digest, bool[leaves]: each leaf has no inf/NaN), from one pass over each leaf (the non-finite
     guard rides on the digest's reads).
 
     `grouped`: leaves of one role in different layers (the same path once layer numbers are dropped, the same
     shape and dtype) are stacked and digested by one vmapped reduction instead of one reduction per leaf — a
-    few dozen reductions for a tree of hundreds of leaves. Integer sums: the same bits either way (tested)."""
+    few dozen reductions for a tree of hundreds of leaves. Integer sums: the same bits either way (tested).
+    `alone_bytes`: leaves of at least this many bytes are not stacked (-1: the module's ALONE_BYTES)."""
+    if alone_bytes == -1:
+        alone_bytes = ALONE_BYTES
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     sums: list[Any] = [None] * len(leaves)
     groups: dict[Any, list[int]] = {}
     for i, (path, leaf) in enumerate(leaves):
-        if grouped and not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        key = jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+        big = not key and alone_bytes is not None and leaf.size * jnp.dtype(leaf.dtype).itemsize >= alone_bytes
+        if grouped and not key and not big:
             role = re.sub(r"\d+", "#", jax.tree_util.keystr(path))
             groups.setdefault((role, tuple(leaf.shape), str(leaf.dtype)), []).append(i)
         else:

@@ -1,12 +1,14 @@
 """Device time of the per-step fingerprint digests of a config's state, per digest version.
 
-    python scripts/digest_bench.py --config configs/gpu_dense.yaml [--versions 1,2] [--per-leaf] [--reps 20]
+    python scripts/digest_bench.py --config configs/gpu_dense.yaml [--versions 1,2] [--per-leaf]
+        [--alone-bytes 1M,4M] [--reps 20]
 
 The digests a step computes (detjax.step: the parameters with the non-finite count, the gradients and the
 optimizer state) over random bits shaped like the config's state, jitted, each version timed alone: the
 median of --reps synced calls after two warm-up calls. Reported in ms, with the bytes read. --per-leaf adds
 each version with one reduction per leaf (`grouped=False`: the same bits) beside the stacked groups the step
-uses.
+uses; --alone-bytes adds, per size, the stacked groups with every leaf of at least that size digested alone
+(fingerprint.ALONE_BYTES: a stacked group may copy its leaves).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main() -> int:
     ap.add_argument("--versions", default="1,2")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--per-leaf", action="store_true", help="also time one reduction per leaf")
+    ap.add_argument("--alone-bytes", default="", help="comma list of sizes (bytes, or with K/M suffix)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
 
@@ -48,14 +51,16 @@ def main() -> int:
 
     state = jax.tree.map(fill, trees)
     nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-    variants = [(int(v), g) for v in a.versions.split(",") for g in ([True, False] if a.per_leaf else [True])]
-    for version, grouped in variants:
+    sizes = [int(x[:-1]) << {"K": 10, "M": 20}[x[-1]] if x[-1] in "KM" else int(x) for x in a.alone_bytes.split(",") if x]
+    layouts = [(True, None)] + [(False, None)] * a.per_leaf + [(True, n) for n in sizes]
+    variants = [(int(v), g, n) for v in a.versions.split(",") for g, n in layouts]
+    for version, grouped, alone in variants:
 
         @jax.jit
-        def digests(state, version=version, grouped=grouped):
-            p, finite = fp.tree_digest_and_finite(state["params"], grouped=grouped, version=version)
-            g = fp.tree_digest_and_finite(state["grads"], False, grouped, version)[0]
-            o = fp.tree_digest_and_finite(state["opt_state"], False, grouped, version)[0]
+        def digests(state, version=version, grouped=grouped, alone=alone):
+            p, finite = fp.tree_digest_and_finite(state["params"], True, grouped, version, alone)
+            g = fp.tree_digest_and_finite(state["grads"], False, grouped, version, alone)[0]
+            o = fp.tree_digest_and_finite(state["opt_state"], False, grouped, version, alone)[0]
             return p, finite, g, o
 
         for _ in range(2):
@@ -65,7 +70,7 @@ def main() -> int:
             t0 = time.perf_counter()
             jax.block_until_ready(digests(state))
             times.append((time.perf_counter() - t0) * 1e3)
-        how = "grouped" if grouped else "per leaf"
+        how = ("grouped" if alone is None else f"grouped, leaves >= {alone} bytes alone") if grouped else "per leaf"
         print(
             f"digest version {version}, {how}: median {statistics.median(times):.3f} ms "
             f"(min {min(times):.3f}) over {nbytes / 2**30:.2f} GiB, {jax.devices()[0].device_kind}"

@@ -142,6 +142,12 @@ def main() -> int:
     ap.add_argument("--plain", action="store_true", help="profile scripts/plain_step.py's step of the config")
     ap.add_argument("--attention", default="cudnn", choices=["cudnn", "xla"], help="the plain step's attention")
     ap.add_argument("--src", default=None, help="profile the detjax package under this tree (e.g. an older commit)")
+    ap.add_argument(
+        "--digest-alone-bytes",
+        type=int,
+        default=None,
+        help="digest leaves of at least this many bytes alone, unstacked (detjax.fingerprint.ALONE_BYTES)",
+    )
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
 
@@ -164,10 +170,13 @@ def main() -> int:
     import jax
     import numpy as np
 
+    from detjax import fingerprint
     from detjax.data.pipeline import make_dataset
     from detjax.sharding.mesh import build_layout
     from detjax.step import Trainer, compile_init, compile_train_step
 
+    if a.digest_alone_bytes is not None:
+        fingerprint.ALONE_BYTES = a.digest_alone_bytes
     ds = make_dataset(cfg)
     if a.plain:
         sys.path.insert(0, str(here / "scripts"))

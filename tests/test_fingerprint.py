@@ -63,6 +63,10 @@ def test_grouped_tree_digest_equals_the_per_leaf_one(monkeypatch):
 
     monkeypatch.setattr(fp, "GROUP_BYTES", 2 * 6 * 5 * 4)  # two w leaves per stacked run: still the same bits
     assert np.array_equal(np.asarray(jax.jit(lambda t: tree_digest_and_finite(t))(tree)[0]), np.asarray(single))
+    # the w leaves (120 bytes) alone, the s leaves (20 bytes) stacked: still the same bits and flags
+    mixed, ok_m = jax.jit(lambda t: tree_digest_and_finite(t, alone_bytes=100))(tree)
+    assert np.array_equal(np.asarray(mixed), np.asarray(single))
+    assert np.asarray(ok_m).tolist() == np.asarray(ok_s).tolist()
 
 
 def test_digest_values_are_pinned():
