@@ -148,6 +148,11 @@ def main() -> int:
         default=None,
         help="digest leaves of at least this many bytes alone, unstacked (detjax.fingerprint.ALONE_BYTES)",
     )
+    ap.add_argument(
+        "--digest-nonfinite-apart",
+        action="store_true",
+        help="count the parameters' non-finite values by a reduction of their own (fingerprint.NONFINITE_APART)",
+    )
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
 
@@ -177,6 +182,7 @@ def main() -> int:
 
     if a.digest_alone_bytes is not None:
         fingerprint.ALONE_BYTES = a.digest_alone_bytes
+    fingerprint.NONFINITE_APART = a.digest_nonfinite_apart
     ds = make_dataset(cfg)
     if a.plain:
         sys.path.insert(0, str(here / "scripts"))
