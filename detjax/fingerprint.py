@@ -21,9 +21,9 @@ Cost: a tree's leaves of one role in different layers are digested by one stacke
 same bits as one reduction per leaf): gpu_dense's digests went from 6.9 to 3.1 ms per step (docs/BENCHMARKS.md
 session 14) -- the per-leaf reductions (about 590 of them) were bound by their count, not by bytes. Digesting
 the large leaves alone instead (ALONE_BYTES) was slower again (session 19: 5.6 against 3.2 ms in the step), so
-every leaf may be stacked. In the step three fusions of 0.5-0.6 ms make most of the 3.2 ms while the other
-256 MiB groups take under 0.1 ms; NONFINITE_APART tests whether the parameters' non-finite count, which only
-those groups compute, is the cause (not yet timed on the GPU).
+every leaf may be stacked. In the step three fusions of 0.5-0.6 ms make about half of the 3.2 ms while the other
+256 MiB groups take under 0.1 ms; NONFINITE_APART tests whether the parameters' non-finite count, which only the
+parameters' groups compute, is the cause (not yet timed on the GPU).
 """
 
 from __future__ import annotations
