@@ -21,9 +21,10 @@ Cost: a tree's leaves of one role in different layers are digested by one stacke
 same bits as one reduction per leaf): gpu_dense's digests went from 6.9 to 3.1 ms per step (docs/BENCHMARKS.md
 session 14) -- the per-leaf reductions (about 590 of them) were bound by their count, not by bytes. Digesting
 the large leaves alone instead (ALONE_BYTES) was slower again (session 19: 5.6 against 3.2 ms in the step), so
-every leaf may be stacked. In the step three fusions of 0.5-0.6 ms make about half of the 3.2 ms while the other
-256 MiB groups take under 0.1 ms; NONFINITE_APART tests whether the parameters' non-finite count, which only the
-parameters' groups compute, is the cause (not yet timed on the GPU).
+every leaf may be stacked. In the step three fusions of 0.5-0.6 ms make about half of the 3.2 ms while every other
+digest fusion takes under 0.1 ms per call; with the parameters' non-finite count moved out of the digest (a
+reduction of its own) they stayed, two of them then named as concatenate-reduce fusions (session 19). So XLA
+fusing the stack's concatenation into the reduction is the suspect; STACK_BARRIER tests that (not yet timed).
 """
 
 from __future__ import annotations
@@ -138,10 +139,10 @@ GROUP_BYTES = 256 << 20
 # Leaves of at least this many bytes are digested alone, never stacked (None: every leaf may be stacked).
 # Stacking saves a reduction per leaf but may copy the leaf; scripts/digest_bench.py --alone-bytes times both.
 ALONE_BYTES: int | None = None
-# True: the non-finite count is its own reduction (behind an optimization barrier, so XLA cannot fold it back
-# into the digest's fusion), at the cost of a second read of the leaves; False: one fusion computes both.
-# The same digests and counts either way; scripts/digest_bench.py --nonfinite-apart times it.
-NONFINITE_APART = False
+# True: each stacked group is written out whole (behind an optimization barrier) before its reduction reads it,
+# so XLA cannot fuse the stack's concatenation into the reduction; False: XLA decides. The same digests either
+# way; scripts/digest_bench.py --stack-barrier times it.
+STACK_BARRIER = False
 
 
 def _bounded(groups: Any, leaves: list) -> list[list[int]]:
@@ -169,7 +170,7 @@ def tree_digest_and_finite(
     grouped: bool = True,
     version: int = DIGEST_VERSION,
     alone_bytes: int | None = -1,
-    nonfinite_apart: bool | None = None,
+    stack_barrier: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(tree_digest, bool[leaves]: each leaf has no inf/NaN), from one pass over each leaf (the non-finite
     guard rides on the digest's reads).
@@ -178,16 +179,13 @@ def tree_digest_and_finite(
     shape and dtype) are stacked and digested by one vmapped reduction instead of one reduction per leaf — a
     few dozen reductions for a tree of hundreds of leaves. Integer sums: the same bits either way (tested).
     `alone_bytes`: leaves of at least this many bytes are not stacked (-1: the module's ALONE_BYTES).
-    `nonfinite_apart`: count the non-finite values by a reduction of their own (None: NONFINITE_APART)."""
+    `stack_barrier`: write each stacked group out before reducing it (None: the module's STACK_BARRIER)."""
     if alone_bytes == -1:
         alone_bytes = ALONE_BYTES
-    apart = count_nonfinite and (NONFINITE_APART if nonfinite_apart is None else nonfinite_apart)
+    barrier = STACK_BARRIER if stack_barrier is None else stack_barrier
 
     def lane_sums(x):
-        if not apart:
-            return _lane_sums(x, count_nonfinite, version)
-        h1, h2, _ = _lane_sums(x, False, version)
-        return h1, h2, nonfinite_count(jax.lax.optimization_barrier(x))
+        return _lane_sums(x, count_nonfinite, version)
 
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     sums: list[Any] = [None] * len(leaves)
@@ -205,6 +203,8 @@ def tree_digest_and_finite(
             sums[idx[0]] = lane_sums(leaves[idx[0]][1])
             continue
         stacked = jnp.stack([leaves[i][1] for i in idx])
+        if barrier:
+            stacked = jax.lax.optimization_barrier(stacked)
         h1, h2, bad = jax.vmap(lane_sums)(stacked)
         for n, i in enumerate(idx):
             sums[i] = (h1[n], h2[n], bad[n])
