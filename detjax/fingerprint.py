@@ -21,7 +21,7 @@ Cost: a tree's leaves of one role in different layers are digested by one stacke
 same bits as one reduction per leaf): gpu_dense's digests went from 6.9 to 3.1 ms per step (docs/BENCHMARKS.md
 session 14) -- the per-leaf reductions (about 590 of them) were bound by their count, not by bytes. Digesting
 the large leaves alone instead (ALONE_BYTES) was slower again (session 19: 5.6 against 3.2 ms in the step), so
-every leaf may be stacked. In the step three fusions of 0.5-0.6 ms make about half of the 3.2 ms while every other
+every leaf may be stacked. In the step three fusions of 0.5-0.65 ms make about half of the 3.2 ms while every other
 digest fusion takes under 0.1 ms per call; with the parameters' non-finite count moved out of the digest (a
 reduction of its own) they stayed, two of them then named as concatenate-reduce fusions (session 19). So XLA
 fusing the stack's concatenation into the reduction is the suspect; STACK_BARRIER tests that (not yet timed).
