@@ -305,11 +305,14 @@ class DeterminismConfig:
     #                GEMMs left to XLA (only tiny ones pass), and refused otherwise.
     strategy: Literal["xla_flags", "kernels"] = "xla_flags"
     # "canonical" (strict mode): every sum over tokens is a fixed pair tree over leaves of sequences in global
-    # order (detjax.sharding.canonical), so the data, fsdp and expert degrees do not change the bits, and a run
-    # may resume on another such mesh. Each device runs its leaves one at a time, so train.micro_batch changes
-    # neither the bits nor the schedule there. `expert` then shards the expert weights and their optimizer
-    # state and splits the batch like fsdp: each device runs every expert on its own leaves (no all-to-all
-    # token dispatch). Tensor and pipeline parallelism are refused under it.
+    # order (detjax.sharding.canonical), so the data, fsdp, expert and pipeline degrees do not change the bits,
+    # and a run may resume on another such mesh. It also turns XLA's excess precision off
+    # (determinism.CANONICAL_XLA_FLAGS). Each device runs its leaves one at a time, so train.micro_batch
+    # changes neither the bits nor the schedule there. `expert` then shards the expert weights and their
+    # optimizer state and splits the batch like fsdp: each device runs every expert on its own leaves (no
+    # all-to-all token dispatch). Under pipeline parallelism each microbatch is one leaf (train.micro_batch
+    # must equal canonical_leaf), each batch shard pipelines its own block of leaves, and the state keeps the
+    # one-device layout. Tensor parallelism is refused under it.
     numerics: Literal["default", "canonical"] = "default"
     # Canonical numerics: sequences per leaf of the gradient tree (a power of two dividing train.global_batch).
     # A leaf is one batch-`canonical_leaf` program (its tokens reduced inside the kernels, its aux loss one
@@ -628,17 +631,26 @@ def canonical_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
         return []
     if d.mode != "strict":
         return [("determinism.numerics", "canonical", "needs determinism.mode=strict", "set determinism.mode=strict")]
-    for axis in ("tensor", "pipeline"):
-        if getattr(mesh, axis) > 1:
-            return [
-                (
-                    f"mesh.{axis}",
-                    getattr(mesh, axis),
-                    f"{axis} parallelism has no canonical (mesh-invariant) path yet",
-                    f"set mesh.{axis}=1 (data, fsdp and expert parallelism are canonical), or "
-                    "determinism.numerics=default",
-                )
-            ]
+    if mesh.tensor > 1:
+        return [
+            (
+                "mesh.tensor",
+                mesh.tensor,
+                "tensor parallelism has no canonical (mesh-invariant) path yet",
+                "set mesh.tensor=1 (data, fsdp, expert and pipeline parallelism are canonical), or "
+                "determinism.numerics=default",
+            )
+        ]
+    if mesh.pipeline > 1 and t.micro_batch != d.canonical_leaf:
+        return [
+            (
+                "train.micro_batch",
+                t.micro_batch,
+                f"a canonical pipeline's microbatches are the leaves of the gradient tree: it must equal "
+                f"determinism.canonical_leaf = {d.canonical_leaf}",
+                f"set train.micro_batch={d.canonical_leaf}",
+            )
+        ]
     if cfg.trace.level != "none" or cfg.debug.inject_nondeterminism.scope:
         what = "debug.inject_nondeterminism" if cfg.debug.inject_nondeterminism.scope else "trace.level"
         return [

@@ -32,6 +32,11 @@ STRICT_XLA_FLAGS: tuple[str, ...] = (
 # choice can change the bits on a fresh machine; XLA's autotuner is switched off so that nothing it would
 # still pick (a leftover tiny dot, a fusion config) depends on a timing race or on a cache file.
 KERNELS_XLA_FLAGS: tuple[str, ...] = ("--xla_gpu_autotune_level=0",)
+# Canonical numerics (any strategy): XLA's "excess precision" lets a fusion keep a bf16 intermediate in float32
+# and skip its rounding where it likes, and whether it does depends on the whole program. A pipeline stage's
+# program and the one-device leaf program then compute other bits from the same inputs (measured on the CPU:
+# the MoE and the MTP head; an MTP loss term 83.81279 against 83.81363). With it off every bf16 op rounds.
+CANONICAL_XLA_FLAGS: tuple[str, ...] = ("--xla_allow_excess_precision=false",)
 # A dot left to XLA in the kernels strategy must be at most this many FLOPs (microseconds on a GPU). Larger
 # ones are refused: they belong in detjax.pallas_kernels.matmul. Each one left is listed in the error/report.
 TINY_DOT_FLOPS = 1 << 22
@@ -140,8 +145,8 @@ def check_step(cfg: Config, step_fn: Any, *args: Any) -> list[dict[str, Any]]:
 
 
 def apply_config_environment(cfg: Config) -> None:
-    """apply_environment for a config: its mode and strategy."""
-    apply_environment(cfg.determinism.mode, cfg.determinism.strategy)
+    """apply_environment for a config: its mode, strategy and numerics."""
+    apply_environment(cfg.determinism.mode, cfg.determinism.strategy, cfg.determinism.numerics)
 
 
 # Primitives that reach a GEMM/convolution library (cuBLAS, cuDNN, XLA's autotuned Triton GEMMs).
@@ -208,16 +213,19 @@ def _flags_in(env_value: str) -> set[str]:
     return set(env_value.split())
 
 
-def required_flags(mode: str, strategy: str = "xla_flags") -> tuple[str, ...]:
+def required_flags(mode: str, strategy: str = "xla_flags", numerics: str = "default") -> tuple[str, ...]:
     if mode != "strict":
         return ()
-    return KERNELS_XLA_FLAGS if strategy == "kernels" else STRICT_XLA_FLAGS
+    flags = KERNELS_XLA_FLAGS if strategy == "kernels" else STRICT_XLA_FLAGS
+    return flags + (CANONICAL_XLA_FLAGS if numerics == "canonical" else ())
 
 
-def missing_flags(env: dict[str, str] | None = None, mode: str = "strict", strategy: str = "xla_flags") -> list[str]:
+def missing_flags(
+    env: dict[str, str] | None = None, mode: str = "strict", strategy: str = "xla_flags", numerics: str = "default"
+) -> list[str]:
     env = dict(os.environ) if env is None else env
     have = _flags_in(env.get("XLA_FLAGS", ""))
-    return [f for f in required_flags(mode, strategy) if f not in have]
+    return [f for f in required_flags(mode, strategy, numerics) if f not in have]
 
 
 def _jax_initialised() -> bool:
@@ -228,17 +236,17 @@ def _jax_initialised() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def apply_environment(mode: str, strategy: str = "xla_flags") -> None:
+def apply_environment(mode: str, strategy: str = "xla_flags", numerics: str = "default") -> None:
     """Set the canonical environment for `mode`; must run before JAX initialises its backends."""
     if mode != "strict":
         return
-    missing = missing_flags(mode=mode, strategy=strategy)
+    missing = missing_flags(mode=mode, strategy=strategy, numerics=numerics)
     if missing and _jax_initialised():
         raise DeterminismError(
             "determinism.mode=strict needs XLA flags "
             f"{missing} but JAX was already initialised with XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
             "XLA reads its flags once. Fix: start through `python -m detjax.train` (it sets them first), or "
-            f"export XLA_FLAGS='{' '.join(required_flags(mode, strategy))}' before anything "
+            f"export XLA_FLAGS='{' '.join(required_flags(mode, strategy, numerics))}' before anything "
             "imports jax"
         )
     if missing:
@@ -264,7 +272,9 @@ def policy_record(cfg: Config) -> dict[str, Any]:
         "config_hash": cfg.hash(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "strategy": cfg.determinism.strategy,
-        "required_xla_flags": list(required_flags(cfg.determinism.mode, cfg.determinism.strategy)),
+        "required_xla_flags": list(
+            required_flags(cfg.determinism.mode, cfg.determinism.strategy, cfg.determinism.numerics)
+        ),
         "env": {k: os.environ.get(k) for k in STRICT_ENV},
         "refusals_checked": [r.key for r in REFUSALS],
         "versions": {

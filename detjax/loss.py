@@ -55,8 +55,12 @@ class Objective:
 
     @property
     def aux_weight(self) -> float:
-        """d j / d aux: what a pipeline stage seeds its blocks' aux losses with."""
-        return self.aux_coef * (self.n_tok / self.n_aux)
+        """d j / d aux: what a pipeline stage seeds its blocks' aux losses with -- the float32 value autodiff of
+        `total` gives (aux_coef and n_tok / n_aux multiplied in float32, as the one-device backward does), not the
+        product of the two in float64 rounded once (one ulp apart: canonical numerics needs the same bits)."""
+        with jax.ensure_compile_time_eval():  # a constant, also when asked inside a traced step
+            zero = jnp.zeros((), jnp.float32)
+            return float(jax.grad(lambda a: self.total((zero, zero, a)))(zero))
 
     def terms(self, logits_BLV, mtp_logits_BLV, aux, tokens_BL1) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(LM CE sum, MTP CE sum, aux loss) of one aux group of (ids + next token) rows."""

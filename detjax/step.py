@@ -65,8 +65,12 @@ class Trainer:
         self.cfg = cfg
         self.layout = layout
         self.pipelined = layout is not None and layout.degrees["pipeline"] > 1
-        self.model = HybridLM(cfg.model, layout)
         self.canonical = cfg.determinism.canonical
+        # the state's parameters stacked per pipeline stage; under canonical numerics the state keeps the
+        # one-device layout (so its digests, norm and checkpoints are the one-device run's) and the step stacks
+        # a copy for the pipeline
+        self.stacked = self.pipelined and not self.canonical
+        self.model = HybridLM(cfg.model, layout)
         # canonical numerics run the model one leaf at a time inside shard_map: no layout constraints inside
         self.leaf_model = HybridLM(cfg.model, None) if self.canonical else None
         shards = self.batch_shards()
@@ -77,6 +81,14 @@ class Trainer:
                 f"(data x fsdp), which must be a power of two dividing the {leaves} leaves of "
                 f"determinism.canonical_leaf = {cfg.determinism.canonical_leaf} sequences. Fix: use 1, 2, 4, ... "
                 f"data x fsdp devices, at most {leaves}, or a smaller determinism.canonical_leaf"
+            )
+        per_pipeline, stages = leaves // shards, cfg.mesh.pipeline
+        if self.canonical and self.pipelined and cfg.mesh.pipeline_virtual > 1 and per_pipeline % stages:
+            raise ConfigError(
+                f"config key 'mesh.pipeline_virtual' = {cfg.mesh.pipeline_virtual}: the interleaved schedule needs "
+                f"each pipeline's microbatch count ({per_pipeline} leaves: {leaves} over {shards} batch shards) "
+                f"divisible by mesh.pipeline = {stages}. Fix: fewer batch shards, a larger train.global_batch, or "
+                "mesh.pipeline_virtual=1"
             )
         self.fp8 = cfg.model.fp8.enabled
         if (
@@ -101,7 +113,7 @@ class Trainer:
 
     def init_state(self, seed_key: jax.Array) -> TrainState:
         params = nn.unbox(self._boxed_params(seed_key))
-        if self.pipelined:  # the same initial values, stacked per pipeline stage
+        if self.stacked:  # the same initial values, stacked per pipeline stage
             params = pipeline.stack_params(params, self.cfg)
         collections = {}
         if self.fp8:  # every projection's scales start at 1 with an empty (zero) amax history
@@ -117,7 +129,7 @@ class Trainer:
     def param_logical_specs(self) -> Any:
         """PartitionSpecs of logical axis names, one per parameter (the model's annotations)."""
         specs = nn.get_partition_spec(jax.eval_shape(self._boxed_params, jax.random.key(0)))
-        if self.pipelined:
+        if self.stacked:
             specs = pipeline.stack_specs(specs, self.cfg)
         return specs
 
@@ -252,8 +264,10 @@ class Trainer:
         model = HybridLM(m_cfg)  # no layout inside the stage body: the auto axes follow the parameter shardings
         blocks = [block_class(m_cfg)(m_cfg, letter) for letter in m_cfg.pattern[:n_per]]
 
-        def chunk(chunk_params, h, key, chunk_idx):
-            aux = jnp.zeros((), jnp.float32)
+        def chunk(chunk_params, h, key, chunk_idx, aux=None):
+            """aux: the running sum of the earlier blocks' aux losses (canonical numerics carries it from stage
+            to stage so that it adds up in layer order, as the one-device model does); else this chunk's own."""
+            aux = jnp.zeros((), jnp.float32) if aux is None else aux
             for j, blk in enumerate(blocks):
                 h, a = blk.apply({"params": chunk_params[f"block_{j}"]}, h, True, layer_key(key, chunk_idx * n_per + j))
                 aux = aux + a
@@ -262,8 +276,8 @@ class Trainer:
         def embed(outer, ids):
             return model.apply({"params": outer}, ids, method=HybridLM.embed_ids)
 
-        def head(outer, h, tokens, key):
-            outs = model.apply({"params": outer}, h, tokens[:, :-1], True, key, method=HybridLM.outputs)
+        def head(outer, h, tokens, key, e=None):
+            outs = model.apply({"params": outer}, h, tokens[:, :-1], True, key, e, method=HybridLM.outputs)
             terms = self.objective.terms(*outs, tokens)
             return self.objective.total(terms), terms
 
@@ -356,6 +370,27 @@ class Trainer:
         with jax.named_scope("grad_accumulate"):
             return unpack(canonical.tree_pair_sum(sums_S), amax_max(amax_S))
 
+    def canonical_pipeline_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array):
+        """Canonical numerics' gradient and loss-term sums through the pipeline (config: microbatches of
+        determinism.canonical_leaf sequences): each microbatch is one leaf of the same pair tree as
+        canonical_grad_sums' (detjax.sharding.pipeline, canonical=True), each batch shard pipelining its own
+        block of leaves, so the sums are the one-device run's. The parameters arrive and the gradients leave
+        in the one-device layout."""
+        t = self.cfg.train
+        stacked = pipeline.stack_params(params, self.cfg)
+        micro_tokens = batch_GL1.reshape(t.n_micro, t.micro_batch, -1)
+        g_sum, sums = pipeline.pipeline_grads(
+            self.pipeline_fns(),
+            self.cfg,
+            self.layout,
+            stacked,
+            micro_tokens,
+            step_key,
+            canonical=True,
+            batch_axes=self.batch_axes(),
+        )
+        return pipeline.unstack_params(g_sum, self.cfg), sums, None
+
     def batch_axes(self) -> tuple[str, ...]:
         """The mesh axes the batch is split over (degree > 1), major first."""
         if self.layout is None:
@@ -444,7 +479,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ step
     def train_step(self, state: TrainState, batch_GL1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
         step_key = self.step_key(state)
-        if self.canonical:
+        if self.canonical and self.pipelined:
+            g_sum, sums, amax = self.canonical_pipeline_grad_sums(state.params, batch_GL1, step_key)
+        elif self.canonical:
             g_sum, sums, amax = self.canonical_grad_sums(state.params, batch_GL1, step_key, self.fp8_scales(state))
         else:
             g_sum, sums, amax = self.grad_sums(state, self.micro_tokens(batch_GL1), step_key)

@@ -1,12 +1,14 @@
 """Which leaves differ after one canonical-numerics step on two meshes (8 virtual CPU devices, one process).
 
     python scripts/canonical_diff.py --pattern E --mesh-a mesh.devices=1 --mesh-b mesh.data=8 [overrides ...]
+    python scripts/canonical_diff.py --pattern 'M*E-M*E-' --mesh-b mesh.pipeline=2,train.micro_batch=1
 
 Builds configs/tiny_mesh.yaml with `model.pattern=PATTERN`, `determinism.numerics=canonical` and the overrides,
 runs one train step from the same initial state and batch on mesh A and on mesh B, and prints each optimizer
 state leaf (the first step's gradient shows in Adam's mu and nu; the parameters do not move at step 0 under
 warm-up) as `same` or `DIFF n/size` with byte equality (uint32 views), plus the largest relative difference.
-The diagnosis tool for the one-device MoE router mismatch (docs/DETERMINISM.md, "Not yet").
+The diagnosis tool for the one-device MoE router mismatch and the canonical pipeline's differences
+(docs/DETERMINISM.md). It runs with canonical numerics' XLA flags (detjax.determinism.CANONICAL_XLA_FLAGS).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 " + os.envir
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from detjax import determinism  # noqa: E402  (imports no jax)
+
+determinism.apply_environment("strict", "xla_flags", "canonical")
 
 
 def one_step(pattern: str, mesh: list[str], overrides: list[str]):

@@ -8,6 +8,8 @@ _FLAGS = [
     "--xla_force_host_platform_device_count=8",
     "--xla_gpu_deterministic_ops=true",
     "--xla_gpu_exclude_nondeterministic_ops=true",
+    # canonical numerics' flag (detjax.determinism.CANONICAL_XLA_FLAGS): canonical tests run in this process
+    "--xla_allow_excess_precision=false",
 ]
 if os.environ.get("DETJAX_TEST_GPU") != "1":
     # CPU codegen at LLVM -O0: the tests' shapes are tiny, so compiling dominates and running is cheap

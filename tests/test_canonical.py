@@ -100,8 +100,12 @@ def test_config_rules():
     canon = ["determinism.numerics=canonical"]
     with pytest.raises(ConfigError, match=r"mesh\.tensor.*no canonical"):
         load_config(MESH_CFG, canon + ["mesh.tensor=2"])
-    with pytest.raises(ConfigError, match=r"mesh\.pipeline.*no canonical"):
+    # a canonical pipeline's microbatches are the leaves
+    with pytest.raises(ConfigError, match=r"train\.micro_batch.*must equal determinism\.canonical_leaf = 1"):
         load_config(MESH_CFG, canon + ["mesh.pipeline=2", "model.pattern='M*E-M*E-'"])
+    load_config(
+        MESH_CFG, canon + ["mesh.pipeline=2", "mesh.expert=2", "train.micro_batch=1", "model.pattern='M*E-M*E-'"]
+    )
     # an expert axis is allowed, as storage sharding with no token dispatch, and the trainer says so
     assert "no all-to-all token dispatch" in " ".join(canonical_notes(load_config(MESH_CFG, canon + ["mesh.expert=2"])))
     assert canonical_notes(load_config(MESH_CFG, canon + ["mesh.data=8"])) == []
@@ -174,6 +178,20 @@ def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
     # negative control: default numerics accumulate microbatches in sequence, so their size changes the bits
     mb8, mb2 = _one_step(["mesh.devices=1"]), _one_step(["mesh.devices=1", "train.micro_batch=2"])
     assert not _same(mb8, mb2), "negative control: default numerics should change with the microbatch size"
+
+
+def test_pipeline_is_byte_equal_to_one_device():
+    """Canonical through the pipeline, hybrid M*E-M*E- with MTP and dropout: pp2 x data 4 (1F1B, each data
+    shard pipelining its own 4 leaves; the MTP head's embedding gradient sent back to the first stage, the aux
+    sum carried with the activations) gives the one-device run's two steps byte for byte, digests included.
+    Negative control: the default-numerics pipeline (a running sum over microbatches, psums over the ranks)
+    differs from it."""
+    hybrid = ("model.pattern='M*E-M*E-'",)
+    canon = ["determinism.numerics=canonical"]
+    ref = _one_step([*canon, "mesh.devices=1"], hybrid, steps=2)
+    _assert_step_equal(_one_step([*canon, "mesh.pipeline=2", "train.micro_batch=1"], hybrid, steps=2), ref, "pp2")
+    default_pp = _one_step(["mesh.pipeline=2", "mesh.data=1", "mesh.devices=2"], hybrid, steps=2)
+    assert not _same(default_pp[0], ref[0]), "negative control: the default pipeline should differ"
 
 
 @pytest.mark.extended

@@ -183,7 +183,9 @@ pinned_broadcast.defvjp(_pinned_broadcast_fwd, _pinned_broadcast_bwd)
 
 def pinned_normalize(x: jax.Array) -> jax.Array:
     """x / sum(x) over the last axis, the sum (and its gradient's) tree_sum_last."""
-    return x / pinned_broadcast(tree_sum_last(x), x.shape[-1])
+    # the divisor behind a barrier: XLA may otherwise turn the division by a broadcast into a multiplication by
+    # its reciprocal in some programs and not in others (other bits)
+    return x / jax.lax.optimization_barrier(pinned_broadcast(tree_sum_last(x), x.shape[-1]))
 
 
 def pinned_softmax(x: jax.Array) -> jax.Array:

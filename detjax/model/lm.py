@@ -114,15 +114,23 @@ class HybridLM(nn.Module):
     def embed_ids(self, ids_BL: jax.Array) -> jax.Array:
         return self.embed(ids_BL)
 
-    def outputs(self, h_BLD: jax.Array, ids_BL: jax.Array, train: bool = False, key: jax.Array | None = None):
-        """Final hidden state -> (logits, MTP logits or None, MTP blocks' aux loss)."""
+    def outputs(
+        self,
+        h_BLD: jax.Array,
+        ids_BL: jax.Array,
+        train: bool = False,
+        key: jax.Array | None = None,
+        e_BLD: jax.Array | None = None,
+    ):
+        """Final hidden state -> (logits, MTP logits or None, MTP blocks' aux loss). `e_BLD`: the MTP's
+        embedding of ids[:, 1:], computed by the caller (a canonical pipeline's first stage takes its gradient)."""
         c = self.cfg
         aux = jnp.zeros((), jnp.float32)
         logits_BLV = self.head(self.final_norm(h_BLD))
         mtp_logits_BLV = None
         if c.mtp.depth:
             # depth-1 MTP: position t combines h_t with the embedding of token t+1 to predict token t+2
-            e_BLD = self.embed(ids_BL[:, 1:])
+            e_BLD = self.embed(ids_BL[:, 1:]) if e_BLD is None else e_BLD
             hn, en = self.mtp_norm_h(h_BLD[:, :-1]), self.mtp_norm_e(e_BLD)
             dtype = DTYPES[c.compute_dtype]
             m_BLD = (

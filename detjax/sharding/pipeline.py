@@ -22,6 +22,7 @@ first rank, heads on the last) and the loss sums are summed over `pipeline` once
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from detjax.config import Config
+from detjax.sharding import canonical as canon
 from detjax.sharding import rules as ax
 from detjax.sharding.schedule import build_schedule
 
@@ -101,11 +103,30 @@ def _tree_add_at(tree: Any, delta: Any, v: jax.Array) -> Any:
     return jax.tree.map(f, tree, delta)
 
 
+def _acc_push_at(acc: canon.TreeAccumulator, state: Any, x: Any, v: jax.Array, m: jax.Array) -> Any:
+    """Push x as leaf m into the accumulator state of virtual stage v (every state leaf has a leading V axis)."""
+    cur = _tree_get(state, v)
+    new = acc.push(cur, x, m)
+    return jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(a, n, v, 0), state, new)
+
+
+def _from_rank(x: jax.Array, rank: int, s: jax.Array) -> jax.Array:
+    """rank's x on every rank, bit for bit: a sum of the bits as integers (a float psum with zeros would turn
+    a -0.0 into +0.0)."""
+    if jnp.dtype(x.dtype).itemsize != 4:
+        raise ValueError(f"_from_rank moves 4-byte values, got {x.dtype}")
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = jax.lax.psum(jnp.where(s == rank, bits, jnp.zeros_like(bits)), "pipeline")
+    return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+
 @dataclass(frozen=True)
 class StageFns:
     """What a pipeline runs, as functions (the model stays in detjax.model; the Trainer builds these):
-    chunk(chunk_params, h, key, chunk_index) -> (h, aux); embed(outer_params, ids) -> h;
-    head(outer_params, h, tokens, key) -> (objective j, (lm sum, MTP sum, aux)); aux_weight = d j / d aux."""
+    chunk(chunk_params, h, key, chunk_index, aux=None) -> (h, aux: aux + the chunk's aux losses in layer
+    order, or the chunk's own sum); embed(outer_params, ids) -> h; head(outer_params, h, tokens, key, e=None)
+    -> (objective j, (lm sum, MTP sum, MTP aux)) with e the MTP's embedding of ids[:, 1:] when the caller made
+    it; aux_weight = d j / d aux."""
 
     chunk: Callable[..., tuple[jax.Array, jax.Array]]
     embed: Callable[..., jax.Array]
@@ -114,17 +135,47 @@ class StageFns:
     d_model: int
 
 
-def pipeline_grads(fns: StageFns, cfg: Config, layout: ax.Layout, params: dict[str, Any], micro_tokens, step_key):
-    """Gradient sums of the step objective and the (lm, mtp, aux) sums, like the single-device scan."""
+def pipeline_grads(
+    fns: StageFns,
+    cfg: Config,
+    layout: ax.Layout,
+    params: dict[str, Any],
+    micro_tokens,
+    step_key,
+    canonical: bool = False,
+    batch_axes: tuple[str, ...] = (),
+):
+    """Gradient sums of the step objective and the (lm, mtp, aux) sums, like the single-device scan.
+
+    canonical: each microbatch is one leaf of canonical numerics' pair tree (detjax.sharding.canonical), and
+    the sums are the one-device canonical step's, bit for bit:
+    - every parameter gradient and the loss terms go, leaf by leaf in ascending microbatch order, into a
+      TreeAccumulator on the rank that computes them (one per virtual stage for the stacked blocks);
+    - the aux losses are summed in layer order across stages (the running sum travels with the activations);
+    - the embedding, used by the first stage and by the MTP head on the last, gets both of a leaf's
+      contributions added on the first rank before its tree (the last rank sends the cotangent of the MTP's
+      embedding there, and the first rank takes its gradient), as one device adds them;
+    - the replicated parameters' sums and the loss sums are then taken from their owning rank, bit for bit
+      (never a float psum with zeros).
+    batch_axes (canonical only): the mesh axes the leaves are split over. Shard k of S runs its own pipeline
+    over the contiguous block of leaves [k N/S, (k+1) N/S) (each with the dropout key of its global index),
+    and the S block sums meet in the top levels of the same pair tree, as in Trainer.canonical_grad_sums."""
     n_stages, n_virtual, _ = _chunking(cfg)
-    n_micro = cfg.train.n_micro
+    if batch_axes and not canonical:
+        raise ValueError("pipeline_grads: batch_axes is for canonical numerics (default pipelines auto-shard)")
+    n_shards = math.prod(layout.degrees[a] for a in batch_axes)
+    n_micro = cfg.train.n_micro // n_shards  # microbatches per pipeline (per batch shard)
     sched = build_schedule(cfg.mesh.schedule, n_stages, n_virtual, n_micro)
     chunk_fn, embed_fn, head_objective, aux_w = fns.chunk, fns.embed, fns.head, fns.aux_weight
+    mtp = cfg.model.mtp.depth > 0
+    acc = canon.TreeAccumulator(n_micro) if canonical else None
+    last_c = n_stages * n_virtual - 1
 
     outer0 = {k: x for k, x in params.items() if k != "stages"}
 
     def body(outer, stages, tokens, skey):
         s = jax.lax.axis_index("pipeline")
+        leaf0 = jax.lax.axis_index(batch_axes) * n_micro if batch_axes else 0  # this shard's first global leaf
         stages = jax.tree.map(lambda x: x[:, 0], stages)  # (V, 1, ...) -> (V, ...)
         mb, length = tokens.shape[1], tokens.shape[2] - 1
         h_shape = (mb, length, fns.d_model)
@@ -136,6 +187,14 @@ def pipeline_grads(fns: StageFns, cfg: Config, layout: ax.Layout, params: dict[s
             "g_outer": jax.tree.map(jnp.zeros_like, outer),
             "sums": jnp.zeros((3,), jnp.float32),
         }
+        if canonical:
+            carry["g_stages"] = acc.init(stages)
+            carry["g_outer"] = acc.init(outer)
+            carry["sums"] = acc.init(jnp.zeros((3,), jnp.float32))
+            carry["aux"] = jnp.zeros((n_virtual, n_micro), jnp.float32)  # the running aux sum arriving per (v, m)
+            if mtp:  # first rank: the cotangent of the MTP's embedding per microbatch, sent by the last rank
+                e_sd = jax.eval_shape(lambda o, t: embed_fn(o, t[:, 1:-1]), outer, tokens[0])
+                carry["e_ct"] = jnp.zeros((n_micro,) + e_sd.shape, e_sd.dtype)
 
         def tick(carry, rows):
             act_row, rf_row, rb_row = (jax.lax.dynamic_index_in_dim(r, s, 0, False) for r in rows)
@@ -143,17 +202,24 @@ def pipeline_grads(fns: StageFns, cfg: Config, layout: ax.Layout, params: dict[s
             c_idx = v * n_stages + s
             first, last = c_idx == 0, c_idx == n_stages * n_virtual - 1
             tok_m = jax.lax.dynamic_index_in_dim(tokens, m, 0, False)
-            key_m = jax.random.fold_in(skey, m)
+            key_m = jax.random.fold_in(skey, leaf0 + m)
             p_v = _tree_get(stages, v)
 
             def chunk_input():
                 return jax.lax.cond(first, lambda: embed_fn(outer, tok_m[:, :-1]), lambda: _get(carry["act"], v, m))
 
+            zero = jnp.zeros((), jnp.float32)
+            zeros_e = jnp.zeros(carry["e_ct"].shape[1:], carry["e_ct"].dtype) if canonical and mtp else None
+
+            def aux_in(c):  # canonical: the running aux sum of the layers before this chunk
+                return jnp.where(first, zero, _get(c["aux"], v, m)) if canonical else None
+
             def idle(c):
-                return c, zeros_h, zeros_h
+                return c, zeros_h, zeros_h, zero, zeros_e
 
             def fwd(c):
-                y, aux = chunk_fn(p_v, chunk_input(), key_m, c_idx)
+                y, aux = chunk_fn(p_v, chunk_input(), key_m, c_idx, aux_in(c))
+                e_out = zeros_e
 
                 def head(c):
                     _, vjp, terms = jax.vjp(lambda o, h: head_objective(o, h, tok_m, key_m), outer, y, has_aux=True)
@@ -163,26 +229,56 @@ def pipeline_grads(fns: StageFns, cfg: Config, layout: ax.Layout, params: dict[s
                     c["sums"] = c["sums"] + jnp.stack(terms)
                     return c
 
-                c = jax.lax.cond(last, head, lambda c: c, c)
-                c = dict(c, sums=c["sums"] + jnp.stack([0.0, 0.0, aux]))
-                return c, y, zeros_h
+                def canonical_head(c):
+                    e = embed_fn(outer, tok_m[:, 1:-1]) if mtp else None
+
+                    def objective(o, h, e):
+                        return head_objective(o, h, tok_m, key_m, e)
+
+                    _, vjp, (lm, mtp_sum, mtp_aux) = jax.vjp(objective, outer, y, e, has_aux=True)
+                    d_outer, dy, d_e = vjp(jnp.ones((), jnp.float32))
+                    terms = jnp.stack([lm, mtp_sum, aux + mtp_aux])  # one device: (main aux) + MTP aux
+                    d_outer, terms = jax.lax.optimization_barrier((d_outer, terms))
+                    c = dict(c, grad=_put(c["grad"], dy, v, m))
+                    c["g_outer"] = acc.push(c["g_outer"], d_outer, m)  # its embedding part is not used
+                    c["sums"] = acc.push(c["sums"], terms, m)
+                    return c, (d_e if mtp else zeros_e)
+
+                if canonical:
+                    c, e_out = jax.lax.cond(last, canonical_head, lambda c: (c, zeros_e), c)
+                else:
+                    c = jax.lax.cond(last, head, lambda c: c, c)
+                    c = dict(c, sums=c["sums"] + jnp.stack([0.0, 0.0, aux]))
+                return c, y, zeros_h, aux, e_out
 
             def bwd(c):
                 x = chunk_input()
                 dy = _get(c["grad"], v, m)
-                _, vjp = jax.vjp(lambda p, h: chunk_fn(p, h, key_m, c_idx), p_v, x)
+                a_in = aux_in(c)
+                _, vjp = jax.vjp(lambda p, h: chunk_fn(p, h, key_m, c_idx, a_in), p_v, x)
                 dp, dx = vjp((dy, jnp.asarray(aux_w, jnp.float32)))
-                c = dict(c, g_stages=_tree_add_at(c["g_stages"], dp, v))
+                if canonical:
+                    dp = jax.lax.optimization_barrier(dp)
+                    c = dict(c, g_stages=_acc_push_at(acc, c["g_stages"], dp, v, m))
+                else:
+                    c = dict(c, g_stages=_tree_add_at(c["g_stages"], dp, v))
 
                 def embed_grad(c):
                     _, evjp = jax.vjp(lambda o: embed_fn(o, tok_m[:, :-1]), outer)
                     (d_outer,) = evjp(dx)
-                    return dict(c, g_outer=jax.tree.map(jnp.add, c["g_outer"], d_outer))
+                    if not canonical:
+                        return dict(c, g_outer=jax.tree.map(jnp.add, c["g_outer"], d_outer))
+                    if mtp:  # the leaf's other use of the embedding (the MTP head's), added as one device adds it
+                        _, mvjp = jax.vjp(lambda o: embed_fn(o, tok_m[:, 1:-1]), outer)
+                        (d_mtp,) = mvjp(jax.lax.dynamic_index_in_dim(c["e_ct"], m, 0, False))
+                        d_outer = dict(d_outer, embed=jax.tree.map(jnp.add, d_mtp["embed"], d_outer["embed"]))
+                    d_outer = jax.lax.optimization_barrier(d_outer)
+                    return dict(c, g_outer=acc.push(c["g_outer"], d_outer, m))  # only its embedding part is used
 
                 c = jax.lax.cond(first, embed_grad, lambda c: c, c)
-                return c, zeros_h, dx
+                return c, zeros_h, dx, zero, zeros_e
 
-            carry, send_f, send_b = jax.lax.switch(kind, [idle, fwd, bwd], carry)
+            carry, send_f, send_b, send_aux, send_e = jax.lax.switch(kind, [idle, fwd, bwd], carry)
             ring_next = [(i, (i + 1) % n_stages) for i in range(n_stages)]
             ring_prev = [(i, (i - 1) % n_stages) for i in range(n_stages)]
             recv_f = jax.lax.ppermute(send_f, "pipeline", ring_next)
@@ -190,10 +286,28 @@ def pipeline_grads(fns: StageFns, cfg: Config, layout: ax.Layout, params: dict[s
             carry = dict(carry)
             carry["act"] = jnp.where(rf_row[0] == 1, _put(carry["act"], recv_f, rf_row[1], rf_row[2]), carry["act"])
             carry["grad"] = jnp.where(rb_row[0] == 1, _put(carry["grad"], recv_b, rb_row[1], rb_row[2]), carry["grad"])
+            if canonical:
+                recv_aux = jax.lax.ppermute(send_aux, "pipeline", ring_next)
+                put_aux = jax.lax.dynamic_update_slice(carry["aux"], recv_aux[None, None], (rf_row[1], rf_row[2]))
+                carry["aux"] = jnp.where(rf_row[0] == 1, put_aux, carry["aux"])
+            if canonical and mtp:  # the last rank's MTP embedding cotangent, to the first rank
+                recv_e = jax.lax.ppermute(send_e, "pipeline", [(n_stages - 1, 0)])
+                sender = rows[0][n_stages - 1]  # the last rank's action this tick: (kind, v, m)
+                sent = (sender[0] == 1) & (sender[1] * n_stages + n_stages - 1 == last_c) & (s == 0)
+                put_e = jax.lax.dynamic_update_index_in_dim(carry["e_ct"], recv_e, sender[2], 0)
+                carry["e_ct"] = jnp.where(sent, put_e, carry["e_ct"])
             return carry, None
 
         tables = tuple(jnp.asarray(a) for a in (sched.action, sched.recv_f, sched.recv_b))
         carry, _ = jax.lax.scan(tick, carry, tables)
+        if canonical:  # each sum from the rank that made it: the embedding's on the first, the rest on the last
+            g_outer = {
+                k: jax.tree.map(lambda x, r=(0 if k == "embed" else n_stages - 1): _from_rank(x, r, s), sub)
+                for k, sub in carry["g_outer"]["total"].items()
+            }
+            sums = _from_rank(carry["sums"]["total"], n_stages - 1, s)
+            g_stages = jax.tree.map(lambda x: x[:, None], carry["g_stages"]["total"])
+            return jax.tree.map(lambda x: x[None], (g_outer, g_stages, sums))  # a leading axis of batch shards
         # Partial gradients of the replicated parameters and the loss sums: one sum over the pipeline ranks.
         g_outer = jax.lax.psum(carry["g_outer"], "pipeline")
         sums = jax.lax.psum(carry["sums"], "pipeline")
@@ -202,14 +316,26 @@ def pipeline_grads(fns: StageFns, cfg: Config, layout: ax.Layout, params: dict[s
 
     stage_spec = jax.tree.map(lambda _: P(None, "pipeline"), params["stages"])
     outer_spec = jax.tree.map(lambda _: P(), outer0)
+    if canonical:  # per batch shard (k), summed below by the top of the pair tree
+        k = batch_axes or None
+        out_specs = (
+            jax.tree.map(lambda _: P(k), outer0),
+            jax.tree.map(lambda _: P(k, None, "pipeline"), params["stages"]),
+            P(k),
+        )
+        tok_spec = P(k)
+    else:
+        out_specs, tok_spec = (outer_spec, stage_spec, P()), P()
     fn = jax.shard_map(
         body,
         mesh=layout.mesh,
-        in_specs=(outer_spec, stage_spec, P(), P()),
-        out_specs=(outer_spec, stage_spec, P()),
-        axis_names=frozenset({"pipeline"}),
+        in_specs=(outer_spec, stage_spec, tok_spec, P()),
+        out_specs=out_specs,
+        axis_names=frozenset({"pipeline", *batch_axes}),
         check_vma=False,
     )
     g_outer, g_stages, sums = fn(outer0, params["stages"], micro_tokens, step_key)
+    if canonical:
+        g_outer, g_stages, sums = canon.tree_pair_sum((g_outer, g_stages, sums))
     grads = dict(g_outer, stages=g_stages)
     return grads, (sums[0], sums[1], sums[2])
