@@ -23,8 +23,9 @@ session 14) -- the per-leaf reductions (about 590 of them) were bound by their c
 the large leaves alone instead (ALONE_BYTES) was slower again (session 19: 5.6 against 3.2 ms in the step), so
 every leaf may be stacked. In the step three fusions of 0.5-0.65 ms make about half of the 3.2 ms while every other
 digest fusion takes under 0.1 ms per call; with the parameters' non-finite count moved out of the digest (a
-reduction of its own) they stayed, two of them then named as concatenate-reduce fusions (session 19). So XLA
-fusing the stack's concatenation into the reduction is the suspect; STACK_BARRIER tests that (not yet timed).
+reduction of its own) they stayed, two of them then named as concatenate-reduce fusions (session 19). Writing
+each stack out before its reduction (an optimization barrier) was slower still: 8.7 against 4.5 ms alone, 6.8
+against 3.2 ms in the step (session 20), so XLA's fused concatenate-reduce is the cheaper form.
 """
 
 from __future__ import annotations
@@ -139,10 +140,6 @@ GROUP_BYTES = 256 << 20
 # Leaves of at least this many bytes are digested alone, never stacked (None: every leaf may be stacked).
 # Stacking saves a reduction per leaf but may copy the leaf; scripts/digest_bench.py --alone-bytes times both.
 ALONE_BYTES: int | None = None
-# True: each stacked group is written out whole (behind an optimization barrier) before its reduction reads it,
-# so XLA cannot fuse the stack's concatenation into the reduction; False: XLA decides. The same digests either
-# way; scripts/digest_bench.py --stack-barrier times it.
-STACK_BARRIER = False
 
 
 def _bounded(groups: Any, leaves: list) -> list[list[int]]:
@@ -170,7 +167,6 @@ def tree_digest_and_finite(
     grouped: bool = True,
     version: int = DIGEST_VERSION,
     alone_bytes: int | None = -1,
-    stack_barrier: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(tree_digest, bool[leaves]: each leaf has no inf/NaN), from one pass over each leaf (the non-finite
     guard rides on the digest's reads).
@@ -178,11 +174,9 @@ def tree_digest_and_finite(
     `grouped`: leaves of one role in different layers (the same path once layer numbers are dropped, the same
     shape and dtype) are stacked and digested by one vmapped reduction instead of one reduction per leaf — a
     few dozen reductions for a tree of hundreds of leaves. Integer sums: the same bits either way (tested).
-    `alone_bytes`: leaves of at least this many bytes are not stacked (-1: the module's ALONE_BYTES).
-    `stack_barrier`: write each stacked group out before reducing it (None: the module's STACK_BARRIER)."""
+    `alone_bytes`: leaves of at least this many bytes are not stacked (-1: the module's ALONE_BYTES)."""
     if alone_bytes == -1:
         alone_bytes = ALONE_BYTES
-    barrier = STACK_BARRIER if stack_barrier is None else stack_barrier
 
     def lane_sums(x):
         return _lane_sums(x, count_nonfinite, version)
@@ -203,8 +197,6 @@ def tree_digest_and_finite(
             sums[idx[0]] = lane_sums(leaves[idx[0]][1])
             continue
         stacked = jnp.stack([leaves[i][1] for i in idx])
-        if barrier:
-            stacked = jax.lax.optimization_barrier(stacked)
         h1, h2, bad = jax.vmap(lane_sums)(stacked)
         for n, i in enumerate(idx):
             sums[i] = (h1[n], h2[n], bad[n])

@@ -1,15 +1,14 @@
 """Device time of the per-step fingerprint digests of a config's state, per digest version.
 
     python scripts/digest_bench.py --config configs/gpu_dense.yaml [--versions 1,2] [--per-leaf]
-        [--alone-bytes 1M,4M] [--stack-barrier] [--reps 20]
+        [--alone-bytes 1M,4M] [--reps 20]
 
 The digests a step computes (detjax.step: the parameters with the non-finite count, the gradients and the
 optimizer state) over random bits shaped like the config's state, jitted, each version timed alone: the
 median of --reps synced calls after two warm-up calls. Reported in ms, with the bytes read. --per-leaf adds
 each version with one reduction per leaf (`grouped=False`: the same bits) beside the stacked groups the step
 uses; --alone-bytes adds, per size, the stacked groups with every leaf of at least that size digested alone
-(fingerprint.ALONE_BYTES: a stacked group may copy its leaves); --stack-barrier adds the stacked groups written
-out whole before their reductions (fingerprint.STACK_BARRIER).
+(fingerprint.ALONE_BYTES: a stacked group may copy its leaves).
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--per-leaf", action="store_true", help="also time one reduction per leaf")
     ap.add_argument("--alone-bytes", default="", help="comma list of sizes (bytes, or with K/M suffix)")
-    ap.add_argument("--stack-barrier", action="store_true", help="also time the stacks written out first")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
 
@@ -55,16 +53,15 @@ def main() -> int:
     nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     shift = {"K": 10, "M": 20}
     sizes = [int(x[:-1]) << shift[x[-1]] if x[-1] in shift else int(x) for x in a.alone_bytes.split(",") if x]
-    layouts = [(True, None, False)] + [(False, None, False)] * a.per_leaf + [(True, n, False) for n in sizes]
-    layouts += [(True, None, True)] * a.stack_barrier
+    layouts = [(True, None)] + [(False, None)] * a.per_leaf + [(True, n) for n in sizes]
     variants = [(int(v), *layout) for v in a.versions.split(",") for layout in layouts]
-    for version, grouped, alone, barrier in variants:
+    for version, grouped, alone in variants:
 
         @jax.jit
-        def digests(state, version=version, grouped=grouped, alone=alone, barrier=barrier):
-            p, finite = fp.tree_digest_and_finite(state["params"], True, grouped, version, alone, barrier)
-            g = fp.tree_digest_and_finite(state["grads"], False, grouped, version, alone, barrier)[0]
-            o = fp.tree_digest_and_finite(state["opt_state"], False, grouped, version, alone, barrier)[0]
+        def digests(state, version=version, grouped=grouped, alone=alone):
+            p, finite = fp.tree_digest_and_finite(state["params"], True, grouped, version, alone)
+            g = fp.tree_digest_and_finite(state["grads"], False, grouped, version, alone)[0]
+            o = fp.tree_digest_and_finite(state["opt_state"], False, grouped, version, alone)[0]
             return p, finite, g, o
 
         for _ in range(2):
@@ -75,7 +72,6 @@ def main() -> int:
             jax.block_until_ready(digests(state))
             times.append((time.perf_counter() - t0) * 1e3)
         how = ("grouped" if alone is None else f"grouped, leaves >= {alone} bytes alone") if grouped else "per leaf"
-        how += ", stacks written out first" if barrier else ""
         print(
             f"digest version {version}, {how}: median {statistics.median(times):.3f} ms "
             f"(min {min(times):.3f}) over {nbytes / 2**30:.2f} GiB, {jax.devices()[0].device_kind}"

@@ -148,11 +148,6 @@ def main() -> int:
         default=None,
         help="digest leaves of at least this many bytes alone, unstacked (detjax.fingerprint.ALONE_BYTES)",
     )
-    ap.add_argument(
-        "--digest-stack-barrier",
-        action="store_true",
-        help="write each digest's stacked group out before reducing it (detjax.fingerprint.STACK_BARRIER)",
-    )
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
 
@@ -182,7 +177,6 @@ def main() -> int:
 
     if a.digest_alone_bytes is not None:
         fingerprint.ALONE_BYTES = a.digest_alone_bytes
-    fingerprint.STACK_BARRIER = a.digest_stack_barrier
     ds = make_dataset(cfg)
     if a.plain:
         sys.path.insert(0, str(here / "scripts"))
