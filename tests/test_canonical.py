@@ -180,17 +180,20 @@ def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
     assert not _same(mb8, mb2), "negative control: default numerics should change with the microbatch size"
 
 
-def test_pipeline_is_byte_equal_to_one_device():
-    """Canonical through the pipeline, hybrid M*E-M*E- with MTP and dropout: pp2 x data 4 (1F1B, each data
-    shard pipelining its own 4 leaves; the MTP head's embedding gradient sent back to the first stage, the aux
-    sum carried with the activations) gives the one-device run's two steps byte for byte, digests included.
-    Negative control: the default-numerics pipeline (a running sum over microbatches, psums over the ranks)
-    differs from it."""
-    hybrid = ("model.pattern='M*E-M*E-'",)
+@pytest.mark.parametrize(
+    "pattern",
+    ["E-E-", pytest.param("M*E-M*E-", marks=pytest.mark.extended)],  # the hybrid: ~3 min on 2 cores
+)
+def test_pipeline_is_byte_equal_to_one_device(pattern):
+    """Canonical through the pipeline, with MTP and dropout: pp2 x data 4 (1F1B, each data shard pipelining its
+    own 4 leaves; the MTP head's embedding gradient sent back to the first stage, the MoE aux sum carried with
+    the activations) gives the one-device run's two steps byte for byte, digests included. Negative control:
+    the default-numerics pipeline (a running sum over microbatches, psums over the ranks) differs from it."""
+    model = (f"model.pattern='{pattern}'",)
     canon = ["determinism.numerics=canonical"]
-    ref = _one_step([*canon, "mesh.devices=1"], hybrid, steps=2)
-    _assert_step_equal(_one_step([*canon, "mesh.pipeline=2", "train.micro_batch=1"], hybrid, steps=2), ref, "pp2")
-    default_pp = _one_step(["mesh.pipeline=2", "mesh.data=1", "mesh.devices=2"], hybrid, steps=2)
+    ref = _one_step([*canon, "mesh.devices=1"], model, steps=2)
+    _assert_step_equal(_one_step([*canon, "mesh.pipeline=2", "train.micro_batch=1"], model, steps=2), ref, "pp2")
+    default_pp = _one_step(["mesh.pipeline=2", "mesh.data=1", "mesh.devices=2"], model, steps=2)
     assert not _same(default_pp[0], ref[0]), "negative control: the default pipeline should differ"
 
 
@@ -331,6 +334,38 @@ def test_resume_on_another_mesh_continues_the_trajectory(tmp_path):
     train(load_config(MESH_CFG, base + ["mesh.data=8", "run.stop_after=1"]), tmp_path / "default")
     with pytest.raises(CheckpointError):
         train(load_config(MESH_CFG, base + ["mesh.fsdp=8", "mesh.data=1"]), tmp_path / "default", resume=True)
+
+
+@pytest.mark.extended  # ~2 min on 2 cores
+def test_resume_onto_a_pipeline_continues_the_trajectory(tmp_path):
+    """Canonical, MoE + MLP with MTP: train on dp8, stop after step 1, resume on pp2 x expert 2 x data 2 (one
+    leaf per microbatch; the state's one-device layout resharded, the stage copy stacked inside the step) and
+    continue: fingerprints and final parameters byte-equal to the uninterrupted dp8 run. Negative control: the
+    same resume with one restored parameter element nudged by one ulp gives other fingerprints."""
+    import shutil
+
+    from detjax.train import train
+
+    base = ["model.pattern='E-E-'", "train.steps=3", "ckpt.every=1", "run.save_final_params=true"]
+    canon = base + ["determinism.numerics=canonical"]
+    ref = train(load_config(MESH_CFG, canon + ["mesh.data=8"]), tmp_path / "ref")
+    train(load_config(MESH_CFG, canon + ["mesh.data=8", "run.stop_after=1"]), tmp_path / "moved")
+    shutil.copytree(tmp_path / "moved", tmp_path / "nudged")
+    pp = ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2", "train.micro_batch=1"]
+    got = train(load_config(MESH_CFG, canon + pp), tmp_path / "moved", resume=True)
+    want = (ref.run_dir / "fingerprints.jsonl").read_bytes()
+    assert (got.run_dir / "fingerprints.jsonl").read_bytes() == want
+    a, b = np.load(ref.run_dir / "final_params.npz"), np.load(got.run_dir / "final_params.npz")
+    for k in a:
+        np.testing.assert_array_equal(a[k].view(np.uint32), b[k].view(np.uint32), err_msg=k)
+
+    def nudge(state, batches):
+        leaves, tree = jax.tree.flatten(state.params)
+        leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(jnp.nextafter(leaves[0].ravel()[0], jnp.inf))
+        return state.replace(params=jax.tree.unflatten(tree, leaves)), batches
+
+    nudged = train(load_config(MESH_CFG, canon + pp), tmp_path / "nudged", resume=True, after_restore=nudge)
+    assert (nudged.run_dir / "fingerprints.jsonl").read_bytes() != want, "negative control: one ulp should show"
 
 
 def test_pinned_adamw_is_optax_adamw_with_rounded_products():
