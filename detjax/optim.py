@@ -27,14 +27,15 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def clip_by_canonical_norm(max_norm: float) -> optax.GradientTransformation:
+def clip_by_canonical_norm(max_norm: float, keys: list | None = None) -> optax.GradientTransformation:
     """optax.clip_by_global_norm with the norm of canonical numerics: each leaf's square sum and the sum
     over leaves are fixed pair trees (detjax.sharding.canonical), so the clip factor has the same bits
-    however the gradients are sharded. The same rule as optax: scale by max_norm / norm when norm >= max_norm."""
+    however the gradients are sharded. The same rule as optax: scale by max_norm / norm when norm >= max_norm.
+    keys: canonical.stack_groups' per-leaf keys (small leaves' square sums stacked), or None."""
 
     def update_fn(updates, state, params=None):
         del params
-        g_norm = canonical.global_norm(updates)
+        g_norm = canonical.global_norm(updates, canonical.square_sums(updates, keys))
         keep = g_norm < max_norm
         return jax.tree.map(lambda u: jax.lax.select(keep, u, (u / g_norm.astype(u.dtype)) * max_norm), updates), state
 
@@ -50,33 +51,48 @@ def _apart(x: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(x)
 
 
-def pinned_adamw(t: TrainConfig) -> optax.GradientTransformation:
+def pinned_adamw(t: TrainConfig, keys: list | None = None) -> optax.GradientTransformation:
     """optax.adamw (same math, same state pytree, so checkpoints are interchangeable) with every product that
     feeds an add passed through an optimization barrier, including the final step -lr * u that
     optax.apply_updates adds to the parameters. XLA contracts a multiply and an add into one FMA when they
     land in one fusion, and which ones do depends on the whole program: measured on CPU, the one-device and
     the dp8 programs of the same canonical step had equal gradients at step 1 but other AdamW updates. An
-    elementwise rule with rounded products is one rounding sequence in every program."""
+    elementwise rule with rounded products is one rounding sequence in every program. keys:
+    canonical.stack_groups' per-leaf keys (small leaves of one shape and sharding computed stacked, the same
+    bits in fewer kernels), or None (every leaf alone)."""
     schedule = lr_schedule(t)
     b1, b2, eps, wd = t.b1, t.b2, t.eps, t.weight_decay
 
     def update_fn(grads, state, params):
         adam, masked, sched = state
         count = optax.safe_increment(adam.count)
-        mu = jax.tree.map(lambda g, m: _apart((1 - b1) * g) + _apart(b1 * m), grads, adam.mu)
-        nu = jax.tree.map(lambda g, v: _apart((1 - b2) * (g * g)) + _apart(b2 * v), grads, adam.nu)
         c1 = (1 - jnp.asarray(b1, jnp.float32) ** count).astype(jnp.float32)
         c2 = (1 - jnp.asarray(b2, jnp.float32) ** count).astype(jnp.float32)
         step_size = -schedule(sched.count)
-        decay = _decay_mask(params)
+        decay = jax.tree.leaves(_decay_mask(params))
 
-        def one(m, v, p, d):
-            u = (m / c1.astype(m.dtype)) / (jnp.sqrt(v / c2.astype(v.dtype)) + eps)
+        def leaf(g, m, v, p, d):
+            mu = _apart((1 - b1) * g) + _apart(b1 * m)
+            nu = _apart((1 - b2) * (g * g)) + _apart(b2 * v)
+            u = (mu / c1.astype(mu.dtype)) / (jnp.sqrt(nu / c2.astype(nu.dtype)) + eps)
             if d:
                 u = u + _apart(wd * p)
-            return _apart(u * step_size)
+            return mu, nu, _apart(u * step_size)
 
-        updates = jax.tree.map(one, mu, nu, params, decay)
+        # small leaves of one shape and sharding stacked (canonical.stacked_map: elementwise, the same bits); a
+        # shape decides the decay flag, so a stack shares it
+        tree = jax.tree.structure(grads)
+        g_l, m_l, v_l, p_l = (tree.flatten_up_to(x) for x in (grads, adam.mu, adam.nu, params))
+        out = [None] * len(g_l)
+        for idx in canonical.stack_groups(g_l, keys):
+            sub = canonical.stacked_map(
+                lambda g, m, v, p, d=decay[idx[0]]: leaf(g, m, v, p, d),
+                [list(range(len(idx)))],
+                *([x[i] for i in idx] for x in (g_l, m_l, v_l, p_l)),
+            )
+            for i, r in zip(idx, sub, strict=True):
+                out[i] = r
+        mu, nu, updates = (jax.tree.unflatten(tree, [r[k] for r in out]) for k in range(3))
         new_state = (
             adam._replace(count=count, mu=mu, nu=nu),
             masked,
@@ -87,7 +103,11 @@ def pinned_adamw(t: TrainConfig) -> optax.GradientTransformation:
     return optax.GradientTransformation(_adamw(t).init, update_fn)
 
 
-def make_optimizer(t: TrainConfig, canonical_numerics: bool = False) -> optax.GradientTransformation:
+def make_optimizer(
+    t: TrainConfig, canonical_numerics: bool = False, keys: list | None = None
+) -> optax.GradientTransformation:
+    """keys (canonical numerics): one hashable per parameter leaf, equal only for leaves sharded alike (the
+    logical partition specs): small leaves that share one are updated stacked (canonical.stack_groups)."""
     if canonical_numerics:
-        return optax.chain(clip_by_canonical_norm(t.clip_norm), pinned_adamw(t))
+        return optax.chain(clip_by_canonical_norm(t.clip_norm, keys), pinned_adamw(t, keys))
     return optax.chain(optax.clip_by_global_norm(t.clip_norm), _adamw(t))

@@ -101,7 +101,16 @@ class Trainer:
                 "config key 'model.fp8.enabled' = True: on the GPU, strict mode runs the fp8 products only through "
                 "detjax's fixed-tile matmul (XLA's fp8 GEMMs are picked by autotuning). Fix: set model.kernels=pallas"
             )
-        self.tx = make_optimizer(cfg.train, self.canonical)
+        # canonical numerics stack small parameter leaves of one shape and logical sharding in the optimizer
+        self.leaf_keys = (
+            [
+                str(s)
+                for s in jax.tree.leaves(self.param_logical_specs(), is_leaf=lambda x: x is None or isinstance(x, P))
+            ]
+            if self.canonical
+            else None
+        )
+        self.tx = make_optimizer(cfg.train, self.canonical, self.leaf_keys)
         self.schedule = lr_schedule(cfg.train)
         self.objective = Objective.from_config(cfg)
 
@@ -430,7 +439,7 @@ class Trainer:
     def metrics(self, state: TrainState, new_state: TrainState, grads: Any, losses: dict, batch, step_key) -> dict:
         with jax.named_scope("metrics"):
             if self.canonical:
-                squares = canonical.square_sums(grads)
+                squares = canonical.square_sums(grads, self.leaf_keys)
                 norm = canonical.global_norm(grads, squares)
             else:
                 squares = leaf_square_sums(grads)

@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -392,6 +393,41 @@ def test_pinned_adamw_is_optax_adamw_with_rounded_products():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     assert "optimization_barrier" in jax.jit(pin.update).lower(g, sp, pp).as_text()
     assert "optimization_barrier" not in jax.jit(ref.update).lower(g, sr, pr).as_text()  # control
+
+
+def test_stacked_optimizer_and_square_sums_give_the_per_leaf_bits():
+    """The canonical optimizer and square sums stack small leaves of one shape and key (the logical sharding;
+    canonical.STACK_BYTES): the same bits as one leaf at a time, for leaves that stack and leaves that do not.
+    Leaves with other keys never share a stack. Negative control: another learning rate gives other bits."""
+    from detjax.config import TrainConfig
+    from detjax.optim import clip_by_canonical_norm, pinned_adamw
+
+    keys = iter(jax.random.split(jax.random.key(3), 32))
+    shapes = [(8,), (8,), (4, 6), (8,), (4, 6), (96, 64), (3,), (8,)]  # (96, 64): 24 KiB
+    specs = ["a", "a", "a", "a", "a", "a", "a", "b"]  # the last (8,) is sharded otherwise
+    params = {f"p{i}": jax.random.normal(next(keys), s) for i, s in enumerate(shapes)}
+    grads = [{k: jax.random.normal(next(keys), v.shape) * 1e-2 for k, v in params.items()} for _ in range(3)]
+    leaves = jax.tree.leaves(params)
+    assert [len(g) for g in canonical.stack_groups(leaves, specs, 1024)] == [3, 2, 1, 1, 1]
+    assert all(len(g) == 1 for g in canonical.stack_groups(leaves, None, 1 << 20))
+
+    def run(keys, limit=1 << 20, lr=1e-2):
+        old = canonical.STACK_BYTES
+        canonical.STACK_BYTES = limit
+        try:
+            t = TrainConfig(steps=10, warmup_steps=1, lr=lr, weight_decay=0.1, clip_norm=0.05)
+            tx = optax.chain(clip_by_canonical_norm(t.clip_norm, keys), pinned_adamw(t, keys))
+            p, st = params, tx.init(params)
+            for g in grads:
+                u, st = jax.jit(tx.update)(g, st, p)
+                p = jax.tree.map(jnp.add, p, u)
+            return p, st, jax.jit(lambda g: canonical.square_sums(g, keys))(grads[0])
+        finally:
+            canonical.STACK_BYTES = old
+
+    alone = run(None)
+    assert _same(run(specs, 1024), alone) and _same(run(specs), alone)
+    assert not _same(run(specs, lr=2e-2)[0], alone[0]), "negative control: another step size, other bits"
 
 
 @pytest.mark.slow

@@ -61,13 +61,60 @@ def tree_pair_sum(tree: Any, axis: int = 0) -> Any:
     return jax.tree.map(lambda x: pair_sum(x, axis), tree)
 
 
-def square_sums(tree: Any) -> list[jax.Array]:
+# Leaves of at most this many bytes that share a shape, a dtype and a key (the parameter's logical sharding) are
+# computed stacked, as one array, by the elementwise canonical code (square_sums here, optim.pinned_adamw): the
+# same adds and roundings per element, so the same bits, in fewer and larger kernels. None: every leaf alone.
+STACK_BYTES: int | None = 256 << 10
+
+
+def stack_groups(leaves: list[jax.Array], keys: list[Any] | None, stack_bytes: int | None = -1) -> list[list[int]]:
+    """Indices of `leaves` in groups that may be stacked, in order of first appearance: leaves of <= stack_bytes
+    (-1: STACK_BYTES) with one shape, dtype and key together; every other leaf alone. keys: one hashable per
+    leaf that must match for leaves to stack -- the logical partition spec, so that no stack mixes shardings
+    (a stacked result has one sharding, and XLA would move the others' shards); None: no stacking."""
+    limit = STACK_BYTES if stack_bytes == -1 else stack_bytes
+    if keys is not None and len(keys) != len(leaves):
+        raise ValueError(f"stack_groups: {len(keys)} keys for {len(leaves)} leaves")
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        small = keys is not None and limit is not None and x.size * jnp.dtype(x.dtype).itemsize <= limit
+        groups.setdefault((tuple(x.shape), str(x.dtype), keys[i]) if small else ("alone", i), []).append(i)
+    return list(groups.values())
+
+
+def stacked_map(fn: Any, groups: list[list[int]], *leaf_lists: list[jax.Array]) -> list[tuple]:
+    """[fn(a_i, b_i, ...) for each leaf i] for an elementwise fn returning a tuple of arrays, with the leaves of
+    each group (stack_groups) stacked along a new leading axis and computed as one call (the same bits)."""
+    out: list[Any] = [None] * len(leaf_lists[0])
+    for idx in groups:
+        if len(idx) == 1:
+            out[idx[0]] = fn(*(lst[idx[0]] for lst in leaf_lists))
+            continue
+        res = fn(*(jnp.stack([lst[i] for i in idx]) for lst in leaf_lists))
+        for n, i in enumerate(idx):
+            out[i] = tuple(r[n] for r in res)
+    return out
+
+
+def square_sums(tree: Any, keys: list[Any] | None = None) -> list[jax.Array]:
     """Each leaf's sum of squares in float32 by full_sum: the same bits however the leaf is sharded. The
     squares pass an optimization barrier first: fused with the first adds, x*x + y*y may be contracted to
     one FMA (one rounding instead of two) in some fusions and not in others, and where a fusion ends
-    depends on the sharding (measured on CPU: fsdp 2 x data 4 changed the last bit of the grad norm)."""
-    squares = jax.lax.optimization_barrier([jnp.square(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(tree)])
-    return [full_sum(sq) for sq in squares]
+    depends on the sharding (measured on CPU: fsdp 2 x data 4 changed the last bit of the grad norm).
+    With `keys` (stack_groups) small leaves are summed stacked (vmapped full_sum: each leaf's own tree)."""
+
+    leaves = jax.tree.leaves(tree)
+    out: list[Any] = [None] * len(leaves)
+    for idx in stack_groups(leaves, keys):
+        x = leaves[idx[0]] if len(idx) == 1 else jnp.stack([leaves[i] for i in idx])
+        sq = jax.lax.optimization_barrier(jnp.square(x.astype(jnp.float32)))
+        if len(idx) == 1:
+            out[idx[0]] = full_sum(sq)
+            continue
+        sums = jax.vmap(full_sum)(sq)
+        for n, i in enumerate(idx):
+            out[i] = sums[n]
+    return out
 
 
 def global_norm(tree: Any, squares: list[jax.Array] | None = None) -> jax.Array:
