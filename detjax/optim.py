@@ -79,18 +79,14 @@ def pinned_adamw(t: TrainConfig, keys: list | None = None) -> optax.GradientTran
                 u = u + _apart(wd * p)
             return mu, nu, _apart(u * step_size)
 
-        # small leaves of one shape and sharding stacked (canonical.stacked_map: elementwise, the same bits); a
+        # small leaves of one shape and sharding stacked (canonical.stacked / unstacked: elementwise, the same bits); a
         # shape decides the decay flag, so a stack shares it
         tree = jax.tree.structure(grads)
         g_l, m_l, v_l, p_l = (tree.flatten_up_to(x) for x in (grads, adam.mu, adam.nu, params))
         out = [None] * len(g_l)
         for idx in canonical.stack_groups(g_l, keys):
-            sub = canonical.stacked_map(
-                lambda g, m, v, p, d=decay[idx[0]]: leaf(g, m, v, p, d),
-                [list(range(len(idx)))],
-                *([x[i] for i in idx] for x in (g_l, m_l, v_l, p_l)),
-            )
-            for i, r in zip(idx, sub, strict=True):
+            res = leaf(*(canonical.stacked(idx, x) for x in (g_l, m_l, v_l, p_l)), decay[idx[0]])
+            for i, r in zip(idx, zip(*(canonical.unstacked(idx, x) for x in res), strict=True), strict=True):
                 out[i] = r
         mu, nu, updates = (jax.tree.unflatten(tree, [r[k] for r in out]) for k in range(3))
         new_state = (

@@ -82,18 +82,15 @@ def stack_groups(leaves: list[jax.Array], keys: list[Any] | None, stack_bytes: i
     return list(groups.values())
 
 
-def stacked_map(fn: Any, groups: list[list[int]], *leaf_lists: list[jax.Array]) -> list[tuple]:
-    """[fn(a_i, b_i, ...) for each leaf i] for an elementwise fn returning a tuple of arrays, with the leaves of
-    each group (stack_groups) stacked along a new leading axis and computed as one call (the same bits)."""
-    out: list[Any] = [None] * len(leaf_lists[0])
-    for idx in groups:
-        if len(idx) == 1:
-            out[idx[0]] = fn(*(lst[idx[0]] for lst in leaf_lists))
-            continue
-        res = fn(*(jnp.stack([lst[i] for i in idx]) for lst in leaf_lists))
-        for n, i in enumerate(idx):
-            out[i] = tuple(r[n] for r in res)
-    return out
+def stacked(idx: list[int], leaves: list[jax.Array]) -> jax.Array:
+    """The leaves of one stack_groups group as one array: the leaf itself, or the leaves stacked on a new
+    leading axis."""
+    return leaves[idx[0]] if len(idx) == 1 else jnp.stack([leaves[i] for i in idx])
+
+
+def unstacked(idx: list[int], x: jax.Array) -> list[jax.Array]:
+    """stacked's inverse: one array per leaf of the group."""
+    return [x] if len(idx) == 1 else [x[n] for n in range(len(idx))]
 
 
 def square_sums(tree: Any, keys: list[Any] | None = None) -> list[jax.Array]:
@@ -106,14 +103,10 @@ def square_sums(tree: Any, keys: list[Any] | None = None) -> list[jax.Array]:
     leaves = jax.tree.leaves(tree)
     out: list[Any] = [None] * len(leaves)
     for idx in stack_groups(leaves, keys):
-        x = leaves[idx[0]] if len(idx) == 1 else jnp.stack([leaves[i] for i in idx])
-        sq = jax.lax.optimization_barrier(jnp.square(x.astype(jnp.float32)))
-        if len(idx) == 1:
-            out[idx[0]] = full_sum(sq)
-            continue
-        sums = jax.vmap(full_sum)(sq)
-        for n, i in enumerate(idx):
-            out[i] = sums[n]
+        sq = jax.lax.optimization_barrier(jnp.square(stacked(idx, leaves).astype(jnp.float32)))
+        sums = full_sum(sq) if len(idx) == 1 else jax.vmap(full_sum)(sq)
+        for i, x in zip(idx, unstacked(idx, sums), strict=True):
+            out[i] = x
     return out
 
 

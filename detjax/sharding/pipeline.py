@@ -200,7 +200,7 @@ def pipeline_grads(
             act_row, rf_row, rb_row = (jax.lax.dynamic_index_in_dim(r, s, 0, False) for r in rows)
             kind, v, m = act_row[0], act_row[1], act_row[2]
             c_idx = v * n_stages + s
-            first, last = c_idx == 0, c_idx == n_stages * n_virtual - 1
+            first, last = c_idx == 0, c_idx == last_c
             tok_m = jax.lax.dynamic_index_in_dim(tokens, m, 0, False)
             key_m = jax.random.fold_in(skey, leaf0 + m)
             p_v = _tree_get(stages, v)
