@@ -312,7 +312,7 @@ class DeterminismConfig:
     # optimizer state and splits the batch like fsdp: each device runs every expert on its own leaves (no
     # all-to-all token dispatch). Under pipeline parallelism each microbatch is one leaf (train.micro_batch
     # must equal canonical_leaf), each batch shard pipelines its own block of leaves, and the state keeps the
-    # one-device layout. Tensor parallelism is refused under it.
+    # one-device layout. Tensor parallelism needs max_tensor below.
     numerics: Literal["default", "canonical"] = "default"
     # Canonical numerics: sequences per leaf of the gradient tree (a power of two dividing train.global_batch).
     # A leaf is one batch-`canonical_leaf` program (its tokens reduced inside the kernels, its aux loss one
@@ -320,12 +320,25 @@ class DeterminismConfig:
     # global_batch / canonical_leaf. 1 = one sequence per leaf (least memory, most mesh freedom); larger
     # leaves run bigger products (faster on a GPU).
     canonical_leaf: int = 1
+    # Canonical numerics: the largest tensor degree the run may use (a power of two). With max_tensor = M > 1
+    # every dimension tensor parallelism splits (heads, MLP and expert widths, vocabulary) is cut into M fixed
+    # chunks and every sum over it is the chunk tree of detjax.sharding.tensor, on one device as on M, so
+    # mesh.tensor may be any divisor of M. Part of the trajectory (M = 1, the default, runs no chunks and
+    # refuses tensor parallelism; a larger M costs more, smaller products).
+    max_tensor: int = 1
 
     @property
     def canonical(self) -> bool:
         return self.mode == "strict" and self.numerics == "canonical"
 
     def validate(self) -> None:
+        if self.max_tensor != 1 and self.numerics != "canonical":
+            _fail(
+                "determinism.max_tensor",
+                self.max_tensor,
+                "applies only under determinism.numerics=canonical",
+                "remove it, or set determinism.numerics=canonical",
+            )
         if self.canonical_leaf != 1 and self.numerics != "canonical":
             _fail(
                 "determinism.canonical_leaf",
@@ -631,16 +644,9 @@ def canonical_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
         return []
     if d.mode != "strict":
         return [("determinism.numerics", "canonical", "needs determinism.mode=strict", "set determinism.mode=strict")]
-    if mesh.tensor > 1:
-        return [
-            (
-                "mesh.tensor",
-                mesh.tensor,
-                "tensor parallelism has no canonical (mesh-invariant) path yet",
-                "set mesh.tensor=1 (data, fsdp, expert and pipeline parallelism are canonical), or "
-                "determinism.numerics=default",
-            )
-        ]
+    tensor_problems = canonical_tensor_problems(cfg)
+    if tensor_problems:
+        return tensor_problems
     if mesh.pipeline > 1 and t.micro_batch != d.canonical_leaf:
         return [
             (
@@ -681,6 +687,76 @@ def canonical_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
                 "use 1, 2, 4, ... up to train.global_batch",
             )
         ]
+    return []
+
+
+def canonical_tensor_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
+    """Canonical tensor parallelism's rules (determinism.max_tensor and the chunked dimensions)."""
+    d, mesh, m = cfg.determinism, cfg.mesh, cfg.model
+    big = d.max_tensor
+    if big < 1 or big & (big - 1):
+        return [("determinism.max_tensor", big, "must be a power of two", "use 1, 2, 4 or 8")]
+    if mesh.tensor > 1 and (mesh.tensor & (mesh.tensor - 1) or big % mesh.tensor):
+        return [
+            (
+                "mesh.tensor",
+                mesh.tensor,
+                f"canonical numerics split each tensor-parallel dimension into determinism.max_tensor = {big} "
+                "fixed chunks, and a device must hold a whole number of them",
+                f"set determinism.max_tensor={max(mesh.tensor, 2)} or larger (a power of two; part of the "
+                "trajectory), or use a mesh.tensor that divides it",
+            )
+        ]
+    if mesh.tensor > 1 and mesh.sequence_parallel:
+        return [
+            (
+                "mesh.sequence_parallel",
+                True,
+                "sequence parallelism has no canonical path yet (canonical tensor parallelism keeps the residual "
+                "stream whole on every tensor device)",
+                "set mesh.sequence_parallel=false",
+            )
+        ]
+    if big == 1:
+        return []
+    not_built = []
+    if mesh.pipeline > 1:
+        not_built.append(("mesh.pipeline", mesh.pipeline, "pipeline stages", "set mesh.pipeline=1"))
+    if m.kernels == "pallas" or m.moe.experts_impl == "pallas":
+        key = "model.kernels" if m.kernels == "pallas" else "model.moe.experts_impl"
+        not_built.append((key, "pallas", "the Pallas kernels", "set model.kernels=reference"))
+    if m.fp8.enabled:
+        not_built.append(("model.fp8.enabled", True, "fp8 projections", "set model.fp8.enabled=false"))
+    if not_built:
+        key, value, what, fix = not_built[0]
+        return [
+            (
+                key,
+                value,
+                f"canonical tensor chunks (determinism.max_tensor = {big}) are not built for {what} yet",
+                f"{fix}, or determinism.max_tensor=1 with mesh.tensor=1",
+            )
+        ]
+    letters = set(m.pattern) | (set(m.mtp.pattern) if m.mtp.depth else set())
+    dims = [("model.vocab_size", m.vocab_size)]
+    if "*" in letters:
+        dims += [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads)]
+    if "-" in letters:
+        dims.append(("model.ffn_dim", m.ffn_dim))
+    if "E" in letters:
+        dims.append(("model.moe.ffn_dim", m.moe.ffn_dim))
+    if "M" in letters:
+        dims.append(("model.mamba.n_heads", m.mamba.n_heads))
+    for key, size in dims:
+        if size % big:
+            return [
+                (
+                    key,
+                    size,
+                    f"must be divisible by determinism.max_tensor = {big} (it is cut into that many fixed chunks)",
+                    f"use a multiple of {big}, or a smaller determinism.max_tensor",
+                )
+            ]
     return []
 
 

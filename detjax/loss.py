@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from detjax.config import Config
-from detjax.sharding import canonical
+from detjax.sharding import canonical, tensor
 
 
 def token_ce_sum(logits_BLV: jax.Array, targets_BL: jax.Array, canonical_sum: bool = False) -> jax.Array:
@@ -62,13 +62,20 @@ class Objective:
             zero = jnp.zeros((), jnp.float32)
             return float(jax.grad(lambda a: self.total((zero, zero, a)))(zero))
 
-    def terms(self, logits_BLV, mtp_logits_BLV, aux, tokens_BL1) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(LM CE sum, MTP CE sum, aux loss) of one aux group of (ids + next token) rows."""
+    def terms(
+        self, logits_BLV, mtp_logits_BLV, aux, tokens_BL1, split: tensor.TensorSplit | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(LM CE sum, MTP CE sum, aux loss) of one aux group of (ids + next token) rows. `split`: the logits
+        are vocabulary chunks of canonical tensor parallelism (detjax.sharding.tensor.ce_sum)."""
         targets_BL = tokens_BL1[:, 1:]
-        lm = token_ce_sum(logits_BLV, targets_BL, self.canonical)
+
+        def ce(logits, targets):
+            return token_ce_sum(logits, targets, self.canonical) if split is None else tensor.ce_sum(split, logits, targets)
+
+        lm = ce(logits_BLV, targets_BL)
         mtp = jnp.zeros(())
         if mtp_logits_BLV is not None:
-            mtp = token_ce_sum(mtp_logits_BLV, targets_BL[:, 1:], self.canonical)
+            mtp = ce(mtp_logits_BLV, targets_BL[:, 1:])
         return lm, mtp, aux
 
     def total(self, terms: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:

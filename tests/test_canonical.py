@@ -132,13 +132,13 @@ def test_config_rules():
 
 def _one_step(overrides: list[str], model: tuple[str, ...] = ("model.pattern='-'", "model.mtp.depth=0"), steps=1):
     from detjax.sharding.mesh import build_layout
-    from detjax.step import Trainer
+    from detjax.step import Trainer, compile_init
 
     cfg = load_config(MESH_CFG, [*model, *overrides])
     layout = build_layout(cfg, jax.devices()[: cfg.mesh.devices or 8])
     tr = Trainer(cfg, layout)
     ssh, bsh = tr.state_shardings(), tr.batch_sharding()
-    state = jax.jit(tr.init_state, out_shardings=ssh)(jax.random.key(0))
+    state = compile_init(tr, ssh)(jax.random.key(0))
     batch = jax.random.randint(jax.random.key(1), (cfg.train.global_batch, cfg.train.seq_len + 1), 0, 264)
     step = jax.jit(tr.train_step, in_shardings=(ssh, bsh))
     for _ in range(steps):  # step 0 has lr 0 under warm-up; step 1 is the first AdamW update
@@ -248,7 +248,7 @@ def test_leaves_per_scan_do_not_change_the_gradient_sums(python):
 
 def test_a_mesh_with_more_batch_devices_than_leaves_is_refused():
     from detjax.sharding.mesh import build_layout
-    from detjax.step import Trainer
+    from detjax.step import Trainer, compile_init
 
     cfg = load_config(MESH_CFG, ["determinism.numerics=canonical", "determinism.canonical_leaf=4", "mesh.data=8"])
     with pytest.raises(ConfigError, match=r"dividing the 4 leaves.*smaller determinism\.canonical_leaf"):

@@ -10,7 +10,9 @@ from detjax.model.fp8 import scale_var
 from detjax.model.layers import normal_init, param, pinned_softmax, proj, proj_many
 from detjax.pallas_kernels.flash_attention.ops import flash_attention, flash_fits
 from detjax.sharding import rules as ax
+from detjax.sharding import tensor as tp_ops
 from detjax.sharding.rules import constrain
+from detjax.sharding.tensor import TensorSplit
 
 
 def rope(x_BLHQ: jax.Array, theta: float) -> jax.Array:
@@ -56,15 +58,32 @@ class Attention(nn.Module):
     impl: str = "reference"
     layout: ax.Layout | None = None
     fp8: bool = False  # model.fp8.enabled: the projections in fp8 with delayed scaling
+    tp: TensorSplit | None = None  # canonical tensor parallelism: heads in fixed chunks (q/k/v column, o row)
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         init = normal_init(self.init_std)
-        d, h, k, q = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
-        w_q_DHQ = param(self, "w_q", init, (d, h, q), (ax.EMBED, ax.HEADS, ax.HEAD_DIM))
-        w_k_DKQ = param(self, "w_k", init, (d, k, q), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
-        w_v_DKQ = param(self, "w_v", init, (d, k, q), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
-        w_o_HQD = param(self, "w_o", init, (h, q, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED))
+        d, h, k, q, tp = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim, self.tp
+        w_q_DHQ = param(self, "w_q", init, (d, h, q), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), tp)
+        w_k_DKQ = param(self, "w_k", init, (d, k, q), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), tp)
+        w_v_DKQ = param(self, "w_v", init, (d, k, q), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), tp)
+        w_o_HQD = param(self, "w_o", init, (h, q, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), tp)
+        if tp is not None:
+            # one loop body per head chunk (query heads c H/M.. and their kv heads c K/M..; K divisible by M):
+            # projections, attention and the output product's partial, added over chunks by the chunk tree
+            dtype, theta = self.dtype, self.rope_theta
+
+            def chunk(x_BLD, w_q_DHQ, w_k_DKQ, w_v_DKQ, w_o_HQD):
+                q_BLHQ, k_BLKQ, v_BLKQ = (
+                    tp_ops.chunk_product("bld,dhq->blhq", dtype, x_BLD, w).astype(dtype)
+                    for w in (w_q_DHQ, w_k_DKQ, w_v_DKQ)
+                )
+                o_BLHQ = attention_reference(rope(q_BLHQ, theta), rope(k_BLKQ, theta), v_BLKQ)
+                return tp_ops.chunk_product("blhq,hqd->bld", dtype, o_BLHQ, w_o_HQD)
+
+            n = tp.local
+            w_c = [tp_ops.chunked(w, 1, n) for w in (w_q_DHQ, w_k_DKQ, w_v_DKQ)] + [tp_ops.chunked(w_o_HQD, 0, n)]
+            return tp_ops.combine(tp, tp_ops.per_chunk(chunk, tp_ops.fanout(tp, x_BLD), *w_c)).astype(dtype)
         kernels = "pallas" if self.impl == "pallas" else "reference"  # the projections' matmul
         lay, q_names, kv_names = (
             self.layout,

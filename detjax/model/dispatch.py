@@ -10,6 +10,8 @@ from flax import linen as nn
 
 from detjax.model.fp8 import fp8_grouped_matmul
 from detjax.pallas_kernels.gmm.ops import grouped_matmul
+from detjax.sharding import tensor as tp_ops
+from detjax.sharding.tensor import TensorSplit
 
 
 @jax.custom_vjp
@@ -70,6 +72,24 @@ def expert_ffn(
 
     h_RF = nn.silu(gmm(xs_RD, w_gate_EDF)) * gmm(xs_RD, w_up_EDF)
     return gmm(h_RF.astype(dtype), w_down_EFD)
+
+
+def expert_ffn_chunked(split: TensorSplit, xs_RD, gs_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype) -> jax.Array:
+    """expert_ffn under canonical tensor parallelism (XLA's ragged_dot): this device's chunks of the experts'
+    width, each chunk's SwiGLU on its own (float32) copy of the rows, the down products' partials added by the
+    chunk tree (detjax.sharding.tensor); float32 result."""
+    n = split.local
+    x_cRD = tp_ops.fanout(split, xs_RD)
+    wg_c, wu_c, wd_c = tp_ops.chunked(w_gate_EDF, 2, n), tp_ops.chunked(w_up_EDF, 2, n), tp_ops.chunked(w_down_EFD, 1, n)
+
+    def chunk(x_RD, wg, wu, wd, gs):  # one loop body per chunk: the same program whatever the tensor degree
+        def gmm(a, w):
+            return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs, preferred_element_type=jnp.float32)
+
+        h_RF = nn.silu(gmm(x_RD, wg)) * gmm(x_RD, wu)
+        return gmm(h_RF.astype(dtype), wd)
+
+    return tp_ops.combine(split, tp_ops.per_chunk(chunk, x_cRD, wg_c, wu_c, wd_c, consts=(gs_E,)))
 
 
 def combine_slots(y_TXD: jax.Array, gate_TX: jax.Array) -> jax.Array:

@@ -15,7 +15,9 @@ from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
 from detjax.pallas_kernels.segment_sum.ops import segment_sum
 from detjax.sharding import rules as ax
+from detjax.sharding import tensor as tp_ops
 from detjax.sharding.rules import constrain
+from detjax.sharding.tensor import TensorSplit
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -24,9 +26,20 @@ def normal_init(std: float) -> nn.initializers.Initializer:
     return nn.initializers.normal(stddev=std)
 
 
-def param(module: nn.Module, name: str, init: nn.initializers.Initializer, shape: tuple[int, ...], axes: tuple):
-    """An fp32 master parameter whose dimensions carry logical axis names (the sharding words)."""
+def param(
+    module: nn.Module,
+    name: str,
+    init: nn.initializers.Initializer,
+    shape: tuple[int, ...],
+    axes: tuple,
+    tp: TensorSplit | None = None,
+):
+    """An fp32 master parameter whose dimensions carry logical axis names (the sharding words). `tp`: the
+    model runs as one device of canonical tensor parallelism, holding its share of every dimension that
+    tensor parallelism splits (rules.TENSOR_PARAM_AXES)."""
     assert len(axes) == len(shape), (name, shape, axes)
+    if tp is not None:
+        shape = tuple(tp.local_size(s) if a in ax.TENSOR_PARAM_AXES else s for s, a in zip(shape, axes, strict=True))
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
@@ -201,10 +214,15 @@ class RMSNorm(nn.Module):
     eps: float = 1e-5
     kernels: str = "reference"
     out_dtype: Any = jnp.float32
+    pinned: bool = False  # the scale's gradient by tensor.expand's pinned token tree (canonical tensor parallelism)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         w_D = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (ax.NORM,))
+        if self.pinned:
+            x32 = x.astype(jnp.float32)
+            y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+            return (y * tp_ops.expand(w_D, y.shape[:-1])).astype(self.out_dtype)
         if self.kernels == "pallas" and rmsnorm_fits(x.size // x.shape[-1]):
             d = x.shape[-1]
             out_dtype = jnp.dtype(self.out_dtype)
@@ -252,12 +270,15 @@ class Embed(nn.Module):
     kernels: str = "reference"
     layout: ax.Layout | None = None
     grad: str = "fixed"  # "scatter_add": the gather's own transpose (the nondeterministic baseline)
+    tp: TensorSplit | None = None  # canonical tensor parallelism: vocabulary-parallel lookup
 
     @nn.compact
     def __call__(self, ids_BL: jax.Array) -> jax.Array:
         table_VD = param(
-            self, "table", normal_init(self.init_std), (self.vocab_size, self.d_model), (ax.VOCAB, ax.EMBED)
+            self, "table", normal_init(self.init_std), (self.vocab_size, self.d_model), (ax.VOCAB, ax.EMBED), self.tp
         )
+        if self.tp is not None:
+            return tp_ops.embed_lookup(self.tp, table_VD, ids_BL)
         if self.grad == "scatter_add":
             h_BLD = jnp.take(table_VD, ids_BL, axis=0)
         else:
@@ -275,14 +296,26 @@ class MLP(nn.Module):
     layout: ax.Layout | None = None
     kernels: str = "reference"
     fp8: bool = False  # model.fp8.enabled: both products in fp8 with delayed scaling
+    tp: TensorSplit | None = None  # canonical tensor parallelism: gate/up column-, down row-parallel in chunks
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         init = normal_init(self.init_std)
-        d, f, kern = self.d_model, self.ffn_dim, self.kernels
-        w_gate_DF = param(self, "w_gate", init, (d, f), (ax.EMBED, ax.MLP))
-        w_up_DF = param(self, "w_up", init, (d, f), (ax.EMBED, ax.MLP))
-        w_down_FD = param(self, "w_down", init, (f, d), (ax.MLP, ax.EMBED))
+        d, f, kern, tp = self.d_model, self.ffn_dim, self.kernels, self.tp
+        w_gate_DF = param(self, "w_gate", init, (d, f), (ax.EMBED, ax.MLP), tp)
+        w_up_DF = param(self, "w_up", init, (d, f), (ax.EMBED, ax.MLP), tp)
+        w_down_FD = param(self, "w_down", init, (f, d), (ax.MLP, ax.EMBED), tp)
+        if tp is not None:  # one loop body per width chunk, its down-product partials added by the chunk tree
+            dtype = self.dtype
+
+            def chunk(x_BLD, w_gate_DF, w_up_DF, w_down_FD):
+                gate_BLF = tp_ops.chunk_product("bld,df->blf", dtype, x_BLD, w_gate_DF).astype(dtype)
+                up_BLF = tp_ops.chunk_product("bld,df->blf", dtype, x_BLD, w_up_DF).astype(dtype)
+                return tp_ops.chunk_product("blf,fd->bld", dtype, nn.silu(gate_BLF) * up_BLF, w_down_FD)
+
+            n = tp.local
+            w_c = (tp_ops.chunked(w_gate_DF, 1, n), tp_ops.chunked(w_up_DF, 1, n), tp_ops.chunked(w_down_FD, 0, n))
+            return tp_ops.combine(tp, tp_ops.per_chunk(chunk, tp_ops.fanout(tp, x_BLD), *w_c)).astype(dtype)
         names = (ax.BATCH, ax.LENGTH, ax.ACT_MLP)
         gate_BLF, up_BLF = proj_many(
             ["bld,df->blf"] * 2,

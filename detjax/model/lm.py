@@ -13,7 +13,9 @@ from detjax.model.layers import DTYPES, MLP, Embed, RMSNorm, normal_init, param,
 from detjax.model.mamba2 import Mamba2
 from detjax.model.moe import MoE
 from detjax.sharding import rules as ax
+from detjax.sharding import tensor as tp_ops
 from detjax.sharding.rules import constrain
+from detjax.sharding.tensor import TensorSplit
 
 
 class Block(nn.Module):
@@ -26,17 +28,18 @@ class Block(nn.Module):
     cfg: ModelConfig
     letter: str
     layout: ax.Layout | None = None
+    tp: TensorSplit | None = None  # canonical tensor parallelism (detjax.sharding.tensor)
 
     @nn.compact
     def __call__(self, h_BLD: jax.Array, train: bool, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        c, lay = self.cfg, self.layout
+        c, lay, tp = self.cfg, self.layout, self.tp
         dtype = DTYPES[c.compute_dtype]
-        x_BLD = RMSNorm(c.norm_eps, c.kernels, dtype, name="norm")(h_BLD)
+        x_BLD = RMSNorm(c.norm_eps, c.kernels, dtype, tp is not None, name="norm")(h_BLD)
         x_BLD = constrain(x_BLD, lay, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED), "block_in")
         aux = jnp.zeros((), jnp.float32)
         if self.letter == "M":
             y_BLD = Mamba2(
-                c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, lay, c.kernels, c.fp8.enabled, name="mixer"
+                c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, lay, c.kernels, c.fp8.enabled, tp, name="mixer"
             )(x_BLD)
         elif self.letter == "*":
             y_BLD = Attention(
@@ -50,12 +53,14 @@ class Block(nn.Module):
                 impl=c.kernels if c.attention_impl == "reference" else c.attention_impl,
                 layout=lay,
                 fp8=c.fp8.enabled,
+                tp=tp,
                 name="mixer",
             )(x_BLD)
         elif self.letter == "E":
-            y_BLD, aux = MoE(c.d_model, c.moe, c.init_std, dtype, lay, c.kernels, c.fp8.enabled, name="mixer")(x_BLD)
+            moe = MoE(c.d_model, c.moe, c.init_std, dtype, lay, c.kernels, c.fp8.enabled, tp, name="mixer")
+            y_BLD, aux = moe(x_BLD)
         elif self.letter == "-":
-            y_BLD = MLP(c.d_model, c.ffn_dim, c.init_std, dtype, lay, c.kernels, c.fp8.enabled, name="mixer")(x_BLD)
+            y_BLD = MLP(c.d_model, c.ffn_dim, c.init_std, dtype, lay, c.kernels, c.fp8.enabled, tp, name="mixer")(x_BLD)
         else:
             raise ValueError(f"unknown block letter {self.letter!r}")
         if train and c.dropout > 0.0:
@@ -79,7 +84,9 @@ def layer_key(key: jax.Array | None, index: int) -> jax.Array | None:
 
 
 class HybridLM(nn.Module):
-    """Returns (logits B×L×V, MTP logits B×(L-1)×V or None, summed MoE aux loss).
+    """Returns (logits B×L×V, MTP logits B×(L-1)×V or None, summed MoE aux loss). With `tp` (canonical tensor
+    parallelism: this device's share of every split dimension) the logits are this device's vocabulary chunks,
+    c×B×L×(V/M), for detjax.sharding.tensor.ce_sum.
 
     The pieces are also methods so a pipeline can run them apart: `embed_ids` (first stage), the blocks
     (stacked per stage, see detjax.sharding.pipeline), `outputs` (last stage: LM head and MTP head).
@@ -87,27 +94,39 @@ class HybridLM(nn.Module):
 
     cfg: ModelConfig
     layout: ax.Layout | None = None
+    tp: TensorSplit | None = None
 
     def setup(self) -> None:
-        c, lay = self.cfg, self.layout
-        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, c.kernels, lay, c.embed_grad)
+        c, lay, tp = self.cfg, self.layout, self.tp
+        self.embed = Embed(c.vocab_size, c.d_model, c.init_std, c.kernels, lay, c.embed_grad, tp)
         block = block_class(c)
-        self.layers = [block(c, letter, lay, name=f"layer_{i}") for i, letter in enumerate(c.pattern)]
-        self.final_norm = RMSNorm(c.norm_eps, c.kernels)
-        self.w_head_DV = param(self, "w_head", normal_init(c.init_std), (c.d_model, c.vocab_size), (ax.EMBED, ax.VOCAB))
+        self.layers = [block(c, letter, lay, tp, name=f"layer_{i}") for i, letter in enumerate(c.pattern)]
+        pinned = tp is not None
+        self.final_norm = RMSNorm(c.norm_eps, c.kernels, pinned=pinned)
+        self.w_head_DV = param(
+            self, "w_head", normal_init(c.init_std), (c.d_model, c.vocab_size), (ax.EMBED, ax.VOCAB), tp
+        )
         if c.mtp.depth:
-            self.mtp_norm_h = RMSNorm(c.norm_eps, c.kernels)
-            self.mtp_norm_e = RMSNorm(c.norm_eps, c.kernels)
+            self.mtp_norm_h = RMSNorm(c.norm_eps, c.kernels, pinned=pinned)
+            self.mtp_norm_e = RMSNorm(c.norm_eps, c.kernels, pinned=pinned)
             self.w_mtp_2DD = param(
                 self, "w_mtp_proj", normal_init(c.init_std), (2, c.d_model, c.d_model), (None, ax.EMBED, None)
             )
-            self.mtp_layers = [block(c, letter, lay, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)]
-            self.mtp_final_norm = RMSNorm(c.norm_eps, c.kernels)
+            self.mtp_layers = [
+                block(c, letter, lay, tp, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)
+            ]
+            self.mtp_final_norm = RMSNorm(c.norm_eps, c.kernels, pinned=pinned)
             self.mtp_fp8_h = scale_var(self, "mtp_proj_h", c.fp8.enabled)
             self.mtp_fp8_e = scale_var(self, "mtp_proj_e", c.fp8.enabled)
 
     def head(self, h_BLD: jax.Array) -> jax.Array:
         dtype = DTYPES[self.cfg.compute_dtype]
+        if self.tp is not None:  # this device's vocabulary chunks, c x B x L x V/M (rounded as below)
+            w_cDV = tp_ops.chunked(self.w_head_DV, 1, self.tp.local)
+            logits_cBLV = tp_ops.per_chunk(
+                lambda h, w: tp_ops.chunk_product("bld,dv->blv", dtype, h, w), tp_ops.fanout(self.tp, h_BLD), w_cDV
+            )
+            return logits_cBLV.astype(dtype).astype(jnp.float32)
         logits_BLV = proj("bld,dv->blv", h_BLD, self.w_head_DV, dtype, self.cfg.kernels, copy=(self, ("w_head",)))
         return constrain(logits_BLV.astype(jnp.float32), self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB), "logits")
 

@@ -15,17 +15,26 @@ from detjax.model.ssd import ssd_chunked
 from detjax.pallas_kernels.ssd.ops import ssd
 from detjax.sharding import canonical
 from detjax.sharding import rules as ax
+from detjax.sharding import tensor as tp_ops
 from detjax.sharding.rules import constrain
+from detjax.sharding.tensor import TensorSplit
 
 
-def causal_conv(x_BL_: jax.Array, w_W_: jax.Array, b_: jax.Array) -> jax.Array:
+def causal_conv(x_BL_: jax.Array, w_W_: jax.Array, b_: jax.Array, pinned: bool = False) -> jax.Array:
     """Depthwise causal conv along L as a fixed-order sum of shifted copies (no conv algorithm to choose).
 
-    x is (B, L, ...channels), w is (W, ...channels), b is (...channels)."""
+    x is (B, L, ...channels), w is (W, ...channels), b is (...channels). pinned: the weights' and bias's
+    gradients by detjax.sharding.tensor.expand's pinned token tree (canonical tensor parallelism)."""
     width = w_W_.shape[0]
     length = x_BL_.shape[1]
     lead = (1, 1)
     xpad = jnp.pad(x_BL_, ((0, 0), (width - 1, 0)) + ((0, 0),) * (x_BL_.ndim - 2))
+    if pinned:
+        tokens = x_BL_.shape[:2]
+        out = tp_ops.expand(b_.astype(x_BL_.dtype), tokens)
+        for k in range(width):
+            out = out + xpad[:, k : k + length] * tp_ops.expand(w_W_[k].astype(x_BL_.dtype), tokens)
+        return out
     out = jnp.broadcast_to(b_.astype(x_BL_.dtype).reshape(lead + b_.shape), x_BL_.shape)
     for k in range(width):
         out = out + xpad[:, k : k + length] * w_W_[k].astype(x_BL_.dtype).reshape(lead + b_.shape)
@@ -90,29 +99,38 @@ class Mamba2(nn.Module):
     layout: ax.Layout | None = None
     kernels: str = "reference"
     fp8: bool = False  # model.fp8.enabled: the projections in fp8 with delayed scaling
+    tp: TensorSplit | None = None  # canonical tensor parallelism: heads in fixed chunks (detjax.sharding.tensor)
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        c = self.cfg
+        c, tp = self.cfg, self.tp
         d, d_inner = self.d_model, c.expand * self.d_model
         heads, n, w = c.n_heads, c.d_state, c.d_conv
         p = d_inner // heads
         init, conv_init = normal_init(self.init_std), normal_init(1.0 / math.sqrt(w))
         hp = (ax.SSM_HEADS, ax.HEAD_DIM)
-        w_z_DHP = param(self, "w_in_z", init, (d, heads, p), (ax.EMBED, *hp))
-        w_x_DHP = param(self, "w_in_x", init, (d, heads, p), (ax.EMBED, *hp))
-        w_bc_DJN = param(self, "w_in_bc", init, (d, 2, n), (ax.EMBED, None, ax.SSM_STATE))
-        w_dt_DH = param(self, "w_in_dt", init, (d, heads), (ax.EMBED, ax.SSM_HEADS))
-        w_conv_x_WHP = param(self, "w_conv_x", conv_init, (w, heads, p), (ax.CONV, *hp))
-        b_conv_x_HP = param(self, "b_conv_x", nn.initializers.zeros, (heads, p), hp)
-        w_conv_bc_WJN = param(self, "w_conv_bc", conv_init, (w, 2, n), (ax.CONV, None, ax.SSM_STATE))
-        b_conv_bc_JN = param(self, "b_conv_bc", nn.initializers.zeros, (2, n), (None, ax.SSM_STATE))
-        dt_bias_H = param(self, "dt_bias", _dt_bias_init, (heads,), (ax.SSM_HEADS,))
-        a_log_H = param(self, "a_log", _a_log_init, (heads,), (ax.SSM_HEADS,))
-        d_skip_H = param(self, "d_skip", nn.initializers.ones, (heads,), (ax.SSM_HEADS,))
-        norm_HP = param(self, "norm_scale", nn.initializers.ones, (heads, p), hp)
-        w_out_HPD = param(self, "w_out", init, (heads, p, d), (*hp, ax.EMBED))
+        w_z_DHP = param(self, "w_in_z", init, (d, heads, p), (ax.EMBED, *hp), tp)
+        w_x_DHP = param(self, "w_in_x", init, (d, heads, p), (ax.EMBED, *hp), tp)
+        w_bc_DJN = param(self, "w_in_bc", init, (d, 2, n), (ax.EMBED, None, ax.SSM_STATE), tp)
+        w_dt_DH = param(self, "w_in_dt", init, (d, heads), (ax.EMBED, ax.SSM_HEADS), tp)
+        w_conv_x_WHP = param(self, "w_conv_x", conv_init, (w, heads, p), (ax.CONV, *hp), tp)
+        b_conv_x_HP = param(self, "b_conv_x", nn.initializers.zeros, (heads, p), hp, tp)
+        w_conv_bc_WJN = param(self, "w_conv_bc", conv_init, (w, 2, n), (ax.CONV, None, ax.SSM_STATE), tp)
+        b_conv_bc_JN = param(self, "b_conv_bc", nn.initializers.zeros, (2, n), (None, ax.SSM_STATE), tp)
+        dt_bias_H = param(self, "dt_bias", _dt_bias_init, (heads,), (ax.SSM_HEADS,), tp)
+        a_log_H = param(self, "a_log", _a_log_init, (heads,), (ax.SSM_HEADS,), tp)
+        d_skip_H = param(self, "d_skip", nn.initializers.ones, (heads,), (ax.SSM_HEADS,), tp)
+        norm_HP = param(self, "norm_scale", nn.initializers.ones, (heads, p), hp, tp)
+        w_out_HPD = param(self, "w_out", init, (heads, p, d), (*hp, ax.EMBED), tp)
 
+        if tp is not None:
+            return self._tensor_chunks(
+                x_BLD,
+                (w_z_DHP, w_x_DHP, w_dt_DH, w_conv_x_WHP, b_conv_x_HP, dt_bias_H, a_log_H, d_skip_H),
+                (w_bc_DJN, w_conv_bc_WJN, b_conv_bc_JN),
+                norm_HP,
+                w_out_HPD,
+            )
         lay, names = self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, None)
         z_BLHP, x_BLHP, bc_BLJN, dt_BLH = proj_many(
             ["bld,dhp->blhp", "bld,dhp->blhp", "bld,djn->bljn", "bld,dh->blh"],
@@ -139,3 +157,44 @@ class Mamba2(nn.Module):
         y_BLHP = y_BLHP * jax.lax.rsqrt(ms_BL11 + self.norm_eps) * norm_HP[None, None]
         out_fp8 = scale_var(self, "out_proj", self.fp8)
         return proj("blhp,hpd->bld", y_BLHP, w_out_HPD, self.dtype, self.kernels, out_fp8, (self, ("w_out",)))
+
+    def _tensor_chunks(self, x_BLD, head_params, bc_params, norm_HP, w_out_HPD) -> jax.Array:
+        """The mixer under canonical tensor parallelism (detjax.sharding.tensor): B and C (one group, every
+        head's) computed whole on every device; each head chunk's projections, convolution, scan and gate in
+        one loop body, with its own copy of B and C (so their gradient over the heads is the chunk tree); the
+        gated norm's mean square and the output product's partials added over chunks by the chunk tree. The
+        per-head parameters' token sums are pinned (tensor.expand)."""
+        tp, dtype, chunk_size, eps = self.tp, self.dtype, self.cfg.chunk_size, self.norm_eps
+        w_bc_DJN, w_conv_bc_WJN, b_conv_bc_JN = bc_params
+        bc_BLJN = proj("bld,djn->bljn", x_BLD, w_bc_DJN, dtype, self.kernels)
+        bc_BLJN = nn.silu(causal_conv(bc_BLJN.astype(jnp.float32), w_conv_bc_WJN, b_conv_bc_JN, True))
+        tokens = x_BLD.shape[:2]
+
+        def scan_chunk(x_BLD, w_z, w_x, w_dt, w_conv_x, b_conv_x, dt_bias, a_log, d_skip, b_BLN, c_BLN):
+            z_BLHP = tp_ops.chunk_product("bld,dhp->blhp", dtype, x_BLD, w_z).astype(dtype)
+            x_BLHP = tp_ops.chunk_product("bld,dhp->blhp", dtype, x_BLD, w_x).astype(dtype)
+            dt_BLH = tp_ops.chunk_product("bld,dh->blh", dtype, x_BLD, w_dt).astype(dtype)
+            x_BLHP = nn.silu(causal_conv(x_BLHP.astype(jnp.float32), w_conv_x, b_conv_x, True))
+            dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + tp_ops.expand(dt_bias, tokens))
+            adt_BLH = decay_times_dt(-jnp.exp(a_log), dt_BLH)
+            y_BLHP = ssd_chunked(x_BLHP * dt_BLH[..., None], adt_BLH, b_BLN, c_BLN, chunk_size)
+            y_BLHP = y_BLHP + tp_ops.expand(d_skip, tokens)[..., None] * x_BLHP
+            y_BLHP = y_BLHP * nn.silu(z_BLHP.astype(jnp.float32))
+            return y_BLHP, jnp.sum(y_BLHP * y_BLHP, axis=(-2, -1))
+
+        n = tp.local
+        heads = [tp_ops.chunked(w, 1, n) for w in head_params[:4]] + [tp_ops.chunked(v, 0, n) for v in head_params[4:]]
+        b_cBLN, c_cBLN = (tp_ops.fanout(tp, v) for v in (bc_BLJN[:, :, 0], bc_BLJN[:, :, 1]))
+        y_cBLHP, sq_cBL = tp_ops.per_chunk(scan_chunk, tp_ops.fanout(tp, x_BLD), *heads, b_cBLN, c_cBLN)
+        # gated RMSNorm over the whole inner width: its scale reaches each chunk through fanout
+        width = self.cfg.n_heads * y_cBLHP.shape[-1]
+        r_cBL = tp_ops.fanout(tp, jax.lax.rsqrt(tp_ops.combine(tp, sq_cBL) / width + eps))
+
+        def out_chunk(y_BLHP, r_BL, norm_HP, w_out_HPD):
+            y_BLHP = y_BLHP * r_BL[..., None, None] * tp_ops.expand(norm_HP, tokens)
+            return tp_ops.chunk_product("blhp,hpd->bld", dtype, y_BLHP, w_out_HPD)
+
+        parts = tp_ops.per_chunk(
+            out_chunk, y_cBLHP, r_cBL, tp_ops.chunked(norm_HP, 0, n), tp_ops.chunked(w_out_HPD, 0, n)
+        )
+        return tp_ops.combine(tp, parts).astype(dtype)

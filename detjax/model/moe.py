@@ -11,11 +11,12 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.config import MoEConfig
-from detjax.model.dispatch import combine_slots, expert_ffn, permute_rows, sort_by_expert
+from detjax.model.dispatch import combine_slots, expert_ffn, expert_ffn_chunked, permute_rows, sort_by_expert
 from detjax.model.fp8 import scale_var
 from detjax.model.layers import MLP, normal_init, param, pinned_normalize, pinned_softmax, proj, tree_sum_last
 from detjax.sharding import rules as ax
 from detjax.sharding.expert import expert_parallel_moe
+from detjax.sharding.tensor import TensorSplit
 
 
 def route(logits_TE: jax.Array, top_k: int, router: str) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -62,14 +63,15 @@ class Experts(nn.Module):
     layout: ax.Layout | None = None
     kernels: str = "reference"
     fp8: bool = False  # model.fp8.enabled: the grouped matmuls in fp8 with delayed scaling
+    tp: TensorSplit | None = None  # canonical tensor parallelism: the experts' width in fixed chunks
 
     @nn.compact
     def __call__(self, x_TD: jax.Array, idx_TX: jax.Array, gate_TX: jax.Array) -> jax.Array:
-        e, d, f, dtype = self.n_experts, self.d_model, self.ffn_dim, self.dtype
+        e, d, f, dtype, tp = self.n_experts, self.d_model, self.ffn_dim, self.dtype, self.tp
         init = normal_init(self.init_std)
-        w_gate_EDF = param(self, "w_gate", init, (e, d, f), (ax.EXPERTS, ax.EXPERT_EMBED, ax.EXPERT_MLP))
-        w_up_EDF = param(self, "w_up", init, (e, d, f), (ax.EXPERTS, ax.EXPERT_EMBED, ax.EXPERT_MLP))
-        w_down_EFD = param(self, "w_down", init, (e, f, d), (ax.EXPERTS, ax.EXPERT_MLP, ax.EXPERT_EMBED))
+        w_gate_EDF = param(self, "w_gate", init, (e, d, f), (ax.EXPERTS, ax.EXPERT_EMBED, ax.EXPERT_MLP), tp)
+        w_up_EDF = param(self, "w_up", init, (e, d, f), (ax.EXPERTS, ax.EXPERT_EMBED, ax.EXPERT_MLP), tp)
+        w_down_EFD = param(self, "w_down", init, (e, f, d), (ax.EXPERTS, ax.EXPERT_MLP, ax.EXPERT_EMBED), tp)
         weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
         if self.layout is not None and self.layout.degrees["expert"] > 1:
             return expert_parallel_moe(x_TD, idx_TX, gate_TX, weights, self.layout, dtype)
@@ -80,7 +82,10 @@ class Experts(nn.Module):
         x_RD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d)).reshape(-1, d)
         xs_RD = permute_rows(x_RD, order_R, inv_R)
         scales = tuple(scale_var(self, n, True) for n in ("gate", "up", "down")) if self.fp8 else None
-        ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype, self.kernels, scales).astype(dtype)
+        if tp is not None:
+            ys_RD = expert_ffn_chunked(tp, xs_RD, gs_E, *weights, dtype).astype(dtype)
+        else:
+            ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype, self.kernels, scales).astype(dtype)
         if self.combine == "scatter_add":
             # fast, nondeterministic baseline (refused in strict mode): atomics accumulate per token
             tok_R = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k)).reshape(-1)
@@ -98,6 +103,7 @@ class MoE(nn.Module):
     layout: ax.Layout | None = None
     kernels: str = "reference"
     fp8: bool = False  # model.fp8.enabled: the experts and shared expert in fp8 (the router stays float32)
+    tp: TensorSplit | None = None  # canonical tensor parallelism (the router stays whole on every device)
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -113,12 +119,13 @@ class MoE(nn.Module):
         aux = load_balance_loss(idx_TX, probs_TE)
         self.sow("intermediates", "routing", idx_TX)  # row-wise trace tap: a swapped pair of rows is caught
         gmm = {"auto": self.kernels, "ragged_dot": "reference", "pallas": "pallas"}[c.experts_impl]
-        experts = Experts(e, d, f, self.init_std, self.dtype, c.combine, self.layout, gmm, self.fp8, name="experts")
+        experts = Experts(
+            e, d, f, self.init_std, self.dtype, c.combine, self.layout, gmm, self.fp8, self.tp, name="experts"
+        )
         y_BLD = experts(x_TD, idx_TX, gate_TX).reshape(bsz, length, d)
         if c.shared_expert:
-            y_BLD = y_BLD + MLP(d, f, self.init_std, self.dtype, self.layout, self.kernels, self.fp8, name="shared")(
-                x_BLD
-            )
+            shared = MLP(d, f, self.init_std, self.dtype, self.layout, self.kernels, self.fp8, self.tp, name="shared")
+            y_BLD = y_BLD + shared(x_BLD)
         return y_BLD, aux
 
 

@@ -43,6 +43,10 @@ ACT_KV_HEADS = "act_kv_heads"
 ACT_MLP = "act_mlp"
 ACT_VOCAB = "act_vocab"
 
+# The parameter dimensions tensor parallelism splits (canonical numerics cuts each into fixed chunks:
+# detjax.sharding.tensor).
+TENSOR_PARAM_AXES = (VOCAB, HEADS, KV_HEADS, MLP, SSM_HEADS, EXPERT_MLP)
+
 RULES: dict[str, tuple[str, ...]] = {
     VOCAB: ("tensor",),
     EMBED: ("fsdp",),

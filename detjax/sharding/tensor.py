@@ -1,0 +1,308 @@
+"""Canonical tensor parallelism: every sum over a dimension that `tensor` may split is a fixed chunk tree.
+
+Under canonical numerics with `determinism.max_tensor` = M > 1, each dimension that tensor parallelism splits
+(attention and Mamba2 heads, the MLP's and the experts' widths, the vocabulary) is cut into M equal contiguous
+chunks, whatever the tensor degree t (a divisor of M). Device r of the `tensor` axis holds chunks
+[r M/t, (r+1) M/t): the contiguous block that a NamedSharding over `tensor` gives it. The model runs every
+chunk as its own equally shaped program (a leading chunk axis, vmapped), so a chunk's values do not depend on
+how many chunks sit beside it: `per_chunk` runs a chunk's work as the body of a loop (lax.map), one
+program for any number of chunks (a vmapped batch of 8 chunks and one of 4 are two programs, and XLA's CPU
+code for them measured one ulp apart in a weight gradient). A sum over the split dimension -- a row-parallel projection's contraction, a
+column-parallel projection's input gradient, Mamba2's gated-norm mean square and the gradient of B and C over
+the heads, the vocabulary's logsumexp and label logit -- takes each chunk's partial result and adds the M of
+them by detjax.sharding.canonical.pair_sum's tree: a device adds its own aligned block of M/t partials (a
+subtree of that tree), the t subtree results are all-gathered (exact copies, no arithmetic) and added by the
+top levels of the same tree. One device runs the same chunks and the same tree with no collective, so the
+bits are the same for t = 1, 2, ..., M.
+
+Two operations carry it, each the other's transpose:
+- `combine(split, parts)`: the chunk tree over the leading (local chunk) axis; its backward hands every chunk
+  the cotangent.
+- `fanout(split, x)`: a replicated input copied once per local chunk (float32); its backward is `combine` of
+  the chunks' cotangents, so the input gradient of a column-parallel projection is the chunk tree.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from detjax.sharding import canonical
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """M feature chunks per split dimension over `degree` devices of mesh axis `axis` (None: one device)."""
+
+    chunks: int
+    degree: int = 1
+    axis: str | None = None
+
+    def __post_init__(self) -> None:
+        if not canonical.is_power_of_two(self.chunks) or self.chunks % self.degree:
+            raise ValueError(f"TensorSplit: {self.chunks} chunks over {self.degree} devices")
+        if (self.degree > 1) != (self.axis is not None):
+            raise ValueError("TensorSplit: a mesh axis is named exactly when the degree is above 1")
+
+    @property
+    def local(self) -> int:
+        """Chunks this device holds."""
+        return self.chunks // self.degree
+
+    def first(self) -> jax.Array | int:
+        """Global index of this device's first chunk (inside shard_map when degree > 1)."""
+        return jax.lax.axis_index(self.axis) * self.local if self.degree > 1 else 0
+
+    def local_size(self, size: int) -> int:
+        """This device's share of a split dimension of global size `size`."""
+        return size // self.degree
+
+
+def _tree(split: TensorSplit, parts: jax.Array) -> jax.Array:
+    s = canonical.pair_sum(parts, 0)
+    if split.degree > 1:
+        s = canonical.pair_sum(jax.lax.all_gather(s, split.axis, axis=0, tiled=False), 0)
+    return s
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def combine(split: TensorSplit, parts: jax.Array) -> jax.Array:
+    """Sum of all M chunk partials (this device's `parts` are its local ones, leading axis) by the chunk tree;
+    the result is replicated over the tensor axis."""
+    return _tree(split, parts)
+
+
+def _combine_fwd(split, parts):
+    return _tree(split, parts), None
+
+
+def _combine_bwd(split, _, g):
+    return (jnp.broadcast_to(g, (split.local, *g.shape)),)
+
+
+combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fanout(split: TensorSplit, x: jax.Array) -> jax.Array:
+    """x (replicated) as float32 copies, one per local chunk: (local, *x.shape). The backward adds the chunks'
+    cotangents by the chunk tree (then rounds once to x's dtype)."""
+    return jnp.broadcast_to(x.astype(jnp.float32), (split.local, *x.shape))
+
+
+def _fanout_fwd(split, x):
+    return fanout(split, x), jnp.zeros((0,), x.dtype)
+
+
+def _fanout_bwd(split, like, g):
+    return (_tree(split, g).astype(like.dtype),)
+
+
+fanout.defvjp(_fanout_fwd, _fanout_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def expand(w: jax.Array, lead: tuple[int, ...]) -> jax.Array:
+    """A small parameter broadcast over leading token dimensions `lead` (w.shape: the trailing dims of the
+    use). Its gradient -- the sum over the tokens -- is canonical.full_sum's pair tree of the cotangent, put
+    behind an optimization barrier first: left to XLA, that reduce is fused with the product that makes the
+    cotangent (a weight gradient like sum(g * x)) and may be contracted into FMAs differently in different
+    programs, and a tensor-parallel device's program is not the one-device program (measured on CPU: an
+    RMSNorm scale gradient one ulp apart between tensor 1 and 2)."""
+    return jnp.broadcast_to(w, (*lead, *w.shape))
+
+
+def _expand_fwd(w, lead):
+    return expand(w, lead), None
+
+
+def _expand_bwd(lead, _, g):
+    g = jax.lax.optimization_barrier(g)
+    for _ in lead:
+        g = canonical.pair_sum(g, 0)
+    return (g,)
+
+
+expand.defvjp(_expand_fwd, _expand_bwd)
+
+
+def per_chunk(fn, *xs, consts: tuple = ()):
+    """fn(*chunk, *consts) for each chunk of the leading axis of xs, stacked: the same program per chunk
+    whatever the number of chunks. A loop body is its own program; a vmapped batch of 8 chunks and one of 4
+    are two programs, and XLA's CPU code for them measured one ulp apart in a weight gradient. The loop's trip
+    count is hidden from XLA (it inlines a loop it can count to one trip: a device holding one chunk, whose
+    ops then fuse with their neighbours -- measured: tensor 8 against one device, 4 weight gradients one ulp
+    apart), so the loop is a while loop with a custom backward, itself such a loop, that recomputes each
+    chunk's forward and applies its vjp. `consts`: arrays every chunk reads whole (no gradient flows to
+    them: pass only constants of the differentiation, e.g. stop_gradient values or integers)."""
+    return _per_chunk(fn, len(xs), *xs, *consts)
+
+
+def _loop(f, xs: tuple, consts: tuple):
+    """Stacked f(*chunk_i, *consts) over i, in a while loop whose trip count XLA cannot count."""
+    n = xs[0].shape[0]
+    first = jax.tree.map(lambda x: x[0], xs)
+    out = jax.tree.map(lambda sh: jnp.zeros((n, *sh.shape), sh.dtype), jax.eval_shape(f, *first, *consts))
+    start = jax.lax.optimization_barrier(jnp.zeros((), jnp.int32))
+
+    def body(carry):
+        i, acc = carry
+        chunk = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), xs)
+        # barriers: with one chunk the slice is the whole array, and XLA would fuse what reads it otherwise
+        chunk, held = jax.lax.optimization_barrier((chunk, consts))
+        y = jax.lax.optimization_barrier(f(*chunk, *held))
+        return i + 1, jax.tree.map(lambda o, v: jax.lax.dynamic_update_index_in_dim(o, v, i, 0), acc, y)
+
+    return jax.lax.while_loop(lambda c: c[0] < n, body, (start, out))[1]
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _per_chunk(fn, n_xs: int, *args):
+    return _loop(fn, args[:n_xs], args[n_xs:])
+
+
+def _per_chunk_fwd(fn, n_xs, *args):
+    return _loop(fn, args[:n_xs], args[n_xs:]), args
+
+
+def _per_chunk_bwd(fn, n_xs, args, g):
+    xs, consts = args[:n_xs], args[n_xs:]
+    diff = [i for i, x in enumerate(xs) if _is_float(x)]
+
+    def chunk_vjp(*a):
+        x_c, g_c, cs = a[:n_xs], a[n_xs], a[n_xs + 1 :]
+
+        def f(*d):
+            full = list(x_c)
+            for i, v in zip(diff, d, strict=True):
+                full[i] = v
+            return fn(*full, *cs)
+
+        return jax.vjp(f, *(x_c[i] for i in diff))[1](g_c)
+
+    dxs = _loop(chunk_vjp, (*xs, g), consts) if diff else ()
+    out: list = [None] * (n_xs + len(consts))
+    for i, d in zip(diff, dxs, strict=True):
+        out[i] = d
+    return tuple(out)
+
+
+_per_chunk.defvjp(_per_chunk_fwd, _per_chunk_bwd)
+
+
+def chunked(x: jax.Array, axis: int, n: int) -> jax.Array:
+    """Dimension `axis` cut into n equal contiguous chunks, the chunk index moved to the front."""
+    axis = axis % x.ndim
+    size = x.shape[axis]
+    if size % n:
+        raise ValueError(f"chunked: dimension {axis} of size {size} does not split into {n} chunks")
+    y = x.reshape(*x.shape[:axis], n, size // n, *x.shape[axis + 1 :])
+    return jnp.moveaxis(y, axis, 0)
+
+
+def unchunked(y: jax.Array, axis: int) -> jax.Array:
+    """chunked's inverse: the leading chunk axis merged back into dimension `axis` of the result."""
+    n = y.shape[0]
+    axis = axis % (y.ndim - 1)
+    z = jnp.moveaxis(y, 0, axis)
+    return z.reshape(*z.shape[:axis], n * z.shape[axis + 1], *z.shape[axis + 2 :])
+
+
+def _transposed_specs(spec: str) -> tuple[str, str]:
+    ins, y = spec.split("->")
+    x, w = ins.split(",")
+    return f"{y},{w}->{x}", f"{x},{y}->{w}"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def chunk_product(spec: str, dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+    """One chunk's einsum with operands in `dtype` and a float32 result (a partial, unrounded). Its backward
+    runs both products in `dtype` with float32 results: dx in x's dtype (float32 for a fanout copy: the chunk
+    tree then adds unrounded partials), dw in w's (the float32 master)."""
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _product_fwd(spec, dtype, x, w):
+    return chunk_product(spec, dtype, x, w), (x.astype(dtype), w.astype(dtype), jnp.zeros((0,), x.dtype))
+
+
+def _product_bwd(spec, dtype, res, g):
+    xc, wc, like = res
+    dx_spec, dw_spec = _transposed_specs(spec)
+    gc = g.astype(dtype)
+    dx = jnp.einsum(dx_spec, gc, wc, preferred_element_type=jnp.float32).astype(like.dtype)
+    dw = jnp.einsum(dw_spec, xc, gc, preferred_element_type=jnp.float32)
+    return dx, dw
+
+
+chunk_product.defvjp(_product_fwd, _product_bwd)
+
+
+def max_over(split: TensorSplit, x: jax.Array) -> jax.Array:
+    """Elementwise maximum of x over the tensor axis (exact in any order)."""
+    if split.degree == 1:
+        return x
+    return jnp.max(jax.lax.all_gather(x, split.axis, axis=0, tiled=False), axis=0)
+
+
+def _ce_chunk(logits_BLV, first, m_BL, targets_BL):
+    """One vocabulary chunk's sum of exponentials and label logit (a masked sum: one term at most)."""
+    s_BL = jnp.sum(jnp.exp(logits_BLV - m_BL[..., None]), axis=-1)
+    ids_11V = first + jnp.arange(logits_BLV.shape[-1])[None, None, :]
+    return s_BL, jnp.sum(jnp.where(ids_11V == targets_BL[..., None], logits_BLV, 0.0), axis=-1)
+
+
+def ce_sum(split: TensorSplit, logits_cBLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
+    """Sum of token cross-entropies from vocabulary-chunked logits (this device's chunks, leading axis): the
+    maximum over the vocabulary exact, the sum of exponentials and the label logit each a per-chunk sum added
+    by the chunk tree, the token sum canonical.full_sum."""
+    n, vc = logits_cBLV.shape[0], logits_cBLV.shape[-1]
+    m_BL = jax.lax.stop_gradient(max_over(split, jnp.max(logits_cBLV, axis=(0, -1))))  # exact in any order
+    first_c = (split.first() + jnp.arange(n)) * vc
+
+    s_cBL, label_cBL = per_chunk(_ce_chunk, logits_cBLV, first_c, consts=(m_BL, targets_BL))
+    logz_BL = m_BL + jnp.log(combine(split, s_cBL))
+    return canonical.full_sum(logz_BL - combine(split, label_cBL))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def embed_lookup(split: TensorSplit, table_VD: jax.Array, ids_BL: jax.Array) -> jax.Array:
+    """table[ids] from this device's contiguous block of vocabulary rows: each device looks up the rows it
+    holds, the lookups are all-gathered and each token takes its owner's (a selection, exact). The table
+    gradient is a one-hot contraction per vocabulary chunk of the local rows (no scatter-add)."""
+    rows = table_VD.shape[0]
+    local_BL = ids_BL - split.first() * (rows // split.local)
+    e_BLD = jnp.take(table_VD, jnp.clip(local_BL, 0, rows - 1), axis=0)
+    if split.degree == 1:
+        return e_BLD
+    all_tBLD = jax.lax.all_gather(e_BLD, split.axis, axis=0, tiled=False)
+    owner_BL = ids_BL // rows
+    return jnp.take_along_axis(all_tBLD, owner_BL[None, ..., None], axis=0)[0]
+
+
+def _embed_fwd(split, table_VD, ids_BL):
+    return embed_lookup(split, table_VD, ids_BL), (ids_BL, jnp.zeros((0,) + table_VD.shape, table_VD.dtype))
+
+
+def _embed_bwd(split, res, g_BLD):
+    ids_BL, like = res
+    rows = like.shape[1]
+    per = rows // split.local
+    local_BL = ids_BL - split.first() * per
+
+    def one(c, local_BL, g_BLD):
+        onehot_BLV = jax.nn.one_hot(local_BL - c * per, per, dtype=g_BLD.dtype)
+        return jnp.einsum("blv,bld->vd", onehot_BLV, g_BLD, preferred_element_type=jnp.float32)
+
+    sums = per_chunk(one, jnp.arange(split.local), consts=(local_BL, g_BLD))
+    return sums.reshape(rows, -1).astype(like.dtype), None
+
+
+embed_lookup.defvjp(_embed_fwd, _embed_bwd)
