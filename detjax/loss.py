@@ -70,7 +70,11 @@ class Objective:
         targets_BL = tokens_BL1[:, 1:]
 
         def ce(logits, targets):
-            return token_ce_sum(logits, targets, self.canonical) if split is None else tensor.ce_sum(split, logits, targets)
+            return (
+                token_ce_sum(logits, targets, self.canonical)
+                if split is None
+                else tensor.ce_sum(split, logits, targets)
+            )
 
         lm = ce(logits_BLV, targets_BL)
         mtp = jnp.zeros(())

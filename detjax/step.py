@@ -292,8 +292,11 @@ class Trainer:
         """The model pieces a pipeline stage runs (detjax.sharding.pipeline takes functions, not models)."""
         m_cfg = self.cfg.model
         n_per = len(m_cfg.pattern) // (self.cfg.mesh.pipeline * self.cfg.mesh.pipeline_virtual)
-        model = HybridLM(m_cfg)  # no layout inside the stage body: the auto axes follow the parameter shardings
-        blocks = [block_class(m_cfg)(m_cfg, letter) for letter in m_cfg.pattern[:n_per]]
+        # no layout inside the stage body: the auto axes follow the parameter shardings; canonical numerics'
+        # feature chunks (determinism.max_tensor) run whole on each stage (tensor 1 with a pipeline)
+        tp = self.tensor_split
+        model = HybridLM(m_cfg, None, tp)
+        blocks = [block_class(m_cfg)(m_cfg, letter, None, tp) for letter in m_cfg.pattern[:n_per]]
 
         def chunk(chunk_params, h, key, chunk_idx, aux=None):
             """aux: the running sum of the earlier blocks' aux losses (canonical numerics carries it from stage
@@ -309,7 +312,7 @@ class Trainer:
 
         def head(outer, h, tokens, key, e=None):
             outs = model.apply({"params": outer}, h, tokens[:, :-1], True, key, e, method=HybridLM.outputs)
-            terms = self.objective.terms(*outs, tokens)
+            terms = self.objective.terms(*outs, tokens, split=tp)
             return self.objective.total(terms), terms
 
         return pipeline.StageFns(chunk, embed, head, self.objective.aux_weight, m_cfg.d_model)

@@ -32,7 +32,7 @@ def one_step(pattern: str, mesh: list[str], overrides: list[str]):
 
     from detjax.config import load_config
     from detjax.sharding.mesh import build_layout
-    from detjax.step import Trainer
+    from detjax.step import Trainer, compile_init
 
     cfg = load_config(
         str(REPO / "configs/tiny_mesh.yaml"),
@@ -40,7 +40,7 @@ def one_step(pattern: str, mesh: list[str], overrides: list[str]):
     )
     tr = Trainer(cfg, build_layout(cfg, jax.devices()[: cfg.mesh.devices or 8]))
     ssh, bsh = tr.state_shardings(), tr.batch_sharding()
-    state = jax.jit(tr.init_state, out_shardings=ssh)(jax.random.key(0))
+    state = compile_init(tr, ssh)(jax.random.key(0))
     batch = jax.random.randint(jax.random.key(1), (cfg.train.global_batch, cfg.train.seq_len + 1), 0, 264)
     new, _ = jax.jit(tr.train_step, in_shardings=(ssh, bsh))(state, jax.device_put(batch, bsh))
     return jax.device_get(new.opt_state)

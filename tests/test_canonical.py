@@ -99,8 +99,38 @@ def test_square_sums_do_not_depend_on_the_sharding():
 
 def test_config_rules():
     canon = ["determinism.numerics=canonical"]
-    with pytest.raises(ConfigError, match=r"mesh\.tensor.*no canonical"):
+    # tensor parallelism needs the fixed chunk count, and every split dimension must divide into it
+    with pytest.raises(ConfigError, match=r"mesh\.tensor.*Fix: set determinism\.max_tensor=2"):
         load_config(MESH_CFG, canon + ["mesh.tensor=2"])
+    with pytest.raises(ConfigError, match=r"model\.n_kv_heads' = 4: must be divisible by determinism\.max_tensor = 8"):
+        load_config(MESH_CFG, canon + ["determinism.max_tensor=8"])
+    load_config(MESH_CFG, canon + ["determinism.max_tensor=4", "mesh.tensor=4"])
+    with pytest.raises(ConfigError, match=r"max_tensor.*power of two"):
+        load_config(MESH_CFG, canon + ["determinism.max_tensor=3"])
+    with pytest.raises(ConfigError, match=r"max_tensor.*only under determinism.numerics=canonical"):
+        load_config(MESH_CFG, ["determinism.max_tensor=2"])
+    with pytest.raises(ConfigError, match=r"sequence parallelism has no canonical path"):
+        load_config(MESH_CFG, canon + ["determinism.max_tensor=4", "mesh.tensor=4", "mesh.sequence_parallel=true"])
+    with pytest.raises(ConfigError, match=r"not built for tensor parallelism inside pipeline stages"):
+        load_config(
+            MESH_CFG,
+            canon
+            + [
+                "determinism.max_tensor=2",
+                "mesh.tensor=2",
+                "mesh.pipeline=2",
+                "train.micro_batch=1",
+                "model.pattern='M*E-M*E-'",
+            ],
+        )
+    with pytest.raises(ConfigError, match=r"model\.kernels.*not built for the Pallas kernels"):
+        load_config(MESH_CFG, canon + ["determinism.max_tensor=2", "model.kernels=pallas"])
+    # the chunk count is part of the trajectory; the tensor degree is not
+    four = canon + ["determinism.max_tensor=4"]
+    assert load_config(MESH_CFG, four).hash() != load_config(MESH_CFG, canon).hash()
+    assert (
+        load_config(MESH_CFG, four + ["mesh.tensor=4"]).hash() == load_config(MESH_CFG, four + ["mesh.data=8"]).hash()
+    )
     # a canonical pipeline's microbatches are the leaves
     with pytest.raises(ConfigError, match=r"train\.micro_batch.*must equal determinism\.canonical_leaf = 1"):
         load_config(MESH_CFG, canon + ["mesh.pipeline=2", "model.pattern='M*E-M*E-'"])
@@ -181,6 +211,66 @@ def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
     assert not _same(mb8, mb2), "negative control: default numerics should change with the microbatch size"
 
 
+TP = ["determinism.numerics=canonical", "determinism.max_tensor=8", "model.n_kv_heads=8"]
+_TP_REF: dict = {}
+
+
+def _tp_step(mesh: list[str]):
+    """Two canonical steps of tiny_mesh's hybrid (M*E- and MTP) with 8 feature chunks, once per mesh."""
+    key = tuple(mesh)
+    if key not in _TP_REF:
+        _TP_REF[key] = _one_step([*TP, *mesh], (), steps=2)
+    return _TP_REF[key]
+
+
+def test_tensor_parallel_is_byte_equal_to_one_device():
+    """Canonical tensor parallelism (determinism.max_tensor = 8): tensor 2 x data 4 gives the one-device run's
+    two steps of the hybrid (Mamba2 heads, attention heads, MoE expert widths, MLP, vocabulary-parallel
+    embedding and cross-entropy, MTP) byte for byte, digests included. Negative control: under default
+    numerics tensor parallelism changes the bits (the partitioner's all-reduces)."""
+    _assert_step_equal(_tp_step(["mesh.tensor=2"]), _tp_step(["mesh.devices=1"]), "tensor 2 x data 4")
+    one, two = _one_step(["mesh.devices=1"]), _one_step(["mesh.tensor=2", "mesh.data=1", "mesh.devices=2"])
+    assert not _same(one, two), "negative control: default numerics should change with the tensor degree"
+
+
+@pytest.mark.extended  # ~3 min on 2 cores
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        ["mesh.tensor=8", "mesh.data=1"],
+        ["mesh.tensor=2", "mesh.expert=2"],
+        ["mesh.tensor=4", "mesh.fsdp=2", "mesh.data=1"],
+    ],
+)
+def test_tensor_parallel_cells_are_byte_equal_to_one_device(mesh):
+    """tp8 (one chunk per device), tp2 x ep2 x data 2 and tp4 x fsdp 2 give the one-device run's bits."""
+    _assert_step_equal(_tp_step(mesh), _tp_step(["mesh.devices=1"]), mesh)
+
+
+@pytest.mark.extended  # ~1 min on 2 cores
+def test_feature_chunks_compute_the_same_function():
+    """The chunked model (max_tensor = 8, one device) is the same function as the unchunked one: its step-0
+    gradient sums agree to bf16 rounding (allclose: a check of the math, not of determinism), and are not the
+    same bits (the chunk trees change the order)."""
+    from detjax.sharding.mesh import build_layout
+    from detjax.step import Trainer, compile_init
+
+    out = []
+    for big in (1, 8):
+        cfg = load_config(MESH_CFG, [*TP[:1], "model.n_kv_heads=8", f"determinism.max_tensor={big}", "mesh.devices=1"])
+        tr = Trainer(cfg, build_layout(cfg, jax.devices()[:1]))
+        state = compile_init(tr, tr.state_shardings())(jax.random.key(0))
+        batch = jax.random.randint(jax.random.key(1), (cfg.train.global_batch, cfg.train.seq_len + 1), 0, 264)
+        g, terms, _ = jax.jit(lambda s, b, tr=tr: tr.canonical_grad_sums(s.params, b, tr.step_key(s)))(state, batch)
+        out.append(jax.device_get((g, terms)))
+    (g1, t1), (g8, t8) = out
+    for a, b in zip(t1, t8, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-3)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.02 * float(np.abs(a).max()) + 1e-6)
+    assert not _same(g1, g8)
+
+
 @pytest.mark.parametrize(
     "pattern",
     ["E-E-", pytest.param("M*E-M*E-", marks=pytest.mark.extended)],  # the hybrid: ~3 min on 2 cores
@@ -248,7 +338,7 @@ def test_leaves_per_scan_do_not_change_the_gradient_sums(python):
 
 def test_a_mesh_with_more_batch_devices_than_leaves_is_refused():
     from detjax.sharding.mesh import build_layout
-    from detjax.step import Trainer, compile_init
+    from detjax.step import Trainer
 
     cfg = load_config(MESH_CFG, ["determinism.numerics=canonical", "determinism.canonical_leaf=4", "mesh.data=8"])
     with pytest.raises(ConfigError, match=r"dividing the 4 leaves.*smaller determinism\.canonical_leaf"):

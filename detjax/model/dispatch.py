@@ -80,7 +80,11 @@ def expert_ffn_chunked(split: TensorSplit, xs_RD, gs_E, w_gate_EDF, w_up_EDF, w_
     chunk tree (detjax.sharding.tensor); float32 result."""
     n = split.local
     x_cRD = tp_ops.fanout(split, xs_RD)
-    wg_c, wu_c, wd_c = tp_ops.chunked(w_gate_EDF, 2, n), tp_ops.chunked(w_up_EDF, 2, n), tp_ops.chunked(w_down_EFD, 1, n)
+    wg_c, wu_c, wd_c = (
+        tp_ops.chunked(w_gate_EDF, 2, n),
+        tp_ops.chunked(w_up_EDF, 2, n),
+        tp_ops.chunked(w_down_EFD, 1, n),
+    )
 
     def chunk(x_RD, wg, wu, wd, gs):  # one loop body per chunk: the same program whatever the tensor degree
         def gmm(a, w):

@@ -3,17 +3,16 @@
 Under canonical numerics with `determinism.max_tensor` = M > 1, each dimension that tensor parallelism splits
 (attention and Mamba2 heads, the MLP's and the experts' widths, the vocabulary) is cut into M equal contiguous
 chunks, whatever the tensor degree t (a divisor of M). Device r of the `tensor` axis holds chunks
-[r M/t, (r+1) M/t): the contiguous block that a NamedSharding over `tensor` gives it. The model runs every
-chunk as its own equally shaped program (a leading chunk axis, vmapped), so a chunk's values do not depend on
-how many chunks sit beside it: `per_chunk` runs a chunk's work as the body of a loop (lax.map), one
-program for any number of chunks (a vmapped batch of 8 chunks and one of 4 are two programs, and XLA's CPU
-code for them measured one ulp apart in a weight gradient). A sum over the split dimension -- a row-parallel projection's contraction, a
-column-parallel projection's input gradient, Mamba2's gated-norm mean square and the gradient of B and C over
-the heads, the vocabulary's logsumexp and label logit -- takes each chunk's partial result and adds the M of
-them by detjax.sharding.canonical.pair_sum's tree: a device adds its own aligned block of M/t partials (a
-subtree of that tree), the t subtree results are all-gathered (exact copies, no arithmetic) and added by the
-top levels of the same tree. One device runs the same chunks and the same tree with no collective, so the
-bits are the same for t = 1, 2, ..., M.
+[r M/t, (r+1) M/t): the contiguous block that a NamedSharding over `tensor` gives it. Each chunk's work runs
+as one loop body (`per_chunk`), the same program for any number of chunks, so a chunk's values do not depend
+on how many chunks sit beside it (a vmapped batch of 8 chunks and one of 4 are two programs, and XLA's CPU code
+for them measured one ulp apart in a weight gradient). A sum over the split dimension -- a row-parallel
+projection's contraction, a column-parallel projection's input gradient, Mamba2's gated-norm mean square and
+the gradient of B and C over the heads, the vocabulary's logsumexp and label logit -- takes each chunk's
+partial result and adds the M of them by detjax.sharding.canonical.pair_sum's tree: a device adds its own
+aligned block of M/t partials (a subtree of that tree), the t subtree results are all-gathered (exact copies,
+no arithmetic) and added by the top levels of the same tree. One device runs the same chunks and the same tree
+with no collective, so the bits are the same for t = 1, 2, ..., M.
 
 Two operations carry it, each the other's transpose:
 - `combine(split, parts)`: the chunk tree over the leading (local chunk) axis; its backward hands every chunk
