@@ -723,8 +723,12 @@ def canonical_tensor_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
     if mesh.pipeline > 1 and mesh.tensor > 1:
         not_built.append(("mesh.tensor", mesh.tensor, "tensor parallelism inside pipeline stages", "set mesh.tensor=1"))
     if m.kernels == "pallas" or m.moe.experts_impl == "pallas":
-        key = "model.kernels" if m.kernels == "pallas" else "model.moe.experts_impl"
-        not_built.append((key, "pallas", "the Pallas kernels", "set model.kernels=reference"))
+        key, fix = (
+            ("model.kernels", "set model.kernels=reference")
+            if m.kernels == "pallas"
+            else ("model.moe.experts_impl", "set model.moe.experts_impl=auto")
+        )
+        not_built.append((key, "pallas", "the Pallas kernels", fix))
     if m.fp8.enabled:
         not_built.append(("model.fp8.enabled", True, "fp8 projections", "set model.fp8.enabled=false"))
     if not_built:

@@ -123,8 +123,8 @@ def test_config_rules():
                 "model.pattern='M*E-M*E-'",
             ],
         )
-    with pytest.raises(ConfigError, match=r"model\.kernels.*not built for the Pallas kernels"):
-        load_config(MESH_CFG, canon + ["determinism.max_tensor=2", "model.kernels=pallas"])
+    with pytest.raises(ConfigError, match=r"experts_impl.*not built for the Pallas kernels.*experts_impl=auto"):
+        load_config(MESH_CFG, canon + ["determinism.max_tensor=2", "model.moe.experts_impl=pallas"])
     # the chunk count is part of the trajectory; the tensor degree is not
     four = canon + ["determinism.max_tensor=4"]
     assert load_config(MESH_CFG, four).hash() != load_config(MESH_CFG, canon).hash()
