@@ -720,8 +720,6 @@ def canonical_tensor_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
     if big == 1:
         return []
     not_built = []
-    if mesh.pipeline > 1 and mesh.tensor > 1:
-        not_built.append(("mesh.tensor", mesh.tensor, "tensor parallelism inside pipeline stages", "set mesh.tensor=1"))
     if m.kernels == "pallas" or m.moe.experts_impl == "pallas":
         key, fix = (
             ("model.kernels", "set model.kernels=reference")

@@ -136,6 +136,14 @@ class Trainer:
 
         return jax.tree.map(one, self.param_logical_specs(), is_leaf=lambda s: isinstance(s, P))
 
+    def stage_tensor_specs(self) -> Any:
+        """tensor_specs in the pipeline layout (stacked leaves: their virtual and stage dims first)."""
+        stacked = pipeline.stack_specs(self.tensor_specs(), self.cfg)
+        stacked["stages"] = jax.tree.map(
+            lambda s: P(None, None, *tuple(s)[2:]), stacked["stages"], is_leaf=lambda s: isinstance(s, P)
+        )
+        return stacked
+
     # ------------------------------------------------------------------------------------------ state
     def _boxed_params(self, seed_key: jax.Array) -> Any:
         t = self.cfg.train
@@ -428,6 +436,7 @@ class Trainer:
             step_key,
             canonical=True,
             batch_axes=self.batch_axes(),
+            tensor_specs=self.stage_tensor_specs() if self.tensor_split is not None else None,
         )
         return pipeline.unstack_params(g_sum, self.cfg), sums, None
 

@@ -144,6 +144,7 @@ def pipeline_grads(
     step_key,
     canonical: bool = False,
     batch_axes: tuple[str, ...] = (),
+    tensor_specs: Any = None,
 ):
     """Gradient sums of the step objective and the (lm, mtp, aux) sums, like the single-device scan.
 
@@ -159,7 +160,10 @@ def pipeline_grads(
       (never a float psum with zeros).
     batch_axes (canonical only): the mesh axes the leaves are split over. Shard k of S runs its own pipeline
     over the contiguous block of leaves [k N/S, (k+1) N/S) (each with the dropout key of its global index),
-    and the S block sums meet in the top levels of the same pair tree, as in Trainer.canonical_grad_sums."""
+    and the S block sums meet in the top levels of the same pair tree, as in Trainer.canonical_grad_sums.
+    tensor_specs (canonical only): each parameter's PartitionSpec over `tensor` in the pipeline layout
+    (stacked leaves' specs start with their virtual and stage dims): the stages run canonical tensor
+    parallelism's chunks (detjax.sharding.tensor) on their tensor shards, manual over `tensor` too."""
     n_stages, n_virtual, _ = _chunking(cfg)
     if batch_axes and not canonical:
         raise ValueError("pipeline_grads: batch_axes is for canonical numerics (default pipelines auto-shard)")
@@ -314,13 +318,17 @@ def pipeline_grads(
         g_stages = jax.tree.map(lambda x: x[:, None], carry["g_stages"])
         return g_outer, g_stages, sums
 
-    stage_spec = jax.tree.map(lambda _: P(None, "pipeline"), params["stages"])
-    outer_spec = jax.tree.map(lambda _: P(), outer0)
+    if tensor_specs is None:
+        tensor_specs = jax.tree.map(lambda x: P(*([None] * x.ndim)), params)
+    is_p = {"is_leaf": lambda x: isinstance(x, P)}
+    t_outer = {k: v for k, v in tensor_specs.items() if k != "stages"}
+    stage_spec = jax.tree.map(lambda t: P(None, "pipeline", *tuple(t)[2:]), tensor_specs["stages"], **is_p)
+    outer_spec = jax.tree.map(lambda t: P(*t), t_outer, **is_p)
     if canonical:  # per batch shard (k), summed below by the top of the pair tree
         k = batch_axes or None
         out_specs = (
-            jax.tree.map(lambda _: P(k), outer0),
-            jax.tree.map(lambda _: P(k, None, "pipeline"), params["stages"]),
+            jax.tree.map(lambda t: P(k, *t), t_outer, **is_p),
+            jax.tree.map(lambda t: P(k, None, "pipeline", *tuple(t)[2:]), tensor_specs["stages"], **is_p),
             P(k),
         )
         tok_spec = P(k)
@@ -331,7 +339,7 @@ def pipeline_grads(
         mesh=layout.mesh,
         in_specs=(outer_spec, stage_spec, tok_spec, P()),
         out_specs=out_specs,
-        axis_names=frozenset({"pipeline", *batch_axes}),
+        axis_names=frozenset({"pipeline", *batch_axes, *(["tensor"] if layout.degrees["tensor"] > 1 else [])}),
         check_vma=False,
     )
     g_outer, g_stages, sums = fn(outer0, params["stages"], micro_tokens, step_key)
