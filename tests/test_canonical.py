@@ -439,30 +439,10 @@ def test_resume_onto_a_pipeline_continues_the_trajectory(tmp_path):
     leaf per microbatch; the state's one-device layout resharded, the stage copy stacked inside the step) and
     continue: fingerprints and final parameters byte-equal to the uninterrupted dp8 run. Negative control: the
     same resume with one restored parameter element nudged by one ulp gives other fingerprints."""
-    import shutil
-
-    from detjax.train import train
-
     base = ["model.pattern='E-E-'", "train.steps=3", "ckpt.every=1", "run.save_final_params=true"]
     canon = base + ["determinism.numerics=canonical"]
-    ref = train(load_config(MESH_CFG, canon + ["mesh.data=8"]), tmp_path / "ref")
-    train(load_config(MESH_CFG, canon + ["mesh.data=8", "run.stop_after=1"]), tmp_path / "moved")
-    shutil.copytree(tmp_path / "moved", tmp_path / "nudged")
     pp = ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2", "train.micro_batch=1"]
-    got = train(load_config(MESH_CFG, canon + pp), tmp_path / "moved", resume=True)
-    want = (ref.run_dir / "fingerprints.jsonl").read_bytes()
-    assert (got.run_dir / "fingerprints.jsonl").read_bytes() == want
-    a, b = np.load(ref.run_dir / "final_params.npz"), np.load(got.run_dir / "final_params.npz")
-    for k in a:
-        np.testing.assert_array_equal(a[k].view(np.uint32), b[k].view(np.uint32), err_msg=k)
-
-    def nudge(state, batches):
-        leaves, tree = jax.tree.flatten(state.params)
-        leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(jnp.nextafter(leaves[0].ravel()[0], jnp.inf))
-        return state.replace(params=jax.tree.unflatten(tree, leaves)), batches
-
-    nudged = train(load_config(MESH_CFG, canon + pp), tmp_path / "nudged", resume=True, after_restore=nudge)
-    assert (nudged.run_dir / "fingerprints.jsonl").read_bytes() != want, "negative control: one ulp should show"
+    _resume_moved(tmp_path, canon, ["mesh.data=8"], ["mesh.data=8"], pp)
 
 
 @pytest.mark.extended  # ~4 min on 2 cores
@@ -471,16 +451,24 @@ def test_resume_onto_tensor_parallelism_continues_the_trajectory(tmp_path):
     checkpoint at an odd step), resume on tp2 x ep2 x data 2 (the state resharded over `tensor`) and continue:
     fingerprints and final parameters byte-equal to the uninterrupted one-device run. Negative control: the
     same resume with one restored parameter element nudged by one ulp gives other fingerprints."""
+    canon = [*TP, "train.steps=3", "ckpt.every=1", "run.save_final_params=true"]
+    _resume_moved(
+        tmp_path, canon, ["mesh.devices=1"], ["mesh.data=8"], ["mesh.tensor=2", "mesh.expert=2", "mesh.data=2"]
+    )
+
+
+def _resume_moved(tmp_path, canon: list[str], ref_mesh: list[str], first_mesh: list[str], then_mesh: list[str]):
+    """The uninterrupted run on ref_mesh against one stopped after step 1 on first_mesh and resumed on
+    then_mesh: fingerprints and final parameters byte-equal. Negative control: the same resume with one restored
+    parameter element nudged by one ulp gives other fingerprints."""
     import shutil
 
     from detjax.train import train
 
-    canon = [*TP, "train.steps=3", "ckpt.every=1", "run.save_final_params=true"]
-    ref = train(load_config(MESH_CFG, canon + ["mesh.devices=1"]), tmp_path / "ref")
-    train(load_config(MESH_CFG, canon + ["mesh.data=8", "run.stop_after=1"]), tmp_path / "moved")
+    ref = train(load_config(MESH_CFG, canon + ref_mesh), tmp_path / "ref")
+    train(load_config(MESH_CFG, canon + first_mesh + ["run.stop_after=1"]), tmp_path / "moved")
     shutil.copytree(tmp_path / "moved", tmp_path / "nudged")
-    tp = ["mesh.tensor=2", "mesh.expert=2", "mesh.data=2"]
-    got = train(load_config(MESH_CFG, canon + tp), tmp_path / "moved", resume=True)
+    got = train(load_config(MESH_CFG, canon + then_mesh), tmp_path / "moved", resume=True)
     want = (ref.run_dir / "fingerprints.jsonl").read_bytes()
     assert (got.run_dir / "fingerprints.jsonl").read_bytes() == want
     a, b = np.load(ref.run_dir / "final_params.npz"), np.load(got.run_dir / "final_params.npz")
@@ -492,7 +480,7 @@ def test_resume_onto_tensor_parallelism_continues_the_trajectory(tmp_path):
         leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(jnp.nextafter(leaves[0].ravel()[0], jnp.inf))
         return state.replace(params=jax.tree.unflatten(tree, leaves)), batches
 
-    nudged = train(load_config(MESH_CFG, canon + tp), tmp_path / "nudged", resume=True, after_restore=nudge)
+    nudged = train(load_config(MESH_CFG, canon + then_mesh), tmp_path / "nudged", resume=True, after_restore=nudge)
     assert (nudged.run_dir / "fingerprints.jsonl").read_bytes() != want, "negative control: one ulp should show"
 
 

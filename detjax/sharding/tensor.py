@@ -206,14 +206,6 @@ def chunked(x: jax.Array, axis: int, n: int) -> jax.Array:
     return jnp.moveaxis(y, axis, 0)
 
 
-def unchunked(y: jax.Array, axis: int) -> jax.Array:
-    """chunked's inverse: the leading chunk axis merged back into dimension `axis` of the result."""
-    n = y.shape[0]
-    axis = axis % (y.ndim - 1)
-    z = jnp.moveaxis(y, 0, axis)
-    return z.reshape(*z.shape[:axis], n * z.shape[axis + 1], *z.shape[axis + 2 :])
-
-
 def _transposed_specs(spec: str) -> tuple[str, str]:
     ins, y = spec.split("->")
     x, w = ins.split(",")
