@@ -131,8 +131,7 @@ class Trainer:
 
         def one(names):
             spec = self.layout.spec(tuple(names))
-            keep = [e if e == "tensor" or (isinstance(e, tuple) and "tensor" in e) else None for e in spec]
-            return P(*["tensor" if e is not None else None for e in keep])
+            return P(*["tensor" if e == "tensor" or (isinstance(e, tuple) and "tensor" in e) else None for e in spec])
 
         return jax.tree.map(one, self.param_logical_specs(), is_leaf=lambda s: isinstance(s, P))
 

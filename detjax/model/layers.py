@@ -105,13 +105,6 @@ def proj(
     return _xla_dense(spec, jnp.dtype(dtype), x.dtype, w.dtype, x, w)
 
 
-def _transposed_specs(spec: str) -> tuple[str, str]:
-    """The dx and dw einsum specs of the projection `spec` ('x,w->y' gives 'y,w->x' and 'x,y->w')."""
-    ins, y = spec.split("->")
-    x, w = ins.split(",")
-    return f"{y},{w}->{x}", f"{x},{y}->{w}"
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _xla_dense(spec: str, dtype: jnp.dtype, x_dtype, w_dtype, x: jax.Array, w: jax.Array) -> jax.Array:
     """XLA's einsum in `dtype` with float32 accumulation (model.kernels=xla). Its own backward keeps both
@@ -129,7 +122,7 @@ def _xla_dense_fwd(spec, dtype, x_dtype, w_dtype, x, w):
 
 def _xla_dense_bwd(spec, dtype, x_dtype, w_dtype, res, dy):
     xc, wc = res
-    dx_spec, dw_spec = _transposed_specs(spec)
+    dx_spec, dw_spec = tp_ops.transposed_specs(spec)
     dy = dy.astype(dtype)
     dx = jnp.einsum(dx_spec, dy, wc, preferred_element_type=jnp.float32).astype(dtype).astype(x_dtype)
     dw = jnp.einsum(dw_spec, xc, dy, preferred_element_type=jnp.float32).astype(w_dtype)
@@ -219,17 +212,14 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         w_D = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (ax.NORM,))
-        if self.pinned:
-            x32 = x.astype(jnp.float32)
-            y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-            return (y * tp_ops.expand(w_D, y.shape[:-1])).astype(self.out_dtype)
         if self.kernels == "pallas" and rmsnorm_fits(x.size // x.shape[-1]):
             d = x.shape[-1]
             out_dtype = jnp.dtype(self.out_dtype)
             return rmsnorm(x.astype(jnp.float32).reshape(-1, d), w_D, self.eps, out_dtype).reshape(x.shape)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * w_D.reshape((1,) * (y.ndim - 1) + (-1,))).astype(self.out_dtype)
+        w = tp_ops.expand(w_D, y.shape[:-1]) if self.pinned else w_D.reshape((1,) * (y.ndim - 1) + (-1,))
+        return (y * w).astype(self.out_dtype)
 
 
 # --------------------------------------------------------------------------- gathers without scatter-add

@@ -29,15 +29,14 @@ def causal_conv(x_BL_: jax.Array, w_W_: jax.Array, b_: jax.Array, pinned: bool =
     length = x_BL_.shape[1]
     lead = (1, 1)
     xpad = jnp.pad(x_BL_, ((0, 0), (width - 1, 0)) + ((0, 0),) * (x_BL_.ndim - 2))
-    if pinned:
-        tokens = x_BL_.shape[:2]
-        out = tp_ops.expand(b_.astype(x_BL_.dtype), tokens)
-        for k in range(width):
-            out = out + xpad[:, k : k + length] * tp_ops.expand(w_W_[k].astype(x_BL_.dtype), tokens)
-        return out
-    out = jnp.broadcast_to(b_.astype(x_BL_.dtype).reshape(lead + b_.shape), x_BL_.shape)
+
+    def channels(v):  # a per-channel vector as the tokens see it
+        v = v.astype(x_BL_.dtype)
+        return tp_ops.expand(v, x_BL_.shape[:2]) if pinned else v.reshape(lead + b_.shape)
+
+    out = channels(b_) if pinned else jnp.broadcast_to(channels(b_), x_BL_.shape)
     for k in range(width):
-        out = out + xpad[:, k : k + length] * w_W_[k].astype(x_BL_.dtype).reshape(lead + b_.shape)
+        out = out + xpad[:, k : k + length] * channels(w_W_[k])
     return out
 
 

@@ -206,7 +206,8 @@ def chunked(x: jax.Array, axis: int, n: int) -> jax.Array:
     return jnp.moveaxis(y, axis, 0)
 
 
-def _transposed_specs(spec: str) -> tuple[str, str]:
+def transposed_specs(spec: str) -> tuple[str, str]:
+    """The dx and dw einsum specs of the projection `spec` ('x,w->y' gives 'y,w->x' and 'x,y->w')."""
     ins, y = spec.split("->")
     x, w = ins.split(",")
     return f"{y},{w}->{x}", f"{x},{y}->{w}"
@@ -226,7 +227,7 @@ def _product_fwd(spec, dtype, x, w):
 
 def _product_bwd(spec, dtype, res, g):
     xc, wc, like = res
-    dx_spec, dw_spec = _transposed_specs(spec)
+    dx_spec, dw_spec = transposed_specs(spec)
     gc = g.astype(dtype)
     dx = jnp.einsum(dx_spec, gc, wc, preferred_element_type=jnp.float32).astype(like.dtype)
     dw = jnp.einsum(dw_spec, xc, gc, preferred_element_type=jnp.float32)
