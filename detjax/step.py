@@ -124,7 +124,8 @@ class Trainer:
         if not self.canonical or big == 1:
             return None
         degree = self.layout.degrees["tensor"] if self.layout is not None else 1
-        return TensorSplit(big, degree, "tensor" if degree > 1 else None)
+        sequence = degree > 1 and self.cfg.mesh.sequence_parallel
+        return TensorSplit(big, degree, "tensor" if degree > 1 else None, sequence)
 
     def tensor_specs(self) -> Any:
         """Each parameter's PartitionSpec over the tensor axis alone (what a canonical device holds of it)."""

@@ -109,8 +109,14 @@ def test_config_rules():
         load_config(MESH_CFG, canon + ["determinism.max_tensor=3"])
     with pytest.raises(ConfigError, match=r"max_tensor.*only under determinism.numerics=canonical"):
         load_config(MESH_CFG, ["determinism.max_tensor=2"])
-    with pytest.raises(ConfigError, match=r"sequence parallelism has no canonical path"):
-        load_config(MESH_CFG, canon + ["determinism.max_tensor=4", "mesh.tensor=4", "mesh.sequence_parallel=true"])
+    load_config(MESH_CFG, canon + ["determinism.max_tensor=4", "mesh.tensor=4", "mesh.sequence_parallel=true"])
+    with pytest.raises(ConfigError, match=r"sequence parallelism is not built inside pipeline stages"):
+        load_config(
+            MESH_CFG,
+            canon
+            + ["determinism.max_tensor=2", "mesh.tensor=2", "mesh.sequence_parallel=true", "mesh.pipeline=2"]
+            + ["train.micro_batch=1", "model.pattern='M*E-M*E-'"],
+        )
     load_config(  # tensor parallelism inside canonical pipeline stages
         MESH_CFG,
         canon
@@ -234,10 +240,12 @@ def test_tensor_parallel_is_byte_equal_to_one_device():
         ["mesh.tensor=8", "mesh.data=1"],
         ["mesh.tensor=2", "mesh.expert=2"],
         ["mesh.tensor=4", "mesh.fsdp=2", "mesh.data=1"],
+        ["mesh.tensor=4", "mesh.sequence_parallel=true"],
     ],
 )
 def test_tensor_parallel_cells_are_byte_equal_to_one_device(mesh):
-    """tp8 (one chunk per device), tp2 x ep2 x data 2 and tp4 x fsdp 2 give the one-device run's bits."""
+    """tp8 (one chunk per device), tp2 x ep2 x data 2, tp4 x fsdp 2 and tp4 with sequence parallelism (x data
+    2) give the one-device run's bits."""
     _assert_step_equal(_tp_step(mesh), _tp_step(["mesh.devices=1"]), mesh)
 
 

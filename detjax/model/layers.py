@@ -207,7 +207,8 @@ class RMSNorm(nn.Module):
     eps: float = 1e-5
     kernels: str = "reference"
     out_dtype: Any = jnp.float32
-    pinned: bool = False  # the scale's gradient by tensor.expand's pinned token tree (canonical tensor parallelism)
+    pinned: bool = False  # canonical tensor parallelism: the scale's gradient by tensor.expand's pinned token tree,
+    # the input's behind tensor.pin_cotangent
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -216,7 +217,7 @@ class RMSNorm(nn.Module):
             d = x.shape[-1]
             out_dtype = jnp.dtype(self.out_dtype)
             return rmsnorm(x.astype(jnp.float32).reshape(-1, d), w_D, self.eps, out_dtype).reshape(x.shape)
-        x32 = x.astype(jnp.float32)
+        x32 = tp_ops.pin_cotangent(x.astype(jnp.float32)) if self.pinned else x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         w = tp_ops.expand(w_D, y.shape[:-1]) if self.pinned else w_D.reshape((1,) * (y.ndim - 1) + (-1,))
         return (y * w).astype(self.out_dtype)

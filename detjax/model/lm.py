@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -21,6 +23,9 @@ from detjax.sharding.tensor import TensorSplit
 class Block(nn.Module):
     """Pre-norm residual block; `letter` picks the mixer (M, *, E, -). Returns (h, aux loss).
 
+    With sequence parallelism (`tp.sequence`) `h` is this device's piece of the sequence: the block gathers
+    the whole sequence, runs as without it and returns its own piece (detjax.sharding.tensor).
+
     Dropout takes an explicit key (the model derives one per layer index), so a block's mask does not
     depend on where the block sits in the module tree — a pipeline stage applying it alone draws the same.
     """
@@ -34,6 +39,9 @@ class Block(nn.Module):
     def __call__(self, h_BLD: jax.Array, train: bool, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         c, lay, tp = self.cfg, self.layout, self.tp
         dtype = DTYPES[c.compute_dtype]
+        h_BlD = h_BLD  # with sequence parallelism, this device's piece of the stream; else the whole of it
+        if tp is not None and tp.sequence:
+            h_BLD = tp_ops.gather_sequence(tp, h_BlD)
         x_BLD = RMSNorm(c.norm_eps, c.kernels, dtype, tp is not None, name="norm")(h_BLD)
         x_BLD = constrain(x_BLD, lay, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED), "block_in")
         aux = jnp.zeros((), jnp.float32)
@@ -67,7 +75,10 @@ class Block(nn.Module):
             if key is None:
                 raise ValueError("training with dropout needs a dropout key")
             y_BLD = nn.Dropout(c.dropout, deterministic=False)(y_BLD, rng=key)
-        h_BLD = h_BLD + y_BLD.astype(jnp.float32)
+        y_BLD = y_BLD.astype(jnp.float32)
+        if tp is not None and tp.sequence:
+            return h_BlD + tp_ops.scatter_sequence(tp, y_BLD), aux
+        h_BLD = h_BLD + y_BLD
         return constrain(h_BLD, lay, (ax.BATCH, ax.SEQ, ax.ACT_EMBED), "residual"), aux
 
 
@@ -112,8 +123,10 @@ class HybridLM(nn.Module):
             self.w_mtp_2DD = param(
                 self, "w_mtp_proj", normal_init(c.init_std), (2, c.d_model, c.d_model), (None, ax.EMBED, None)
             )
+            # the MTP stream (L - 1 positions) stays whole: L - 1 need not split over the tensor degree
+            mtp_tp = dataclasses.replace(tp, sequence=False) if tp is not None else None
             self.mtp_layers = [
-                block(c, letter, lay, tp, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)
+                block(c, letter, lay, mtp_tp, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)
             ]
             self.mtp_final_norm = RMSNorm(c.norm_eps, c.kernels, pinned=pinned)
             self.mtp_fp8_h = scale_var(self, "mtp_proj_h", c.fp8.enabled)
@@ -164,9 +177,14 @@ class HybridLM(nn.Module):
 
     def __call__(self, ids_BL: jax.Array, train: bool = False, key: jax.Array | None = None):
         h_BLD = self.embed(ids_BL)
+        sequence = self.tp is not None and self.tp.sequence
+        if sequence:  # the stream between blocks: this device's piece of the sequence
+            h_BLD = tp_ops.scatter_sequence(self.tp, h_BLD)
         aux = jnp.zeros((), jnp.float32)
         for i, layer in enumerate(self.layers):
             h_BLD, a = layer(h_BLD, train, layer_key(key, i))
             aux = aux + a
+        if sequence:
+            h_BLD = tp_ops.gather_sequence(self.tp, h_BLD)
         logits_BLV, mtp_logits_BLV, mtp_aux = self.outputs(h_BLD, ids_BL, train, key)
         return logits_BLV, mtp_logits_BLV, aux + mtp_aux

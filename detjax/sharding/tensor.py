@@ -19,6 +19,12 @@ Two operations carry it, each the other's transpose:
   the cotangent.
 - `fanout(split, x)`: a replicated input copied once per local chunk (float32); its backward is `combine` of
   the chunks' cotangents, so the input gradient of a column-parallel projection is the chunk tree.
+
+Sequence parallelism (`TensorSplit.sequence`) keeps the residual stream between blocks split over `tensor`
+along the sequence. A block gathers the pieces (`gather_sequence`), runs the program of the unsplit stream and
+keeps its own piece of the result (`scatter_sequence`); both are copies in either direction, so the bits are
+those of the unsplit stream. What it saves is the stored stream (the block inputs that `model.remat` keeps),
+not communication: the chunk tree's all-gather still carries whole-sequence partials.
 """
 
 from __future__ import annotations
@@ -39,12 +45,15 @@ class TensorSplit:
     chunks: int
     degree: int = 1
     axis: str | None = None
+    sequence: bool = False  # sequence parallelism: the residual stream between blocks is split over `axis`
 
     def __post_init__(self) -> None:
         if not canonical.is_power_of_two(self.chunks) or self.chunks % self.degree:
             raise ValueError(f"TensorSplit: {self.chunks} chunks over {self.degree} devices")
         if (self.degree > 1) != (self.axis is not None):
             raise ValueError("TensorSplit: a mesh axis is named exactly when the degree is above 1")
+        if self.sequence and self.degree == 1:
+            raise ValueError("TensorSplit: sequence parallelism needs a tensor degree above 1")
 
     @property
     def local(self) -> int:
@@ -126,6 +135,51 @@ def _expand_bwd(lead, _, g):
 
 
 expand.defvjp(_expand_fwd, _expand_bwd)
+
+
+def _own_piece(split: TensorSplit, x: jax.Array) -> jax.Array:
+    """This device's contiguous piece of the sequence (axis 1) of x, held whole on every tensor device."""
+    n = x.shape[1] // split.degree
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(split.axis) * n, n, axis=1)
+
+
+def _all_pieces(split: TensorSplit, x: jax.Array) -> jax.Array:
+    return jax.lax.all_gather(x, split.axis, axis=1, tiled=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def gather_sequence(split: TensorSplit, x_BlD: jax.Array) -> jax.Array:
+    """Sequence parallelism's entry to a block: the residual stream's pieces (axis 1) all-gathered into the
+    whole sequence, exact copies. The block then runs the very program of the unsplit stream, so every tensor
+    device computes the whole sequence's cotangent with the same bits, and the backward takes this device's
+    piece of it (no sum: the transpose of a gather would add t equal copies)."""
+    return _all_pieces(split, x_BlD)
+
+
+gather_sequence.defvjp(lambda split, x: (_all_pieces(split, x), None), lambda split, _, g: (_own_piece(split, g),))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def scatter_sequence(split: TensorSplit, x_BLD: jax.Array) -> jax.Array:
+    """Sequence parallelism's exit from a block: this device's piece of a whole-sequence value that every
+    tensor device holds with the same bits (the chunk tree's result is replicated). The backward all-gathers
+    the pieces' cotangents: copies, so the block's backward sees the unsplit stream's cotangent."""
+    return _own_piece(split, x_BLD)
+
+
+scatter_sequence.defvjp(lambda split, x: (_own_piece(split, x), None), lambda split, _, g: (_all_pieces(split, g),))
+
+
+@jax.custom_vjp
+def pin_cotangent(x: jax.Array) -> jax.Array:
+    """Identity whose cotangent passes an optimization barrier: the gradient computed behind it is stored
+    whole before anything adds to it. A pre-norm block's input gradient is the residual's cotangent plus the
+    norm's input gradient, and left to XLA that add is fused with the norm's last products differently when a
+    slice sits between them (sequence parallelism; measured on CPU: the embedding gradient apart)."""
+    return x
+
+
+pin_cotangent.defvjp(lambda x: (x, None), lambda _, g: (jax.lax.optimization_barrier(g),))
 
 
 def per_chunk(fn, *xs, consts: tuple = ()):
