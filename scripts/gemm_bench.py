@@ -8,6 +8,7 @@ sets and shape classes (detjax/pallas_kernels/matmul/kernel.py: TILE_SETS, tile_
     python3 scripts/gemm_bench.py --tile-bits       # do the output bits depend on the tile set? (same block_r)
     python3 scripts/gemm_bench.py --sweep --kinds dw --no-table   # one product only, no table
     python3 scripts/gemm_bench.py --sweep --kinds dw --dw-chunks 1024,4096 --no-table   # pinned dw vs other chunks
+    python3 scripts/gemm_bench.py --fp8 --no-table  # model.fp8's products (Mosaic fp8 wgmma, Triton) against bf16
 
 Run with XLA's default flags (autotuning on): the XLA column is the GEMM XLA picks for the shape. Times: one
 jitted call runs the product on 8 different input sets (so no launch or host sync is timed per product);
@@ -18,6 +19,7 @@ each shape by how often one step uses it.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -223,36 +225,51 @@ def sweep(reps: int, kinds: tuple[str, ...], dw_chunks: tuple[int, ...] = ()) ->
             print(f"sweep {kind} {M}x{k}x{n} {dtype}: {cells}  best #{best} {cands[best]}", flush=True)
 
 
-FP8_TILES = [
-    {"bm": 128, "bn": 256, "block_r": 64, "num_warps": 8, "num_stages": 4, "split": 0},
-    {"bm": 128, "bn": 256, "block_r": 128, "num_warps": 8, "num_stages": 3, "split": 0},
-    {"bm": 128, "bn": 256, "block_r": 128, "num_warps": 8, "num_stages": 4, "split": 0},
-    {"bm": 128, "bn": 128, "block_r": 128, "num_warps": 8, "num_stages": 4, "split": 0},
-    {"bm": 128, "bn": 128, "block_r": 128, "num_warps": 4, "num_stages": 4, "split": 0},
-    {"bm": 256, "bn": 128, "block_r": 128, "num_warps": 8, "num_stages": 3, "split": 0},
-]
+def fp8_table(reps: int) -> None:
+    """model.fp8's products as the model runs them (kernel.fp8_product: fp8 operands, the dequantizing scale,
+    the output in the compute dtype; dx and dw multiply e5m2 gradients by e4m3 values) through the Mosaic
+    GPU kernel (fp8 wgmma, operands laid out with the reduced dimension contiguous) and through the Triton
+    kernel, against the pinned bf16 product of the same shape (gpu_dense's projections, weighted by use)."""
+    from detjax.pallas_kernels.matmul import mosaic
+    from detjax.pallas_kernels.matmul.kernel import fp8_product
 
-
-def fp8_sweep(reps: int) -> None:
-    """e4m3 x e4m3 products in the K-major layout Hopper's fp8 MMA takes (every product as a @ b^T, the "dx"
-    kind: forward x8 @ (w8 as N x K)^T, dx g8 @ w8^T, dw (x8^T as K x M) @ (g8^T as N x M)^T), each tile
-    candidate, against the pinned bf16 product of the same shape (gpu_dense's projections). An experiment for
-    model.fp8 (issue #15)."""
-    e4 = jnp.float8_e4m3fn
-    for _, k, n, _, _ in SHAPES["gpu_dense"]:
-        for prod, (sa, sb) in {"fwd": ((M, k), (n, k)), "dx": ((M, n), (k, n)), "dw": ((k, M), (n, M))}.items():
+    e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    print(f"mosaic available {mosaic.available()}, e5m2 x e4m3 wgmma {mosaic.mixed_fp8()}", flush=True)
+    types = {"fwd": (e4, e4), "dx": (e5, e4), "dw": (e4, e5)}
+    total = {"bf16": 0.0, "mosaic": 0.0, "triton": 0.0}
+    for name, k, n, _, count in SHAPES["gpu_dense"]:
+        for kind in KINDS:
+            od = jnp.float32 if kind == "dw" else jnp.bfloat16
             sets = [
                 tuple(
-                    jax.random.normal(jax.random.key(10 * i + j), sh, jnp.float32).astype(e4)
-                    for j, sh in enumerate((sa, sb))
+                    jax.random.normal(jax.random.key(10 * i + j), sh, jnp.float32).astype(types[kind][j])
+                    for j, sh in enumerate(_shapes(kind, k, n))
                 )
                 for i in range(SETS)
             ]
-            base = timed(pallas_fn(prod, "bfloat16"), inputs(prod, k, n, "bfloat16"), reps)
-            times = [timed(pallas_fn("dx", "float8_e4m3fn", c), sets, reps) for c in FP8_TILES]
-            b = min(range(len(times)), key=times.__getitem__)
-            cells = " ".join(f"{t:.4f}" for t in times)
-            print(f"fp8 {prod} {M}x{k}x{n}: bf16 {base:.4f} | fp8 {cells} | best #{b} bf16/fp8 {base / times[b]:.2f}")
+            row = {"bf16": timed(pallas_fn(kind, "bfloat16"), inputs(kind, k, n, "bfloat16"), reps)}
+            for backend in ("mosaic", "triton"):
+                one = functools.partial(fp8_product, kind=kind, out_dtype=od, interpret=False, backend=backend)
+                fn = jax.jit(lambda sets, one=one: [one(a, b, jnp.float32(0.5)) for a, b in sets])
+                try:
+                    row[backend] = timed(fn, sets, reps)
+                except Exception as e:  # e.g. a jax whose wgmma refuses the mixed fp8 pair
+                    print(f"fp8 {kind} {name}: {backend} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    row[backend] = float("nan")
+            for key in total:
+                total[key] += count * row[key]
+            print(
+                f"fp8 {kind} {M}x{k}x{n} ({name}): bf16 {row['bf16']:.4f} ms | fp8 mosaic {row['mosaic']:.4f} "
+                f"({row['bf16'] / row['mosaic']:.2f} x) | fp8 triton {row['triton']:.4f} "
+                f"({row['bf16'] / row['triton']:.2f} x)",
+                flush=True,
+            )
+    print(
+        f"fp8 weighted (one forward + backward of gpu_dense's projections): bf16 {total['bf16']:.3f} ms, fp8 mosaic "
+        f"{total['mosaic']:.3f} ms ({total['bf16'] / total['mosaic']:.2f} x), fp8 triton {total['triton']:.3f} ms "
+        f"({total['bf16'] / total['triton']:.2f} x)",
+        flush=True,
+    )
 
 
 def tile_bits() -> None:
@@ -281,7 +298,7 @@ def main() -> int:
         "--dw-chunks", default="", help="dw: the pinned set against split sets with these token chunks (e.g. 1024,4096)"
     )
     ap.add_argument("--no-table", action="store_true")
-    ap.add_argument("--fp8", action="store_true", help="time e4m3 products in K-major layouts (model.fp8 experiment)")
+    ap.add_argument("--fp8", action="store_true", help="model.fp8's products (Mosaic and Triton) against bf16")
     a = ap.parse_args()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, M = {M} rows", flush=True)
     if a.tile_bits:
@@ -289,7 +306,7 @@ def main() -> int:
     if a.sweep:
         sweep(a.reps, tuple(a.kinds.split(",")), tuple(int(c) for c in a.dw_chunks.split(",") if c))
     if a.fp8:
-        fp8_sweep(a.reps)
+        fp8_table(a.reps)
     if not a.no_table:
         table(a.reps, a.rounds)
     return 0

@@ -220,3 +220,32 @@ def test_fp8_is_refused_where_it_has_no_deterministic_path(tiny_path, over, key)
     with pytest.raises(ConfigError, match=rf"'{key}'.*model.fp8.*Fix: .*model.fp8.enabled=false"):
         load_config(tiny_path, ["model.fp8.enabled=true", *over])
     load_config(tiny_path, over)  # control: the same settings without fp8 are accepted
+
+
+def test_fp8_matmul_mosaic_path_matches_the_triton_path(monkeypatch):
+    """The Mosaic fp8 path of fp8_matmul (forced here; on Hopper it is taken for large weights): the
+    transposed copies made while quantizing, the residual x8^T, the epilogue scale and dw's token chunks
+    (2304 tokens: 2048 + a part). On small-integer values with scale 1 every product and sum is exact, so
+    forward, dx, dw and the amaxes must equal the reference path's (XLA's dot) byte for byte. The kernels run
+    interpreted on CPU, compiled (Triton quantization, Mosaic wgmma) on a Hopper GPU. Negative control: one
+    changed input value changes dw."""
+    from detjax.pallas_kernels.matmul import kernel, mosaic
+
+    if jax.default_backend() == "gpu" and not mosaic.available():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
+    monkeypatch.setattr(kernel, "use_mosaic_fp8", lambda *a: True)
+    ks = jax.random.split(jax.random.key(4), 3)
+    x = jax.random.randint(ks[0], (2304, 128), -3, 4).astype(jnp.bfloat16)
+    w = jax.random.randint(ks[1], (128, 256), -3, 4).astype(jnp.float32)
+    g = jax.random.randint(ks[2], (2304, 256), -3, 4).astype(jnp.float32)
+    s = jnp.ones((3,), jnp.float32)
+
+    def grads(x, w, kernels):
+        f = lambda x, w, s: jnp.sum(fp8.fp8_matmul(x, w, s, jnp.bfloat16, kernels).astype(jnp.float32) * g)  # noqa: E731
+        return fp8.fp8_matmul(x, w, s, jnp.bfloat16, kernels), jax.grad(f, argnums=(0, 1, 2))(x, w, s)
+
+    got, ref = grads(x, w, "pallas"), grads(x, w, "reference")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        assert _same(a, b)
+    x2 = x.at[2200, 5].add(1)  # a token of the second dw chunk
+    assert not _same(grads(x2, w, "pallas")[1][1], got[1][1]), "negative control: the input must change dw"

@@ -2,6 +2,8 @@
 bit-exact on replay, and batch-invariant -- row and column subsets and masked appended rows give the same
 bits as the full product. Byte equality throughout (arrays viewed as unsigned integers)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ from detjax.pallas_kernels.matmul.reference import matmul_ref
 
 def _bits(a) -> np.ndarray:
     a = np.asarray(a)
-    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
 def _same(a, b) -> bool:
@@ -206,3 +208,92 @@ def test_matmul_replays_bit_exact():
     fn = jax.jit(lambda x, w: jax.value_and_grad(lambda x, w: jnp.sum(matmul(x, w, jnp.float32) * g), (0, 1))(x, w))
     assert_replays_bit_exact(fn, (x, w), replays=4)
     assert_replays_bit_exact(fn, (x, w), replays=3, contention=matmul_contention(256, 5))
+
+
+def _fp8_operands(seed: int, m: int, k: int, n: int, integers: bool):
+    """x (m, k) e4m3, w (k, n) e4m3, g (m, n) e5m2; `integers`: values in -3..3, so every float32 sum of
+    their products is exact in any order and any two kernels must agree bit for bit."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    shapes = ((m, k, jnp.float8_e4m3fn), (k, n, jnp.float8_e4m3fn), (m, n, jnp.float8_e5m2))
+    if integers:
+        return [jax.random.randint(kk, s[:2], -3, 4).astype(s[2]) for kk, s in zip(ks, shapes, strict=True)]
+    return [(4 * jax.random.normal(kk, s[:2])).astype(s[2]) for kk, s in zip(ks, shapes, strict=True)]
+
+
+def test_fp8_mosaic_product_is_exact_and_scaled():
+    """model.fp8's products through the Mosaic kernel (fp8 wgmma on Hopper; its interpreter on CPU) on
+    small-integer fp8 values, whose sums are exact in any order: fwd, dx (e5m2 x e4m3) and dw (e4m3 x e5m2,
+    over 2 token chunks and a part) equal the Triton kernel's and XLA's products byte for byte, with the
+    dequantizing scale applied once before the rounding (on the GPU also at gpu_dense's MLP width). Negative
+    control: another scale gives other bits."""
+    from detjax.pallas_kernels.matmul.kernel import fp8_product
+
+    interp = interpret_mode()
+    shapes = [(2304, 64, 136)] + ([(8192, 1024, 4096)] if not interp else [])
+    for m, k, n in shapes:
+        x, w, g = _fp8_operands(3, m, k, n, integers=True)
+        inv = jnp.float32(0.37)
+        for kind, a, b, od, dims in (
+            ("fwd", x, w, jnp.bfloat16, ((1,), (0,))),
+            ("dx", g, w, jnp.bfloat16, ((1,), (1,))),
+            ("dw", x, g, jnp.float32, ((0,), (0,))),
+        ):
+            got = fp8_product(a, b, inv, kind=kind, out_dtype=od, interpret=interp, backend="mosaic")
+            tri = fp8_product(a, b, inv, kind=kind, out_dtype=od, interpret=interp, backend="triton")
+            f32 = (a.astype(jnp.float32), b.astype(jnp.float32))
+            xla = (jax.lax.dot_general(*f32, (dims, ((), ())), precision="highest") * inv).astype(od)
+            assert _same(got, tri) and _same(got, xla), (kind, m, k, n)
+            other = fp8_product(a, b, jnp.float32(0.38), kind=kind, out_dtype=od, interpret=interp, backend="mosaic")
+            assert not _same(other, got), "negative control: the scale must change the bits"
+
+
+@pytest.mark.gpu
+def test_fp8_mosaic_product_replays_bit_exact_on_gpu():
+    """The Mosaic fp8 products on general fp8 values (sums that round) and the quantization with its
+    transposed copy: replays and replays under contention give the same bits, for each product and both the
+    scaled and the chunked (dw) epilogue."""
+    from detjax.pallas_kernels.matmul import mosaic
+    from detjax.pallas_kernels.matmul.kernel import fp8_product
+    from detjax.pallas_kernels.matmul.quantize import quantize_transposed
+
+    if not mosaic.available():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
+    x, w, g = _fp8_operands(5, 8192, 1024, 4096, integers=False)
+    v = jax.random.normal(jax.random.key(6), (8192, 4096)).astype(jnp.bfloat16)
+
+    def run(x, w, g, v):
+        one = functools.partial(fp8_product, inv_scale=jnp.float32(0.37), interpret=False, backend="mosaic")
+        return (
+            one(x, w, kind="fwd", out_dtype=jnp.bfloat16),
+            one(g, w, kind="dx", out_dtype=jnp.bfloat16),
+            one(x, g, kind="dw", out_dtype=jnp.float32),
+            *(a.view(jnp.uint8) for a in quantize_transposed(v, 9.0, dtype=jnp.float8_e5m2, interpret=False)[:2]),
+        )
+
+    fn = jax.jit(run)
+    assert_replays_bit_exact(fn, (x, w, g, v), replays=4)
+    assert_replays_bit_exact(fn, (x, w, g, v), replays=3, contention=matmul_contention(2048, 5))
+
+
+def test_fp8_quantize_transposed_matches_the_xla_quantization():
+    """quantize.quantize_transposed (Triton on the GPU, the interpreter on CPU): q byte-equal to
+    detjax.model.fp8's XLA quantization (clipping included), q^T its transpose, amax the exact max |v|, for a
+    bf16 activation and a float32 weight. Negative control: another scale gives another q."""
+    from detjax.model import fp8
+    from detjax.pallas_kernels.matmul.quantize import quantize_transposed
+
+    interp = interpret_mode()
+    ks = jax.random.split(jax.random.key(8), 2)
+    cases = (
+        (30 * jax.random.normal(ks[0], (256, 384))).astype(jnp.bfloat16),  # some |v| * scale beyond fmax: clipped
+        jax.random.normal(ks[1], (384, 128)),
+    )
+    for v in cases:
+        for dtype, s in ((fp8.E4M3, 40.0), (fp8.E5M2, 3000.0)):
+            q, qt, amax = quantize_transposed(v, jnp.float32(s), dtype=dtype, interpret=interp)
+            want = fp8._quantize(v, jnp.float32(s), dtype)
+            assert q.dtype == dtype and _same(q.view(jnp.uint8), want.view(jnp.uint8)), (v.dtype, dtype)
+            assert _same(qt.view(jnp.uint8), want.T.view(jnp.uint8))
+            assert _same(amax, fp8._amax(v))
+            other, _, _ = quantize_transposed(v, jnp.float32(s * 1.01), dtype=dtype, interpret=interp)
+            assert not _same(other.view(jnp.uint8), q.view(jnp.uint8)), "negative control: the scale is used"

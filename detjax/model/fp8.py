@@ -19,7 +19,11 @@ scales are deterministic like every other leaf; they are checkpointed, digested 
 
 The products themselves are detjax's pinned-tile Pallas matmul with fp8 operands under model.kernels=pallas
 (the bits owned on the GPU), or XLA's dot on fp8 operands otherwise (on the CPU: exact fp8 products, fp32
-sums -- the same math, emulated, so the tests run in CI). The routed experts' grouped matmuls
+sums -- the same math, emulated, so the tests run in CI). On Hopper, weights of at least
+kernel.MOSAIC_FP8_MIN_SIZE elements take the Mosaic GPU kernel's fp8 wgmma (kernel.fp8_nt), which reads both
+operands with the reduced dimension contiguous: x, w and dy are quantized by
+quantize.quantize_transposed, which writes the transposed copy (and the amax) in the same pass, and the
+dequantizing scale is applied in the kernel's epilogue. The routed experts' grouped matmuls
 (fp8_grouped_matmul) quantize the same way and multiply the fp8 values exactly in bf16 / float32.
 """
 
@@ -43,15 +47,43 @@ def _amax(v: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(v.astype(jnp.float32)))
 
 
-def _qdot(a, b, kind: str, kernels: str) -> jax.Array:
-    """fp32 product of fp8 operands: fwd a @ b, dx a @ b^T, dw a^T @ b."""
+def _qdot(a, b, kind: str, kernels: str, inv_scale: jax.Array, out_dtype) -> jax.Array:
+    """(fp32 product of fp8 operands: fwd a @ b, dx a @ b^T, dw a^T @ b) * inv_scale, rounded to out_dtype."""
     if kernels == "pallas":
         from detjax.pallas_kernels.backend import interpret_mode
-        from detjax.pallas_kernels.matmul.kernel import matmul_kernel
+        from detjax.pallas_kernels.matmul.kernel import fp8_product
 
-        return matmul_kernel(a, b, kind=kind, out_dtype=jnp.float32, interpret=interpret_mode())
+        return fp8_product(a, b, inv_scale, kind=kind, out_dtype=out_dtype, interpret=interpret_mode())
     dims = {"fwd": ((1,), (0,)), "dx": ((1,), (1,)), "dw": ((0,), (0,))}[kind]
-    return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
+    return (jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32) * inv_scale).astype(
+        out_dtype
+    )
+
+
+def _interpret() -> bool:
+    from detjax.pallas_kernels.backend import interpret_mode
+
+    return interpret_mode()
+
+
+def _mosaic_path(w_KN: jax.Array, kernels: str) -> bool:
+    """Whether this projection's products run fp8 wgmma (kernel.use_mosaic_fp8: Hopper, a large weight)."""
+    if kernels != "pallas":
+        return False
+    from detjax.pallas_kernels.matmul import kernel
+
+    return kernel.use_mosaic_fp8(E5M2, E4M3, *w_KN.shape, _interpret())
+
+
+def _quantize_both(v: jax.Array, scale: jax.Array, dtype):
+    """(q, q^T, amax) in one pass (quantize.quantize_transposed) where the shape is whole tiles; else XLA's
+    quantization and transpose -- the same q either way (elementwise; tests/test_matmul.py)."""
+    from detjax.pallas_kernels.matmul import quantize
+
+    if quantize.fits(v.shape):
+        return quantize.quantize_transposed(v, scale, dtype=dtype, interpret=_interpret())
+    q = _quantize(v, scale, dtype)
+    return q, q.T, _amax(v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -62,17 +94,34 @@ def fp8_matmul(x_MK: jax.Array, w_KN: jax.Array, scale_3: jax.Array, out_dtype, 
 
 
 def _fwd(x_MK, w_KN, scale_3, out_dtype, kernels):
+    inv = 1.0 / (scale_3[0] * scale_3[1])
+    if _mosaic_path(w_KN, kernels):  # fp8 wgmma: every product as a @ b^T, transposed copies made while quantizing
+        from detjax.pallas_kernels.matmul.kernel import fp8_nt
+
+        x8, x8_KM, amax_x = _quantize_both(x_MK, scale_3[0], E4M3)
+        w8, w8_NK, amax_w = _quantize_both(w_KN, scale_3[1], E4M3)
+        y = fp8_nt(x8, w8_NK, inv, out_dtype=out_dtype, r_chunk=0, interpret=_interpret())
+        return y, (x8_KM, w8, scale_3, amax_x, amax_w)
     x8, w8 = _quantize(x_MK, scale_3[0], E4M3), _quantize(w_KN, scale_3[1], E4M3)
-    y = (_qdot(x8, w8, "fwd", kernels) * (1.0 / (scale_3[0] * scale_3[1]))).astype(out_dtype)
+    y = _qdot(x8, w8, "fwd", kernels, inv, out_dtype)
     return y, (x8, w8, scale_3, _amax(x_MK), _amax(w_KN))
 
 
 def _bwd(out_dtype, kernels, res, dy_MN):
     """dx in the compute dtype (x arrives in it, as out_dtype), dw in float32 (the master's dtype)."""
     x8, w8, scale_3, amax_x, amax_w = res
+    inv_dx, inv_dw = 1.0 / (scale_3[2] * scale_3[1]), 1.0 / (scale_3[0] * scale_3[2])
+    if _mosaic_path(w8, kernels):  # x8 is x8^T (K, M) here
+        from detjax.pallas_kernels.matmul.kernel import dw_row_chunk, fp8_nt
+
+        g8, g8_NM, amax_g = _quantize_both(dy_MN, scale_3[2], E5M2)
+        dx = fp8_nt(g8, w8, inv_dx, out_dtype=out_dtype, r_chunk=0, interpret=_interpret())
+        chunk = dw_row_chunk(*w8.shape)
+        dw = fp8_nt(x8, g8_NM, inv_dw, out_dtype=jnp.float32, r_chunk=chunk, interpret=_interpret())
+        return dx, dw, jnp.stack([amax_x, amax_w, amax_g])
     g8 = _quantize(dy_MN, scale_3[2], E5M2)
-    dx = (_qdot(g8, w8, "dx", kernels) * (1.0 / (scale_3[2] * scale_3[1]))).astype(out_dtype)
-    dw = _qdot(x8, g8, "dw", kernels) * (1.0 / (scale_3[0] * scale_3[2]))
+    dx = _qdot(g8, w8, "dx", kernels, inv_dx, out_dtype)
+    dw = _qdot(x8, g8, "dw", kernels, inv_dw, jnp.float32)
     return dx, dw, jnp.stack([amax_x, amax_w, _amax(dy_MN)])
 
 

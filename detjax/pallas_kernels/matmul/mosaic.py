@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-BLOCK_R = 64  # reduction block: four k = 16 wgmma steps per pipeline stage
+BLOCK_R = 64  # bf16 reduction block (block_r): four k = 16 wgmma steps per pipeline stage; fp8 takes 128
 TILE = 128  # each compute warpgroup's output tile is TILE x TILE; a CTA's two warpgroups sit side by side
 SWIZZLE = 128  # bytes: a 64-element bf16 row, the widest swizzle
 STAGES = 4  # pipeline depth (4 x (128 x 64 + 64 x 256) bf16 = 192 KiB of shared memory)
@@ -53,10 +53,35 @@ def available() -> bool:
 
 
 def cta_tile(kind: str) -> tuple[int, int]:
-    """(rows, columns) of one CTA's output: the two warpgroups split columns for fwd/dw, rows for dx (the
-    split is always along the operand that is NOT read transposed, so neither warpgroup slices a transposed
-    view)."""
-    return (2 * TILE, TILE) if kind == "dx" else (TILE, 2 * TILE)
+    """(rows, columns) of one CTA's output: the two warpgroups split columns for fwd/dw, rows for dx and nt
+    (the split is always along the operand that is NOT read transposed, so neither warpgroup slices a
+    transposed view)."""
+    return (2 * TILE, TILE) if kind in ("dx", "nt") else (TILE, 2 * TILE)
+
+
+def block_r(dtype) -> int:
+    """The reduction block: one 128-byte swizzled row of the operand (64 bf16 or 128 fp8 elements)."""
+    return SWIZZLE // jnp.dtype(dtype).itemsize
+
+
+def _is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype).name in ("float8_e4m3fn", "float8_e5m2")
+
+
+@functools.cache
+def mixed_fp8() -> bool:
+    """Whether this jax's Mosaic GPU wgmma takes an e5m2 operand beside an e4m3 one (PTX allows the pair; older
+    jax versions refuse it). Decided once per process by compiling the smallest such product, so it depends on
+    the jax version and the device, never on a run-time measurement."""
+    if not available():
+        return False
+    a = jax.ShapeDtypeStruct((2 * TILE, block_r(jnp.float8_e5m2)), jnp.float8_e5m2)
+    b = jax.ShapeDtypeStruct((TILE, block_r(jnp.float8_e4m3fn)), jnp.float8_e4m3fn)
+    try:
+        jax.jit(functools.partial(mosaic_matmul, kind="nt", out_dtype=jnp.float32, r_chunk=0)).lower(a, b).compile()
+    except Exception:  # the lowering or PTX assembly refuses the mixed pair
+        return False
+    return True
 
 
 def _num_sms() -> int:
@@ -64,29 +89,43 @@ def _num_sms() -> int:
 
 
 def mosaic_matmul(
-    a, b, *, kind: str, out_dtype, r_chunk: int, stages: int = STAGES, interpret: bool = False
+    a,
+    b,
+    scale=None,
+    *,
+    kind: str,
+    out_dtype,
+    r_chunk: int,
+    stages: int = STAGES,
+    interpret: bool = False,
 ) -> jax.Array:
-    """The product `kind` of kernel.py on operands already padded: a, b bf16 with the output's rows and
-    columns whole multiples of cta_tile(kind) and R a multiple of BLOCK_R (and of r_chunk when r_chunk > 0).
-    r_chunk > 0 (dw only): float32 partial sums per chunk, returned as (R / r_chunk, m, n) for the caller
-    to add in ascending order; otherwise the (m, n) product in out_dtype."""
+    """The product `kind` of kernel.py, or "nt" (a @ b^T: a (m, R), b (n, R)), on operands already padded:
+    the output's rows and columns whole multiples of cta_tile(kind) and R a multiple of block_r (and of
+    r_chunk when r_chunk > 0). a, b bf16, or fp8 (e4m3 / e5m2) for "nt" only: Hopper's fp8 wgmma reads both
+    operands with R contiguous, so the caller lays them out that way. r_chunk > 0 (dw or nt): float32
+    partial sums per chunk, returned as (R / r_chunk, m, n) for the caller to add in ascending order;
+    otherwise the (m, n) product in out_dtype. `scale` (float32, shape (1,); not with r_chunk): the float32
+    sums are multiplied by scale[0] before the rounding to out_dtype (fp8's dequantization, in the epilogue)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    trans_a, trans_b = kind == "dw", kind == "dx"
+    trans_a, trans_b = kind == "dw", kind in ("dx", "nt")
+    if (_is_fp8(a.dtype) or _is_fp8(b.dtype)) and kind != "nt":
+        raise ValueError(f"mosaic matmul {kind}: fp8 operands are multiplied as nt (both with R contiguous)")
+    if scale is not None and r_chunk:
+        raise ValueError("mosaic matmul: a scale applies to whole sums, not to chunk partials")
     m = a.shape[1] if trans_a else a.shape[0]
     n = b.shape[0] if trans_b else b.shape[1]
     r = a.shape[0] if trans_a else a.shape[1]
     cm, cn = cta_tile(kind)
-    if m % cm or n % cn or r % BLOCK_R or (r_chunk and r % r_chunk):
-        raise ValueError(
-            f"mosaic matmul {kind}: shape m={m} n={n} r={r} is not padded to the tiles {cm}x{cn}x{BLOCK_R}"
-        )
+    br = block_r(a.dtype)
+    if m % cm or n % cn or r % br or (r_chunk and r % r_chunk):
+        raise ValueError(f"mosaic matmul {kind}: shape m={m} n={n} r={r} is not padded to the tiles {cm}x{cn}x{br}")
     chunk = r_chunk or r
     n_chunks = r // chunk
     m_tiles, n_tiles = m // cm, n // cn
     out_dtype = jnp.float32 if r_chunk else jnp.dtype(out_dtype)
-    split_rows = kind == "dx"
+    split_rows = kind in ("dx", "nt")
 
     elems = SWIZZLE // jnp.dtype(a.dtype).itemsize
     tiled = (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE))
@@ -95,15 +134,15 @@ def mosaic_matmul(
     out_tiled = (plgpu.TilingTransform((8, epi_n)), plgpu.SwizzleTransform(SWIZZLE))
     epi_m = 64
 
-    a_block = (BLOCK_R, cm) if trans_a else (cm, BLOCK_R)
-    b_block = (cn, BLOCK_R) if trans_b else (BLOCK_R, cn)
+    a_block = (br, cm) if trans_a else (cm, br)
+    b_block = (cn, br) if trans_b else (br, cn)
     a_index = (lambda k: (k, 0)) if trans_a else (lambda k: (0, k))
     b_index = (lambda k: (0, k)) if trans_b else (lambda k: (k, 0))
 
     def pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(chunk // BLOCK_R,),
+            grid=(chunk // br,),
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec(a_block, a_index, transforms=tiled, memory_space=plgpu.SMEM),
@@ -115,7 +154,9 @@ def mosaic_matmul(
             compute_context=context,
         )
 
-    def body(a_gmem, b_gmem, out_gmem):
+    def body(a_gmem, b_gmem, *refs):
+        s_gmem, out_gmem = refs if scale is not None else (None, refs[0])
+
         def no_op(*_, **__):
             return None
 
@@ -145,7 +186,8 @@ def mosaic_matmul(
                     @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE, TILE), jnp.float32))
                     def acc_scope(acc):
                         run(acc)
-                        val = acc[...].astype(out_dtype)
+                        val = acc[...] if s_gmem is None else acc[...] * s_gmem[0]
+                        val = val.astype(out_dtype)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         piece = 0
                         for pm in range(TILE // epi_m):
@@ -186,5 +228,5 @@ def mosaic_matmul(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
     )
-    out = run(a, b)
+    out = run(a, b) if scale is None else run(a, b, scale)
     return out.reshape(n_chunks, m, n) if r_chunk else out
