@@ -224,11 +224,13 @@ def _tp_step(mesh: list[str]):
 
 
 def test_tensor_parallel_is_byte_equal_to_one_device():
-    """Canonical tensor parallelism (determinism.max_tensor = 8): tensor 2 x data 4 gives the one-device run's
-    two steps of the hybrid (Mamba2 heads, attention heads, MoE expert widths, MLP, vocabulary-parallel
-    embedding and cross-entropy, MTP) byte for byte, digests included. Negative control: under default
-    numerics tensor parallelism changes the bits (the partitioner's all-reduces)."""
-    _assert_step_equal(_tp_step(["mesh.tensor=2"]), _tp_step(["mesh.devices=1"]), "tensor 2 x data 4")
+    """Canonical tensor parallelism (determinism.max_tensor = 8): tensor 2 x data 4 with sequence parallelism
+    gives the one-device run's two steps of the hybrid (Mamba2 heads, attention heads, MoE expert widths,
+    MLP, vocabulary-parallel embedding and cross-entropy, MTP; the residual stream split along the sequence
+    between blocks) byte for byte, digests included. Negative control: under default numerics tensor
+    parallelism changes the bits (the partitioner's all-reduces)."""
+    mesh = ["mesh.tensor=2", "mesh.sequence_parallel=true"]
+    _assert_step_equal(_tp_step(mesh), _tp_step(["mesh.devices=1"]), "tensor 2 x data 4, sequence parallel")
     one, two = _one_step(["mesh.devices=1"]), _one_step(["mesh.tensor=2", "mesh.data=1", "mesh.devices=2"])
     assert not _same(one, two), "negative control: default numerics should change with the tensor degree"
 
@@ -241,11 +243,12 @@ def test_tensor_parallel_is_byte_equal_to_one_device():
         ["mesh.tensor=2", "mesh.expert=2"],
         ["mesh.tensor=4", "mesh.fsdp=2", "mesh.data=1"],
         ["mesh.tensor=4", "mesh.sequence_parallel=true"],
+        ["mesh.tensor=2"],
     ],
 )
 def test_tensor_parallel_cells_are_byte_equal_to_one_device(mesh):
-    """tp8 (one chunk per device), tp2 x ep2 x data 2, tp4 x fsdp 2 and tp4 with sequence parallelism (x data
-    2) give the one-device run's bits."""
+    """tp8 (one chunk per device), tp2 x ep2 x data 2, tp4 x fsdp 2, tp4 with sequence parallelism (x data
+    2) and tensor 2 x data 4 without it give the one-device run's bits."""
     _assert_step_equal(_tp_step(mesh), _tp_step(["mesh.devices=1"]), mesh)
 
 
