@@ -719,24 +719,13 @@ def canonical_tensor_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
         ]
     if big == 1:
         return []
-    not_built = []
-    if m.kernels == "pallas" or m.moe.experts_impl == "pallas":
-        key, fix = (
-            ("model.kernels", "set model.kernels=reference")
-            if m.kernels == "pallas"
-            else ("model.moe.experts_impl", "set model.moe.experts_impl=auto")
-        )
-        not_built.append((key, "pallas", "the Pallas kernels", fix))
     if m.fp8.enabled:
-        not_built.append(("model.fp8.enabled", True, "fp8 projections", "set model.fp8.enabled=false"))
-    if not_built:
-        key, value, what, fix = not_built[0]
         return [
             (
-                key,
-                value,
-                f"canonical tensor chunks (determinism.max_tensor = {big}) are not built for {what} yet",
-                f"{fix}, or determinism.max_tensor=1 with mesh.tensor=1",
+                "model.fp8.enabled",
+                True,
+                f"canonical tensor chunks (determinism.max_tensor = {big}) are not built for fp8 projections yet",
+                "set model.fp8.enabled=false, or determinism.max_tensor=1 with mesh.tensor=1",
             )
         ]
     letters = set(m.pattern) | (set(m.mtp.pattern) if m.mtp.depth else set())
@@ -759,6 +748,17 @@ def canonical_tensor_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
                     f"use a multiple of {big}, or a smaller determinism.max_tensor",
                 )
             ]
+    gmm = m.moe.experts_impl == "pallas" or (m.kernels == "pallas" and m.moe.experts_impl == "auto")
+    if gmm and "E" in letters and (m.moe.ffn_dim // big) % 16:
+        return [
+            (
+                "model.moe.ffn_dim",
+                m.moe.ffn_dim,
+                f"the Pallas grouped matmul takes each of the determinism.max_tensor = {big} chunks of the experts' "
+                "width, and a chunk must be a multiple of 16",
+                f"use a multiple of {16 * big}, or a smaller determinism.max_tensor",
+            )
+        ]
     return []
 
 

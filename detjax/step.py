@@ -213,15 +213,16 @@ class Trainer:
     def compute_copies(self, params: Any) -> Any:
         """The model's "compute" collection: the projection weights cast to the compute dtype, and fused
         where the model multiplies several as one product (detjax.model.layers.COMPUTE_COPIES), or None
-        where nothing reads them (model.kernels other than pallas, fp8, a float32 compute dtype).
+        where nothing reads them (model.kernels other than pallas, fp8, a float32 compute dtype, canonical
+        tensor chunks).
 
         A step makes them once, before its microbatch (or leaf) loop, instead of casting and concatenating
         the float32 masters again in every microbatch's forward and backward (3.2 ms of gpu_dense's step in
         session 17's profile; the step was 2.6 ms faster with the copies, docs/BENCHMARKS.md session 18). The
         same casts and concatenations, so the same bits; the products' gradients still reach the masters."""
         dtype = DTYPES[self.cfg.model.compute_dtype]
-        if self.cfg.model.kernels != "pallas" or self.fp8 or dtype == jnp.float32:
-            return None
+        if self.cfg.model.kernels != "pallas" or self.fp8 or dtype == jnp.float32 or self.tensor_split is not None:
+            return None  # (canonical tensor chunks cast their own weight chunks)
 
         def walk(tree):
             out = module_copies(tree, dtype)

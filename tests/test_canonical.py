@@ -123,8 +123,12 @@ def test_config_rules():
         + ["determinism.max_tensor=2", "mesh.tensor=2", "mesh.pipeline=2", "train.micro_batch=1"]
         + ["model.pattern='M*E-M*E-'"],
     )
-    with pytest.raises(ConfigError, match=r"experts_impl.*not built for the Pallas kernels.*experts_impl=auto"):
-        load_config(MESH_CFG, canon + ["determinism.max_tensor=2", "model.moe.experts_impl=pallas"])
+    load_config(MESH_CFG, canon + ["determinism.max_tensor=2", "mesh.tensor=2", *PALLAS])
+    gmm_chunks = r"moe\.ffn_dim' = 32: the Pallas grouped matmul takes each of the .* = 4 chunks"
+    with pytest.raises(ConfigError, match=gmm_chunks):
+        load_config(MESH_CFG, canon + ["determinism.max_tensor=4", *PALLAS])
+    with pytest.raises(ConfigError, match=r"model\.fp8\.enabled.*not built for fp8 projections.*fp8\.enabled=false"):
+        load_config(MESH_CFG, canon + ["determinism.max_tensor=2", "model.fp8.enabled=true"])
     # the chunk count is part of the trajectory; the tensor degree is not
     four = canon + ["determinism.max_tensor=4"]
     assert load_config(MESH_CFG, four).hash() != load_config(MESH_CFG, canon).hash()
@@ -392,6 +396,28 @@ def test_fp8_scales_are_mesh_invariant():
 
 
 PALLAS = ["model.kernels=pallas", "model.head_dim=16", "model.mamba.d_state=16", "model.mamba.chunk_size=16"]
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(("model.pattern='-'", "model.mtp.depth=0"), id="mlp"),
+        # flash attention, SSD, gmm/tgmm, RMSNorm and the matmul inside the feature chunks
+        pytest.param((), id="hybrid", marks=pytest.mark.extended),
+    ],
+)
+def test_pallas_kernels_in_tensor_chunks(model):
+    """Canonical tensor parallelism with the Pallas kernels (the kernels strategy's GPU path; interpret mode
+    here): each feature chunk's products are the pinned-tile matmul, its attention, scan and expert
+    products the flash, SSD and gmm kernels, and tensor 2 x data 2 gives the one-device step byte for
+    byte. Negative control: the XLA path's chunks give other bits."""
+    # the experts' width (32) in 2 chunks of 16: the Pallas gmm's smallest tile
+    canon = ["determinism.numerics=canonical", "determinism.canonical_leaf=2", "determinism.max_tensor=2", *PALLAS]
+    ref = _one_step(canon + ["mesh.devices=1"], model)
+    got = _one_step(canon + ["mesh.devices=4", "mesh.tensor=2", "mesh.data=2"], model)
+    assert _same(got[0], ref[0]) and _same(got[1]["digest"], ref[1]["digest"])
+    other = _one_step([*canon, "model.kernels=reference", "mesh.devices=1"], model)
+    assert not _same(other[1]["digest"], ref[1]["digest"]), "negative control: other kernels, other bits"
 
 
 @pytest.mark.parametrize(

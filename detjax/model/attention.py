@@ -72,14 +72,17 @@ class Attention(nn.Module):
             # one loop body per head chunk (query heads c H/M.. and their kv heads c K/M..; K divisible by M):
             # projections, attention and the output product's partial, added over chunks by the chunk tree
             dtype, theta = self.dtype, self.rope_theta
+            kernels = "pallas" if self.impl == "pallas" else "reference"
+            flash = self.impl == "pallas" and flash_fits(x_BLD.shape[1])
 
             def chunk(x_BLD, w_q_DHQ, w_k_DKQ, w_v_DKQ, w_o_HQD):
                 q_BLHQ, k_BLKQ, v_BLKQ = (
-                    tp_ops.chunk_product("bld,dhq->blhq", dtype, x_BLD, w).astype(dtype)
+                    tp_ops.chunk_product("bld,dhq->blhq", dtype, kernels, x_BLD, w).astype(dtype)
                     for w in (w_q_DHQ, w_k_DKQ, w_v_DKQ)
                 )
-                o_BLHQ = attention_reference(rope(q_BLHQ, theta), rope(k_BLKQ, theta), v_BLKQ)
-                return tp_ops.chunk_product("blhq,hqd->bld", dtype, o_BLHQ, w_o_HQD)
+                q_BLHQ, k_BLKQ = rope(q_BLHQ, theta), rope(k_BLKQ, theta)
+                o_BLHQ = (flash_attention if flash else attention_reference)(q_BLHQ, k_BLKQ, v_BLKQ)
+                return tp_ops.chunk_product("blhq,hqd->bld", dtype, kernels, o_BLHQ, w_o_HQD)
 
             n = tp.local
             w_c = [tp_ops.chunked(w, 1, n) for w in (w_q_DHQ, w_k_DKQ, w_v_DKQ)] + [tp_ops.chunked(w_o_HQD, 0, n)]

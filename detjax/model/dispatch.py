@@ -74,10 +74,12 @@ def expert_ffn(
     return gmm(h_RF.astype(dtype), w_down_EFD)
 
 
-def expert_ffn_chunked(split: TensorSplit, xs_RD, gs_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype) -> jax.Array:
-    """expert_ffn under canonical tensor parallelism (XLA's ragged_dot): this device's chunks of the experts'
-    width, each chunk's SwiGLU on its own (float32) copy of the rows, the down products' partials added by the
-    chunk tree (detjax.sharding.tensor); float32 result."""
+def expert_ffn_chunked(
+    split: TensorSplit, xs_RD, gs_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, kernels: str = "reference"
+) -> jax.Array:
+    """expert_ffn under canonical tensor parallelism (XLA's ragged_dot, or with kernels=pallas the Pallas
+    gmm/tgmm): this device's chunks of the experts' width, each chunk's SwiGLU on its own (float32) copy of
+    the rows, the down products' partials added by the chunk tree (detjax.sharding.tensor); float32 result."""
     n = split.local
     x_cRD = tp_ops.fanout(split, xs_RD)
     wg_c, wu_c, wd_c = (
@@ -88,6 +90,8 @@ def expert_ffn_chunked(split: TensorSplit, xs_RD, gs_E, w_gate_EDF, w_up_EDF, w_
 
     def chunk(x_RD, wg, wu, wd, gs):  # one loop body per chunk: the same program whatever the tensor degree
         def gmm(a, w):
+            if kernels == "pallas":
+                return grouped_matmul(a.astype(dtype), w.astype(dtype), gs)
             return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs, preferred_element_type=jnp.float32)
 
         h_RF = nn.silu(gmm(x_RD, wg)) * gmm(x_RD, wu)

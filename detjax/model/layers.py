@@ -300,9 +300,9 @@ class MLP(nn.Module):
             dtype = self.dtype
 
             def chunk(x_BLD, w_gate_DF, w_up_DF, w_down_FD):
-                gate_BLF = tp_ops.chunk_product("bld,df->blf", dtype, x_BLD, w_gate_DF).astype(dtype)
-                up_BLF = tp_ops.chunk_product("bld,df->blf", dtype, x_BLD, w_up_DF).astype(dtype)
-                return tp_ops.chunk_product("blf,fd->bld", dtype, nn.silu(gate_BLF) * up_BLF, w_down_FD)
+                gate_BLF = tp_ops.chunk_product("bld,df->blf", dtype, kern, x_BLD, w_gate_DF).astype(dtype)
+                up_BLF = tp_ops.chunk_product("bld,df->blf", dtype, kern, x_BLD, w_up_DF).astype(dtype)
+                return tp_ops.chunk_product("blf,fd->bld", dtype, kern, nn.silu(gate_BLF) * up_BLF, w_down_FD)
 
             n = tp.local
             w_c = (tp_ops.chunked(w_gate_DF, 1, n), tp_ops.chunked(w_up_DF, 1, n), tp_ops.chunked(w_down_FD, 0, n))

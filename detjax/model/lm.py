@@ -136,9 +136,12 @@ class HybridLM(nn.Module):
         dtype = DTYPES[self.cfg.compute_dtype]
         if self.tp is not None:  # this device's vocabulary chunks, c x B x L x V/M (rounded as below)
             w_cDV = tp_ops.chunked(self.w_head_DV, 1, self.tp.local)
-            logits_cBLV = tp_ops.per_chunk(
-                lambda h, w: tp_ops.chunk_product("bld,dv->blv", dtype, h, w), tp_ops.fanout(self.tp, h_BLD), w_cDV
-            )
+            kernels = self.cfg.kernels
+
+            def chunk(h_BLD, w_DV):
+                return tp_ops.chunk_product("bld,dv->blv", dtype, kernels, h_BLD, w_DV)
+
+            logits_cBLV = tp_ops.per_chunk(chunk, tp_ops.fanout(self.tp, h_BLD), w_cDV)
             return logits_cBLV.astype(dtype).astype(jnp.float32)
         logits_BLV = proj("bld,dv->blv", h_BLD, self.w_head_DV, dtype, self.cfg.kernels, copy=(self, ("w_head",)))
         return constrain(logits_BLV.astype(jnp.float32), self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB), "logits")

@@ -163,20 +163,21 @@ class Mamba2(nn.Module):
         one loop body, with its own copy of B and C (so their gradient over the heads is the chunk tree); the
         gated norm's mean square and the output product's partials added over chunks by the chunk tree. The
         per-head parameters' token sums are pinned (tensor.expand)."""
-        tp, dtype, chunk_size, eps = self.tp, self.dtype, self.cfg.chunk_size, self.norm_eps
+        tp, dtype, chunk_size, eps, kernels = self.tp, self.dtype, self.cfg.chunk_size, self.norm_eps, self.kernels
+        scan = ssd if kernels == "pallas" else ssd_chunked
         w_bc_DJN, w_conv_bc_WJN, b_conv_bc_JN = bc_params
         bc_BLJN = proj("bld,djn->bljn", x_BLD, w_bc_DJN, dtype, self.kernels)
         bc_BLJN = nn.silu(causal_conv(bc_BLJN.astype(jnp.float32), w_conv_bc_WJN, b_conv_bc_JN, True))
         tokens = x_BLD.shape[:2]
 
         def scan_chunk(x_BLD, w_z, w_x, w_dt, w_conv_x, b_conv_x, dt_bias, a_log, d_skip, b_BLN, c_BLN):
-            z_BLHP = tp_ops.chunk_product("bld,dhp->blhp", dtype, x_BLD, w_z).astype(dtype)
-            x_BLHP = tp_ops.chunk_product("bld,dhp->blhp", dtype, x_BLD, w_x).astype(dtype)
-            dt_BLH = tp_ops.chunk_product("bld,dh->blh", dtype, x_BLD, w_dt).astype(dtype)
+            z_BLHP = tp_ops.chunk_product("bld,dhp->blhp", dtype, kernels, x_BLD, w_z).astype(dtype)
+            x_BLHP = tp_ops.chunk_product("bld,dhp->blhp", dtype, kernels, x_BLD, w_x).astype(dtype)
+            dt_BLH = tp_ops.chunk_product("bld,dh->blh", dtype, kernels, x_BLD, w_dt).astype(dtype)
             x_BLHP = nn.silu(causal_conv(x_BLHP.astype(jnp.float32), w_conv_x, b_conv_x, True))
             dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + tp_ops.expand(dt_bias, tokens))
             adt_BLH = decay_times_dt(-jnp.exp(a_log), dt_BLH)
-            y_BLHP = ssd_chunked(x_BLHP * dt_BLH[..., None], adt_BLH, b_BLN, c_BLN, chunk_size)
+            y_BLHP = scan(x_BLHP * dt_BLH[..., None], adt_BLH, b_BLN, c_BLN, chunk_size)
             y_BLHP = y_BLHP + tp_ops.expand(d_skip, tokens)[..., None] * x_BLHP
             y_BLHP = y_BLHP * nn.silu(z_BLHP.astype(jnp.float32))
             return y_BLHP, jnp.sum(y_BLHP * y_BLHP, axis=(-2, -1))
@@ -191,7 +192,7 @@ class Mamba2(nn.Module):
 
         def out_chunk(y_BLHP, r_BL, norm_HP, w_out_HPD):
             y_BLHP = y_BLHP * r_BL[..., None, None] * tp_ops.expand(norm_HP, tokens)
-            return tp_ops.chunk_product("blhp,hpd->bld", dtype, y_BLHP, w_out_HPD)
+            return tp_ops.chunk_product("blhp,hpd->bld", dtype, kernels, y_BLHP, w_out_HPD)
 
         parts = tp_ops.per_chunk(
             out_chunk, y_cBLHP, r_cBL, tp_ops.chunked(norm_HP, 0, n), tp_ops.chunked(w_out_HPD, 0, n)

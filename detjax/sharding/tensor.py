@@ -30,6 +30,7 @@ not communication: the chunk tree's all-gather still carries whole-sequence part
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -267,22 +268,52 @@ def transposed_specs(spec: str) -> tuple[str, str]:
     return f"{y},{w}->{x}", f"{x},{y}->{w}"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def chunk_product(spec: str, dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def chunk_product(spec: str, dtype, kernels: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """One chunk's einsum with operands in `dtype` and a float32 result (a partial, unrounded). Its backward
     runs both products in `dtype` with float32 results: dx in x's dtype (float32 for a fanout copy: the chunk
-    tree then adds unrounded partials), dw in w's (the float32 master)."""
-    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+    tree then adds unrounded partials), dw in w's (the float32 master). kernels="pallas": the three products
+    are detjax's pinned-tile matmul (the spec folded to one 2-D product, as layers.proj does); else XLA's
+    einsum."""
+    return _product_fwd(spec, dtype, kernels, x, w)[0]
 
 
-def _product_fwd(spec, dtype, x, w):
-    return chunk_product(spec, dtype, x, w), (x.astype(dtype), w.astype(dtype), jnp.zeros((0,), x.dtype))
+def _fold(spec: str, x: jax.Array, w: jax.Array) -> tuple[int, int]:
+    """(rows, contracted size) of the 2-D form of a '<free x><contracted>,<contracted><free w>' product."""
+    ins, _ = spec.split("->")
+    xs, ws = ins.split(",")
+    c = len([ch for ch in xs if ch in ws])
+    k = math.prod(x.shape[x.ndim - c :])
+    return x.size // k, k
 
 
-def _product_bwd(spec, dtype, res, g):
+def _pallas(kind: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+    from detjax.pallas_kernels.backend import interpret_mode
+    from detjax.pallas_kernels.matmul.kernel import matmul_kernel
+
+    return matmul_kernel(a, b, kind=kind, out_dtype=out_dtype, interpret=interpret_mode())
+
+
+def _product_fwd(spec, dtype, kernels, x, w):
+    xc, wc = x.astype(dtype), w.astype(dtype)
+    res = (xc, wc, jnp.zeros((0,), x.dtype))
+    if kernels != "pallas":
+        return jnp.einsum(spec, xc, wc, preferred_element_type=jnp.float32), res
+    m, k = _fold(spec, x, w)
+    y = _pallas("fwd", xc.reshape(m, k), wc.reshape(k, -1), jnp.float32)
+    out_shape = jax.eval_shape(functools.partial(jnp.einsum, spec), xc, wc).shape
+    return y.reshape(out_shape), res
+
+
+def _product_bwd(spec, dtype, kernels, res, g):
     xc, wc, like = res
-    dx_spec, dw_spec = transposed_specs(spec)
     gc = g.astype(dtype)
+    if kernels == "pallas":
+        m, k = _fold(spec, xc, wc)
+        g2 = gc.reshape(m, -1)
+        dx = _pallas("dx", g2, wc.reshape(k, -1), like.dtype).reshape(xc.shape)
+        return dx, _pallas("dw", xc.reshape(m, k), g2, jnp.float32).reshape(wc.shape)
+    dx_spec, dw_spec = transposed_specs(spec)
     dx = jnp.einsum(dx_spec, gc, wc, preferred_element_type=jnp.float32).astype(like.dtype)
     dw = jnp.einsum(dw_spec, xc, gc, preferred_element_type=jnp.float32)
     return dx, dw
