@@ -28,7 +28,9 @@ and command in docs/BENCHMARKS.md), never at run time. float32 operands (the MoE
 IEEE float32 (no TF32).
 
 On Hopper, bfloat16 products of weights of at least MOSAIC_MIN_SIZE elements run the same rule in a Mosaic GPU
-kernel instead (mosaic.py, `use_mosaic`): the same bits, faster on large weights.
+kernel instead (mosaic.py, `use_mosaic`): the same bits, faster on large weights. model.fp8's products of
+weights of at least MOSAIC_FP8_MIN_SIZE elements run that kernel with fp8 wgmma (`fp8_nt`), by the same rule
+with 128-element reduction blocks.
 
 Speed (H200, `python3 scripts/gemm_bench.py --rounds 3`, docs/BENCHMARKS.md session 16): over every
 projection shape of gpu_dense / gpu_medium, weighted by use, 0.989 / 0.989 x the speed of XLA's autotuned

@@ -12,14 +12,18 @@ The tile shape comes from the product kind alone (never from M), and operands ar
 tiles, so the batch invariance of kernel.py holds here by the same argument (tests/test_matmul.py, GPU).
 
 Transposed operands (dx reads w transposed, dw reads x transposed) are loaded in their stored layout and
-handed to wgmma as a transposed shared-memory view, which Hopper's bf16 wgmma reads directly.
+handed to wgmma as a transposed shared-memory view, which Hopper's bf16 wgmma reads directly. fp8 wgmma
+reads no transposed view: fp8 operands come as the "nt" product a @ b^T, both with the reduced dimension
+contiguous (the caller lays them out), in 128-element reduction blocks (one 128-byte swizzled row).
 
 Used by kernel.matmul_kernel for bfloat16 products of weights of at least kernel.MOSAIC_MIN_SIZE elements on
 Hopper GPUs (compute capability 9.0), where it gives the Triton kernel's bits (byte-equal on the H200 for
 every product of gpu_dense and gpu_medium) at up to 1.17 x its speed; smaller weights, float32 products (the
-MoE router), fp8 products and every other device use the Triton kernel (docs/BENCHMARKS.md, session 16). On
-CPU the tests run it under Pallas' Mosaic GPU interpreter, whose dot is not wgmma: that checks the indexing
-and the chunk rule, not the GPU's bits.
+MoE router) and every other device use the Triton kernel (docs/BENCHMARKS.md, session 16). model.fp8's
+products of weights of at least kernel.MOSAIC_FP8_MIN_SIZE elements use it through kernel.fp8_nt (session 22;
+other bits than the Triton kernel's fp8 products, whose backward multiplies in bf16). On CPU the tests run it
+under Pallas' Mosaic GPU interpreter, whose dot is not wgmma: that checks the indexing and the chunk rule,
+not the GPU's bits.
 """
 
 from __future__ import annotations
