@@ -719,15 +719,6 @@ def canonical_tensor_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
         ]
     if big == 1:
         return []
-    if m.fp8.enabled:
-        return [
-            (
-                "model.fp8.enabled",
-                True,
-                f"canonical tensor chunks (determinism.max_tensor = {big}) are not built for fp8 projections yet",
-                "set model.fp8.enabled=false, or determinism.max_tensor=1 with mesh.tensor=1",
-            )
-        ]
     letters = set(m.pattern) | (set(m.mtp.pattern) if m.mtp.depth else set())
     dims = [("model.vocab_size", m.vocab_size)]
     if "*" in letters:

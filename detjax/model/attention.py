@@ -75,18 +75,23 @@ class Attention(nn.Module):
             kernels = "pallas" if self.impl == "pallas" else "reference"
             flash = self.impl == "pallas" and flash_fits(x_BLD.shape[1])
 
-            def chunk(x_BLD, w_q_DHQ, w_k_DKQ, w_v_DKQ, w_o_HQD):
+            n = tp.local
+            scales = [tp_ops.max_copies(tp, scale_var(self, nm, True), n) for nm in ("qkv", "o") if self.fp8]
+
+            def chunk(x_BLD, w_q_DHQ, w_k_DKQ, w_v_DKQ, w_o_HQD, *s):
+                s_qkv, s_o = s or (None, None)
+                specs = ["bld,dhq->blhq", "bld,dkq->blkq", "bld,dkq->blkq"]
                 q_BLHQ, k_BLKQ, v_BLKQ = (
-                    tp_ops.chunk_product("bld,dhq->blhq", dtype, kernels, x_BLD, w).astype(dtype)
-                    for w in (w_q_DHQ, w_k_DKQ, w_v_DKQ)
+                    y.astype(dtype)
+                    for y in tp_ops.chunk_products(specs, dtype, kernels, x_BLD, [w_q_DHQ, w_k_DKQ, w_v_DKQ], s_qkv)
                 )
                 q_BLHQ, k_BLKQ = rope(q_BLHQ, theta), rope(k_BLKQ, theta)
                 o_BLHQ = (flash_attention if flash else attention_reference)(q_BLHQ, k_BLKQ, v_BLKQ)
-                return tp_ops.chunk_product("blhq,hqd->bld", dtype, kernels, o_BLHQ, w_o_HQD)
+                return tp_ops.chunk_products(["blhq,hqd->bld"], dtype, kernels, o_BLHQ, [w_o_HQD], s_o)[0]
 
-            n = tp.local
             w_c = [tp_ops.chunked(w, 1, n) for w in (w_q_DHQ, w_k_DKQ, w_v_DKQ)] + [tp_ops.chunked(w_o_HQD, 0, n)]
-            return tp_ops.combine(tp, tp_ops.per_chunk(chunk, tp_ops.fanout(tp, x_BLD), *w_c)).astype(dtype)
+            parts = tp_ops.per_chunk(chunk, tp_ops.fanout(tp, x_BLD), *w_c, *scales)
+            return tp_ops.combine(tp, parts).astype(dtype)
         kernels = "pallas" if self.impl == "pallas" else "reference"  # the projections' matmul
         lay, q_names, kv_names = (
             self.layout,

@@ -75,29 +75,27 @@ def expert_ffn(
 
 
 def expert_ffn_chunked(
-    split: TensorSplit, xs_RD, gs_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, kernels: str = "reference"
+    split: TensorSplit, xs_RD, gs_E, weights: tuple, dtype, kernels: str = "reference", fp8_scales: tuple | None = None
 ) -> jax.Array:
-    """expert_ffn under canonical tensor parallelism (XLA's ragged_dot, or with kernels=pallas the Pallas
-    gmm/tgmm): this device's chunks of the experts' width, each chunk's SwiGLU on its own (float32) copy of
-    the rows, the down products' partials added by the chunk tree (detjax.sharding.tensor); float32 result."""
+    """expert_ffn under canonical tensor parallelism: this device's chunks of the experts' width (weights:
+    gate, up, down), each chunk's expert_ffn on its own (float32) copy of the rows, the down products'
+    partials added by the chunk tree (detjax.sharding.tensor); float32 result. fp8_scales: (gate, up, down)
+    scale vectors, each chunk its copy (tensor.max_copies)."""
     n = split.local
+    w_gate_EDF, w_up_EDF, w_down_EFD = weights
     x_cRD = tp_ops.fanout(split, xs_RD)
     wg_c, wu_c, wd_c = (
         tp_ops.chunked(w_gate_EDF, 2, n),
         tp_ops.chunked(w_up_EDF, 2, n),
         tp_ops.chunked(w_down_EFD, 1, n),
     )
+    scales = [tp_ops.max_copies(split, sc, n) for sc in fp8_scales or ()]
 
-    def chunk(x_RD, wg, wu, wd, gs):  # one loop body per chunk: the same program whatever the tensor degree
-        def gmm(a, w):
-            if kernels == "pallas":
-                return grouped_matmul(a.astype(dtype), w.astype(dtype), gs)
-            return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs, preferred_element_type=jnp.float32)
+    def chunk(x_RD, wg, wu, wd, *rest):  # one loop body per chunk: the same program whatever the tensor degree
+        *s, gs = rest
+        return expert_ffn(x_RD, gs, wg, wu, wd, dtype, kernels, tuple(s) or None)
 
-        h_RF = nn.silu(gmm(x_RD, wg)) * gmm(x_RD, wu)
-        return gmm(h_RF.astype(dtype), wd)
-
-    return tp_ops.combine(split, tp_ops.per_chunk(chunk, x_cRD, wg_c, wu_c, wd_c, consts=(gs_E,)))
+    return tp_ops.combine(split, tp_ops.per_chunk(chunk, x_cRD, wg_c, wu_c, wd_c, *scales, consts=(gs_E,)))
 
 
 def combine_slots(y_TXD: jax.Array, gate_TX: jax.Array) -> jax.Array:

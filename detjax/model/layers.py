@@ -297,16 +297,24 @@ class MLP(nn.Module):
         w_up_DF = param(self, "w_up", init, (d, f), (ax.EMBED, ax.MLP), tp)
         w_down_FD = param(self, "w_down", init, (f, d), (ax.MLP, ax.EMBED), tp)
         if tp is not None:  # one loop body per width chunk, its down-product partials added by the chunk tree
-            dtype = self.dtype
+            dtype, n = self.dtype, tp.local
+            # fp8: each chunk its copy of the scale sets (their amaxes leave as the maximum over the copies)
+            scales = [tp_ops.max_copies(tp, scale_var(self, nm, True), n) for nm in ("gate_up", "down") if self.fp8]
 
-            def chunk(x_BLD, w_gate_DF, w_up_DF, w_down_FD):
-                gate_BLF = tp_ops.chunk_product("bld,df->blf", dtype, kern, x_BLD, w_gate_DF).astype(dtype)
-                up_BLF = tp_ops.chunk_product("bld,df->blf", dtype, kern, x_BLD, w_up_DF).astype(dtype)
-                return tp_ops.chunk_product("blf,fd->bld", dtype, kern, nn.silu(gate_BLF) * up_BLF, w_down_FD)
+            def chunk(x_BLD, w_gate_DF, w_up_DF, w_down_FD, *s):
+                s_gate_up, s_down = s or (None, None)
+                gate_BLF, up_BLF = (
+                    y.astype(dtype)
+                    for y in tp_ops.chunk_products(
+                        ["bld,df->blf"] * 2, dtype, kern, x_BLD, [w_gate_DF, w_up_DF], s_gate_up
+                    )
+                )
+                h_BLF = nn.silu(gate_BLF) * up_BLF
+                return tp_ops.chunk_products(["blf,fd->bld"], dtype, kern, h_BLF, [w_down_FD], s_down)[0]
 
-            n = tp.local
             w_c = (tp_ops.chunked(w_gate_DF, 1, n), tp_ops.chunked(w_up_DF, 1, n), tp_ops.chunked(w_down_FD, 0, n))
-            return tp_ops.combine(tp, tp_ops.per_chunk(chunk, tp_ops.fanout(tp, x_BLD), *w_c)).astype(dtype)
+            parts = tp_ops.per_chunk(chunk, tp_ops.fanout(tp, x_BLD), *w_c, *scales)
+            return tp_ops.combine(tp, parts).astype(dtype)
         names = (ax.BATCH, ax.LENGTH, ax.ACT_MLP)
         gate_BLF, up_BLF = proj_many(
             ["bld,df->blf"] * 2,

@@ -165,15 +165,24 @@ class Mamba2(nn.Module):
         per-head parameters' token sums are pinned (tensor.expand)."""
         tp, dtype, chunk_size, eps, kernels = self.tp, self.dtype, self.cfg.chunk_size, self.norm_eps, self.kernels
         scan = ssd if kernels == "pallas" else ssd_chunked
+        n = tp.local
+        # fp8: the in-projection's scale set serves the chunks and the whole B/C product (one copy each), the
+        # out-projection's the chunks; their amaxes leave as the maximum over the copies
+        s_in = s_out = None
+        if self.fp8:
+            s_in = tp_ops.max_copies(tp, scale_var(self, "in_proj", True), n + 1)
+            s_out = tp_ops.max_copies(tp, scale_var(self, "out_proj", True), n)
         w_bc_DJN, w_conv_bc_WJN, b_conv_bc_JN = bc_params
-        bc_BLJN = proj("bld,djn->bljn", x_BLD, w_bc_DJN, dtype, self.kernels)
+        bc_BLJN = proj("bld,djn->bljn", x_BLD, w_bc_DJN, dtype, kernels, None if s_in is None else s_in[n])
         bc_BLJN = nn.silu(causal_conv(bc_BLJN.astype(jnp.float32), w_conv_bc_WJN, b_conv_bc_JN, True))
         tokens = x_BLD.shape[:2]
 
-        def scan_chunk(x_BLD, w_z, w_x, w_dt, w_conv_x, b_conv_x, dt_bias, a_log, d_skip, b_BLN, c_BLN):
-            z_BLHP = tp_ops.chunk_product("bld,dhp->blhp", dtype, kernels, x_BLD, w_z).astype(dtype)
-            x_BLHP = tp_ops.chunk_product("bld,dhp->blhp", dtype, kernels, x_BLD, w_x).astype(dtype)
-            dt_BLH = tp_ops.chunk_product("bld,dh->blh", dtype, kernels, x_BLD, w_dt).astype(dtype)
+        def scan_chunk(x_BLD, w_z, w_x, w_dt, w_conv_x, b_conv_x, dt_bias, a_log, d_skip, b_BLN, c_BLN, *s):
+            specs = ["bld,dhp->blhp", "bld,dhp->blhp", "bld,dh->blh"]
+            z_BLHP, x_BLHP, dt_BLH = (
+                y.astype(dtype)
+                for y in tp_ops.chunk_products(specs, dtype, kernels, x_BLD, [w_z, w_x, w_dt], s[0] if s else None)
+            )
             x_BLHP = nn.silu(causal_conv(x_BLHP.astype(jnp.float32), w_conv_x, b_conv_x, True))
             dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + tp_ops.expand(dt_bias, tokens))
             adt_BLH = decay_times_dt(-jnp.exp(a_log), dt_BLH)
@@ -182,19 +191,24 @@ class Mamba2(nn.Module):
             y_BLHP = y_BLHP * nn.silu(z_BLHP.astype(jnp.float32))
             return y_BLHP, jnp.sum(y_BLHP * y_BLHP, axis=(-2, -1))
 
-        n = tp.local
         heads = [tp_ops.chunked(w, 1, n) for w in head_params[:4]] + [tp_ops.chunked(v, 0, n) for v in head_params[4:]]
         b_cBLN, c_cBLN = (tp_ops.fanout(tp, v) for v in (bc_BLJN[:, :, 0], bc_BLJN[:, :, 1]))
-        y_cBLHP, sq_cBL = tp_ops.per_chunk(scan_chunk, tp_ops.fanout(tp, x_BLD), *heads, b_cBLN, c_cBLN)
+        s_chunks = () if s_in is None else (s_in[:n],)
+        y_cBLHP, sq_cBL = tp_ops.per_chunk(scan_chunk, tp_ops.fanout(tp, x_BLD), *heads, b_cBLN, c_cBLN, *s_chunks)
         # gated RMSNorm over the whole inner width: its scale reaches each chunk through fanout
         width = self.cfg.n_heads * y_cBLHP.shape[-1]
         r_cBL = tp_ops.fanout(tp, jax.lax.rsqrt(tp_ops.combine(tp, sq_cBL) / width + eps))
 
-        def out_chunk(y_BLHP, r_BL, norm_HP, w_out_HPD):
+        def out_chunk(y_BLHP, r_BL, norm_HP, w_out_HPD, *s):
             y_BLHP = y_BLHP * r_BL[..., None, None] * tp_ops.expand(norm_HP, tokens)
-            return tp_ops.chunk_product("blhp,hpd->bld", dtype, kernels, y_BLHP, w_out_HPD)
+            return tp_ops.chunk_products(["blhp,hpd->bld"], dtype, kernels, y_BLHP, [w_out_HPD], s[0] if s else None)[0]
 
         parts = tp_ops.per_chunk(
-            out_chunk, y_cBLHP, r_cBL, tp_ops.chunked(norm_HP, 0, n), tp_ops.chunked(w_out_HPD, 0, n)
+            out_chunk,
+            y_cBLHP,
+            r_cBL,
+            tp_ops.chunked(norm_HP, 0, n),
+            tp_ops.chunked(w_out_HPD, 0, n),
+            *(() if s_out is None else (s_out,)),
         )
         return tp_ops.combine(tp, parts).astype(dtype)

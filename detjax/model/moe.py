@@ -83,7 +83,7 @@ class Experts(nn.Module):
         xs_RD = permute_rows(x_RD, order_R, inv_R)
         scales = tuple(scale_var(self, n, True) for n in ("gate", "up", "down")) if self.fp8 else None
         if tp is not None:
-            ys_RD = expert_ffn_chunked(tp, xs_RD, gs_E, *weights, dtype, self.kernels).astype(dtype)
+            ys_RD = expert_ffn_chunked(tp, xs_RD, gs_E, weights, dtype, self.kernels, scales).astype(dtype)
         else:
             ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype, self.kernels, scales).astype(dtype)
         if self.combine == "scatter_add":

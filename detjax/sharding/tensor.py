@@ -322,11 +322,38 @@ def _product_bwd(spec, dtype, kernels, res, g):
 chunk_product.defvjp(_product_fwd, _product_bwd)
 
 
+def chunk_products(specs: list[str], dtype, kernels: str, x: jax.Array, ws: list, scale=None) -> list[jax.Array]:
+    """One chunk's projections of x by ws (float32 partials): chunk_product each, or with an fp8 scale vector
+    (one of max_copies') ONE fp8 product over the weights side by side with that scale set, as the unchunked
+    model fuses them (detjax.model.fp8.fp8_dense_many; dx and the partials in float32)."""
+    if scale is None:
+        return [chunk_product(spec, dtype, kernels, x, w) for spec, w in zip(specs, ws, strict=True)]
+    from detjax.model.fp8 import fp8_dense_many
+
+    return fp8_dense_many(specs, x, ws, jnp.float32, scale, kernels)
+
+
 def max_over(split: TensorSplit, x: jax.Array) -> jax.Array:
     """Elementwise maximum of x over the tensor axis (exact in any order)."""
     if split.degree == 1:
         return x
     return jnp.max(jax.lax.all_gather(x, split.axis, axis=0, tiled=False), axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 2))
+def max_copies(split: TensorSplit, scale: jax.Array, count: int) -> jax.Array:
+    """`count` copies of an fp8 scale vector (detjax.model.fp8), one per use: a projection's scale set must
+    leave the model with the maximum of its uses' amaxes (its "gradient"), and the transpose of a broadcast
+    would add them. The backward takes the elementwise maximum over the copies and then over the tensor
+    devices: exact in any order, the global amax whatever the tensor degree."""
+    return jnp.broadcast_to(scale, (count, *scale.shape))
+
+
+def _max_copies_bwd(split, count, _, g):
+    return (max_over(split, jnp.max(g, axis=0)),)
+
+
+max_copies.defvjp(lambda split, scale, count: (max_copies(split, scale, count), None), _max_copies_bwd)
 
 
 def _ce_chunk(logits_BLV, first, m_BL, targets_BL):
