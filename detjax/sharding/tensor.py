@@ -278,12 +278,11 @@ def chunk_product(spec: str, dtype, kernels: str, x: jax.Array, w: jax.Array) ->
     return _product_fwd(spec, dtype, kernels, x, w)[0]
 
 
-def _fold(spec: str, x: jax.Array, w: jax.Array) -> tuple[int, int]:
+def _fold(spec: str, x: jax.Array) -> tuple[int, int]:
     """(rows, contracted size) of the 2-D form of a '<free x><contracted>,<contracted><free w>' product."""
-    ins, _ = spec.split("->")
-    xs, ws = ins.split(",")
-    c = len([ch for ch in xs if ch in ws])
-    k = math.prod(x.shape[x.ndim - c :])
+    from detjax.pallas_kernels.matmul.ops import contracted_dims
+
+    k = math.prod(x.shape[x.ndim - contracted_dims(spec) :])
     return x.size // k, k
 
 
@@ -299,7 +298,7 @@ def _product_fwd(spec, dtype, kernels, x, w):
     res = (xc, wc, jnp.zeros((0,), x.dtype))
     if kernels != "pallas":
         return jnp.einsum(spec, xc, wc, preferred_element_type=jnp.float32), res
-    m, k = _fold(spec, x, w)
+    m, k = _fold(spec, x)
     y = _pallas("fwd", xc.reshape(m, k), wc.reshape(k, -1), jnp.float32)
     out_shape = jax.eval_shape(functools.partial(jnp.einsum, spec), xc, wc).shape
     return y.reshape(out_shape), res
@@ -309,7 +308,7 @@ def _product_bwd(spec, dtype, kernels, res, g):
     xc, wc, like = res
     gc = g.astype(dtype)
     if kernels == "pallas":
-        m, k = _fold(spec, xc, wc)
+        m, k = _fold(spec, xc)
         g2 = gc.reshape(m, -1)
         dx = _pallas("dx", g2, wc.reshape(k, -1), like.dtype).reshape(xc.shape)
         return dx, _pallas("dw", xc.reshape(m, k), g2, jnp.float32).reshape(wc.shape)

@@ -77,14 +77,10 @@ TILE_SETS: dict[str, dict[str, int]] = {
 }
 
 
-def _is_fp8(dtype) -> bool:
-    return jnp.dtype(dtype).name in ("float8_e4m3fn", "float8_e5m2")
-
-
 def tile_set(kind: str, dtype, k: int, n: int) -> str:
     """The pinned tile set for a product with weight shape (k, n). The shape class depends on the weight
     alone -- never on the number of rows M -- and follows the offline sweep (docs/BENCHMARKS.md)."""
-    name = "bfloat16" if _is_fp8(dtype) else jnp.dtype(dtype).name  # fp8: the bf16 tiles (not swept for fp8)
+    name = "bfloat16" if mosaic.is_fp8(dtype) else jnp.dtype(dtype).name  # fp8: the bf16 tiles (not swept for fp8)
     if name == "float32":
         return {"fwd": "f32_16x16", "dx": "f32_64x64", "dw": "f32_16x16 split"}[kind]
     if name != "bfloat16":
@@ -167,7 +163,7 @@ def use_mosaic_fp8(a_dtype, b_dtype, k: int, n: int, interpret: bool) -> bool:
     2.2 x faster there than in the Triton kernel), and an e5m2 x e4m3 pair only where this jax's wgmma takes
     it (mosaic.mixed_fp8). Like use_mosaic, a function of dtypes, shapes, device and jax version: the
     choice changes speed and bits together, never between two runs of one setup."""
-    if interpret or not (_is_fp8(a_dtype) and _is_fp8(b_dtype)) or k * n < MOSAIC_FP8_MIN_SIZE:
+    if interpret or not (mosaic.is_fp8(a_dtype) and mosaic.is_fp8(b_dtype)) or k * n < MOSAIC_FP8_MIN_SIZE:
         return False
     return mosaic.available() and (a_dtype == b_dtype or mosaic.mixed_fp8())
 
@@ -237,7 +233,7 @@ def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: t
     `sweep_tiles` (sorted (name, value) pairs) replaces the pinned tiles: for the offline sweep in
     scripts/gemm_bench.py and the tests only (they may also set `r_chunk`, or `backend`: "mosaic" / "triton"
     to force one kernel); the model never passes it."""
-    if a.dtype != b.dtype and not (_is_fp8(a.dtype) and _is_fp8(b.dtype)):
+    if a.dtype != b.dtype and not (mosaic.is_fp8(a.dtype) and mosaic.is_fp8(b.dtype)):
         raise ValueError(f"matmul operands must share a dtype (or both be fp8), got {a.dtype} and {b.dtype}")
     trans_a, trans_b = kind == "dw", kind == "dx"
     k_w, n_w = {"fwd": (b.shape[0], b.shape[1]), "dx": b.shape, "dw": (a.shape[1], b.shape[1])}[kind]

@@ -68,7 +68,8 @@ def block_r(dtype) -> int:
     return SWIZZLE // jnp.dtype(dtype).itemsize
 
 
-def _is_fp8(dtype) -> bool:
+def is_fp8(dtype) -> bool:
+    """e4m3 or e5m2 (model.fp8's operand types)."""
     return jnp.dtype(dtype).name in ("float8_e4m3fn", "float8_e5m2")
 
 
@@ -114,7 +115,7 @@ def mosaic_matmul(
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     trans_a, trans_b = kind == "dw", kind in ("dx", "nt")
-    if (_is_fp8(a.dtype) or _is_fp8(b.dtype)) and kind != "nt":
+    if (is_fp8(a.dtype) or is_fp8(b.dtype)) and kind != "nt":
         raise ValueError(f"mosaic matmul {kind}: fp8 operands are multiplied as nt (both with R contiguous)")
     if scale is not None and r_chunk:
         raise ValueError("mosaic matmul: a scale applies to whole sums, not to chunk partials")

@@ -85,7 +85,7 @@ _matmul_copy.defvjp(_copy_fwd, _copy_bwd)
 FUSED_COLUMN_MULTIPLE = 256
 
 
-def _fold(spec: str) -> int:
+def contracted_dims(spec: str) -> int:
     """Number of contracted dims of a '<free x><contracted>,<contracted><free w>-><free x><free w>' spec."""
     ins, out = spec.split("->")
     xs, ws = ins.split(",")
@@ -136,7 +136,7 @@ def dense_many(
     the Pallas matmul (detjax.model.fp8: the fp8 product; no tile padding then). `w_cat_c`: compute_copy of
     ws, made beforehand; the product reads it, and the float32 concatenation only carries the gradient back
     to the masters (nothing computes it in the forward)."""
-    cs = {_fold(s) for s in specs}
+    cs = {contracted_dims(s) for s in specs}
     if len(cs) != 1:
         raise ValueError(f"dense_many() needs specs contracting the same dims of x, got {specs}")
     c = cs.pop()
