@@ -67,6 +67,10 @@ class MoEConfig:
     # "ragged_dot" / "pallas" pick one whatever model.kernels says
     experts_impl: Literal["auto", "ragged_dot", "pallas"] = "auto"
 
+    def experts_kernels(self, kernels: str) -> str:
+        """The grouped matmuls' kernels under model.kernels = `kernels`: "pallas" or "reference"."""
+        return {"auto": kernels, "ragged_dot": "reference", "pallas": "pallas"}[self.experts_impl]
+
     def validate(self) -> None:
         if self.n_experts < 1:
             _fail("model.moe.n_experts", self.n_experts, "must be >= 1", "use at least one expert")
@@ -739,8 +743,7 @@ def canonical_tensor_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
                     f"use a multiple of {big}, or a smaller determinism.max_tensor",
                 )
             ]
-    gmm = m.moe.experts_impl == "pallas" or (m.kernels == "pallas" and m.moe.experts_impl == "auto")
-    if gmm and "E" in letters and (m.moe.ffn_dim // big) % 16:
+    if m.moe.experts_kernels(m.kernels) == "pallas" and "E" in letters and (m.moe.ffn_dim // big) % 16:
         return [
             (
                 "model.moe.ffn_dim",

@@ -34,13 +34,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from detjax.pallas_kernels.matmul.quantize import quantize as _quantize
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FMAX = (float(jnp.finfo(E4M3).max), float(jnp.finfo(E4M3).max), float(jnp.finfo(E5M2).max))  # x, w, dy
-
-
-def _quantize(v: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    fmax = float(jnp.finfo(dtype).max)
-    return jnp.clip(v.astype(jnp.float32) * scale, -fmax, fmax).astype(dtype)
 
 
 def _amax(v: jax.Array) -> jax.Array:
@@ -78,10 +75,10 @@ def _mosaic_path(w_KN: jax.Array, kernels: str) -> bool:
 def _quantize_both(v: jax.Array, scale: jax.Array, dtype):
     """(q, q^T, amax) in one pass (quantize.quantize_transposed) where the shape is whole tiles; else XLA's
     quantization and transpose -- the same q either way (elementwise; tests/test_matmul.py)."""
-    from detjax.pallas_kernels.matmul import quantize
+    from detjax.pallas_kernels.matmul.quantize import fits, quantize_transposed
 
-    if quantize.fits(v.shape):
-        return quantize.quantize_transposed(v, scale, dtype=dtype, interpret=_interpret())
+    if fits(v.shape):
+        return quantize_transposed(v, scale, dtype=dtype, interpret=_interpret())
     q = _quantize(v, scale, dtype)
     return q, q.T, _amax(v)
 

@@ -118,7 +118,7 @@ class MoE(nn.Module):
         idx_TX, gate_TX, probs_TE = route(logits_TE, k, c.router)
         aux = load_balance_loss(idx_TX, probs_TE)
         self.sow("intermediates", "routing", idx_TX)  # row-wise trace tap: a swapped pair of rows is caught
-        gmm = {"auto": self.kernels, "ragged_dot": "reference", "pallas": "pallas"}[c.experts_impl]
+        gmm = c.experts_kernels(self.kernels)
         experts = Experts(
             e, d, f, self.init_std, self.dtype, c.combine, self.layout, gmm, self.fp8, self.tp, name="experts"
         )

@@ -7,7 +7,7 @@ gpu_dense's fp8 step (docs/BENCHMARKS.md, session 22). This kernel reads v once 
 q = fp8(clip(v * scale)) in both layouts, plus the largest |v| of each tile.
 
 Bits: the quantization is elementwise -- a float32 product, a clip, one round-to-nearest-even conversion --
-the same operations as detjax.model.fp8's XLA path, so q does not depend on the tile (tests/test_matmul.py
+the same function (`quantize`) as detjax.model.fp8's XLA path, so q does not depend on the tile (tests/test_matmul.py
 checks it against the XLA quantization on the GPU). The amax is a maximum: exact in any order.
 """
 
@@ -30,9 +30,15 @@ def fits(shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and shape[0] % BLOCK == 0 and shape[1] % BLOCK == 0
 
 
-def _kernel(v_ref, s_ref, q_ref, qt_ref, amax_ref, *, fmax: float):
+def quantize(v: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """dtype(clip(v * scale, -fmax, fmax)) in float32: model.fp8's quantization, here and in XLA alike."""
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.clip(v.astype(jnp.float32) * scale, -fmax, fmax).astype(dtype)
+
+
+def _kernel(v_ref, s_ref, q_ref, qt_ref, amax_ref):
     v = v_ref[...].astype(jnp.float32)
-    q = jnp.clip(v * s_ref[0], -fmax, fmax).astype(q_ref.dtype)
+    q = quantize(v, s_ref[0], q_ref.dtype)
     q_ref[...] = q
     qt_ref[...] = q.T
     amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(v)), (1, 1))
@@ -46,9 +52,8 @@ def quantize_transposed(v: jax.Array, scale: jax.Array, *, dtype, interpret: boo
     if not fits(v.shape):
         raise ValueError(f"quantize_transposed: shape {v.shape} is not whole {BLOCK} x {BLOCK} tiles")
     gm, gn = m // BLOCK, n // BLOCK
-    fmax = float(jnp.finfo(dtype).max)
     q, qt, amax = pl.pallas_call(
-        functools.partial(_kernel, fmax=fmax),
+        _kernel,
         grid=(gm, gn),
         in_specs=[
             pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j)),
