@@ -34,9 +34,10 @@ class Objective:
     step's gradient of j, divided once by the step's token count n_tok, is that of lm_loss + mtp_coef *
     mtp_loss + aux_coef * aux_loss, each a per-token (aux: per-group) mean over the whole step.
 
-    An aux group is what one load-balancing loss is computed over: a microbatch by default, one leaf of
-    `determinism.canonical_leaf` sequences under canonical numerics (whose gradient is a tree over per-leaf
-    gradients; the microbatch size must not enter the bits)."""
+    An aux group is what one load-balancing loss is computed over: a microbatch by default (a batch shard's
+    rows of it in a default-numerics pipeline), one leaf of `determinism.canonical_leaf` sequences under
+    canonical numerics (whose gradient is a tree over per-leaf gradients; the microbatch size must not enter
+    the bits)."""
 
     n_tok: int  # LM-loss tokens per step
     n_mtp: int  # MTP-loss tokens per step
@@ -46,11 +47,13 @@ class Objective:
     canonical: bool = False  # token sums by pair trees (detjax.sharding.canonical)
 
     @classmethod
-    def from_config(cls, cfg: Config) -> Objective:
+    def from_config(cls, cfg: Config, aux_shards: int = 1) -> Objective:
+        """aux_shards: the aux groups each microbatch is split into (a default-numerics pipeline's batch
+        shards, each computing the load-balancing loss of its own rows: detjax.sharding.pipeline)."""
         t, m = cfg.train, cfg.model
         n_tok, n_mtp = t.global_batch * t.seq_len, t.global_batch * (t.seq_len - 1)
         canonical = cfg.determinism.canonical
-        n_aux = t.global_batch // cfg.determinism.canonical_leaf if canonical else t.n_micro
+        n_aux = t.global_batch // cfg.determinism.canonical_leaf if canonical else t.n_micro * aux_shards
         return cls(n_tok, n_mtp, n_aux, m.mtp.loss_coef, m.moe.aux_loss_coef, canonical)
 
     @property

@@ -116,7 +116,10 @@ class Trainer:
         )
         self.tx = make_optimizer(cfg.train, self.canonical, self.leaf_keys)
         self.schedule = lr_schedule(cfg.train)
-        self.objective = Objective.from_config(cfg)
+        # a default-numerics pipeline splits each microbatch's rows over the batch shards (build_layout checks
+        # that they divide it): each shard's rows are one aux-loss group (detjax.sharding.pipeline)
+        default_pipeline = self.pipelined and not self.canonical
+        self.objective = Objective.from_config(cfg, self.batch_shards() if default_pipeline else 1)
 
     def _tensor_split(self) -> TensorSplit | None:
         """Canonical tensor parallelism's chunks over this mesh's tensor axis, or None (no chunks)."""
@@ -457,7 +460,13 @@ class Trainer:
         """(gradient sums, loss-term sums, the step's fp8 amaxes: the max over microbatches, or None)."""
         if self.pipelined:
             g_sum, sums = pipeline.pipeline_grads(
-                self.pipeline_fns(), self.cfg, self.layout, state.params, micro_tokens, step_key
+                self.pipeline_fns(),
+                self.cfg,
+                self.layout,
+                state.params,
+                micro_tokens,
+                step_key,
+                batch_axes=self.batch_axes(),
             )
             return g_sum, sums, None
         (g_sum, sums), amax_n = self.accumulate(state.params, micro_tokens, step_key, fp8_scales=self.fp8_scales(state))

@@ -163,12 +163,19 @@ def pipeline_grads(
     and the S block sums meet in the top levels of the same pair tree, as in Trainer.canonical_grad_sums.
     tensor_specs (canonical only): each parameter's PartitionSpec over `tensor` in the pipeline layout
     (stacked leaves' specs start with their virtual and stage dims): the stages run canonical tensor
-    parallelism's chunks (detjax.sharding.tensor) on their tensor shards, manual over `tensor` too."""
+    parallelism's chunks (detjax.sharding.tensor) on their tensor shards, manual over `tensor` too.
+
+    Default numerics with batch_axes: every batch shard runs the pipeline on its own rows of every
+    microbatch (train.micro_batch / shards each), and the sums are one psum over the pipeline and batch axes
+    at the end. The batch axes are manual, not left to the partitioner, because a partitioner-made collective
+    inside a stage's branch would need every device, while at one tick only one stage's devices run that
+    branch (XLA's CPU runtime aborted such a step after waiting for the others: a collective permute of the
+    Mamba2 decay gradient's pair tree over batch-sharded tokens). Each shard's rows are one aux-loss group
+    (loss.Objective.from_config's aux_shards), as each rank's microbatch is in Megatron."""
     n_stages, n_virtual, _ = _chunking(cfg)
-    if batch_axes and not canonical:
-        raise ValueError("pipeline_grads: batch_axes is for canonical numerics (default pipelines auto-shard)")
     n_shards = math.prod(layout.degrees[a] for a in batch_axes)
-    n_micro = cfg.train.n_micro // n_shards  # microbatches per pipeline (per batch shard)
+    # microbatches per pipeline: canonical shards pipeline blocks of whole leaves, default shards split rows
+    n_micro = cfg.train.n_micro // n_shards if canonical else cfg.train.n_micro
     sched = build_schedule(cfg.mesh.schedule, n_stages, n_virtual, n_micro)
     chunk_fn, embed_fn, head_objective, aux_w = fns.chunk, fns.embed, fns.head, fns.aux_weight
     mtp = cfg.model.mtp.depth > 0
@@ -179,7 +186,8 @@ def pipeline_grads(
 
     def body(outer, stages, tokens, skey):
         s = jax.lax.axis_index("pipeline")
-        leaf0 = jax.lax.axis_index(batch_axes) * n_micro if batch_axes else 0  # this shard's first global leaf
+        shard = jax.lax.axis_index(batch_axes) if batch_axes else 0
+        leaf0 = shard * n_micro if canonical else 0  # canonical: this shard's first global leaf
         stages = jax.tree.map(lambda x: x[:, 0], stages)  # (V, 1, ...) -> (V, ...)
         mb, length = tokens.shape[1], tokens.shape[2] - 1
         h_shape = (mb, length, fns.d_model)
@@ -207,6 +215,8 @@ def pipeline_grads(
             first, last = c_idx == 0, c_idx == last_c
             tok_m = jax.lax.dynamic_index_in_dim(tokens, m, 0, False)
             key_m = jax.random.fold_in(skey, leaf0 + m)
+            if batch_axes and not canonical:  # default: each shard's rows their own dropout masks
+                key_m = jax.random.fold_in(key_m, shard)
             p_v = _tree_get(stages, v)
 
             def chunk_input():
@@ -312,10 +322,14 @@ def pipeline_grads(
             sums = _from_rank(carry["sums"]["total"], n_stages - 1, s)
             g_stages = jax.tree.map(lambda x: x[:, None], carry["g_stages"]["total"])
             return jax.tree.map(lambda x: x[None], (g_outer, g_stages, sums))  # a leading axis of batch shards
-        # Partial gradients of the replicated parameters and the loss sums: one sum over the pipeline ranks.
-        g_outer = jax.lax.psum(carry["g_outer"], "pipeline")
-        sums = jax.lax.psum(carry["sums"], "pipeline")
-        g_stages = jax.tree.map(lambda x: x[:, None], carry["g_stages"])
+        # Partial gradients of the replicated parameters and the loss sums: summed over the pipeline ranks, then
+        # over each batch axis; the stages' gradients over each batch axis. One axis per psum keeps each sum
+        # to that axis's degree of operands (two on dp2-tp2-pp2: a + b == b + a, so a multi-process run's
+        # transport cannot order them apart from one process's: tests/test_mesh.py).
+        g_outer, sums, g_stages = jax.lax.psum((carry["g_outer"], carry["sums"]), "pipeline") + (carry["g_stages"],)
+        for a in batch_axes:
+            g_outer, sums, g_stages = jax.lax.psum((g_outer, sums, g_stages), a)
+        g_stages = jax.tree.map(lambda x: x[:, None], g_stages)
         return g_outer, g_stages, sums
 
     if tensor_specs is None:
@@ -332,8 +346,8 @@ def pipeline_grads(
             P(k),
         )
         tok_spec = P(k)
-    else:
-        out_specs, tok_spec = (outer_spec, stage_spec, P()), P()
+    else:  # rows of every microbatch split over the batch axes
+        out_specs, tok_spec = (outer_spec, stage_spec, P()), P(None, batch_axes or None)
     fn = jax.shard_map(
         body,
         mesh=layout.mesh,
