@@ -226,7 +226,8 @@ def test_fp8_matmul_mosaic_path_matches_the_triton_path(monkeypatch):
     """The Mosaic fp8 path of fp8_matmul (forced here; on Hopper it is taken for large weights): the
     transposed copies made while quantizing, the residual x8^T, the epilogue scale and dw's token chunks
     (2304 tokens: 2048 + a part). On small-integer values with scale 1 every product and sum is exact, so
-    forward, dx, dw and the amaxes must equal the reference path's (XLA's dot) byte for byte. The kernels run
+    forward, dx, dw and the amaxes must equal the reference path's (XLA's dot) byte for byte, also for a
+    shape of partial tiles in every dimension (zero-padded while quantizing). The kernels run
     interpreted on CPU, compiled (Triton quantization, Mosaic wgmma) on a Hopper GPU. Negative control: one
     changed input value changes dw."""
     from detjax.pallas_kernels.matmul import kernel, mosaic
@@ -234,18 +235,24 @@ def test_fp8_matmul_mosaic_path_matches_the_triton_path(monkeypatch):
     if jax.default_backend() == "gpu" and not mosaic.available():
         pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
     monkeypatch.setattr(kernel, "use_mosaic_fp8", lambda *a: True)
-    ks = jax.random.split(jax.random.key(4), 3)
-    x = jax.random.randint(ks[0], (2304, 128), -3, 4).astype(jnp.bfloat16)
-    w = jax.random.randint(ks[1], (128, 256), -3, 4).astype(jnp.float32)
-    g = jax.random.randint(ks[2], (2304, 256), -3, 4).astype(jnp.float32)
     s = jnp.ones((3,), jnp.float32)
 
-    def grads(x, w, kernels):
+    def operands(m, k, n):
+        ks = jax.random.split(jax.random.key(4), 3)
+        x = jax.random.randint(ks[0], (m, k), -3, 4).astype(jnp.bfloat16)
+        w = jax.random.randint(ks[1], (k, n), -3, 4).astype(jnp.float32)
+        g = jax.random.randint(ks[2], (m, n), -3, 4).astype(jnp.float32)
+        return x, w, g
+
+    def grads(x, w, g, kernels):
         f = lambda x, w, s: jnp.sum(fp8.fp8_matmul(x, w, s, jnp.bfloat16, kernels).astype(jnp.float32) * g)  # noqa: E731
         return fp8.fp8_matmul(x, w, s, jnp.bfloat16, kernels), jax.grad(f, argnums=(0, 1, 2))(x, w, s)
 
-    got, ref = grads(x, w, "pallas"), grads(x, w, "reference")
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
-        assert _same(a, b)
+    # whole tiles; then every dimension a partial tile (the quantization writes the padded copies)
+    for m, k, n in ((300, 200, 136), (2304, 128, 256)):
+        x, w, g = operands(m, k, n)
+        got, ref = grads(x, w, g, "pallas"), grads(x, w, g, "reference")
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+            assert a.shape == b.shape and _same(a, b), (m, k, n)
     x2 = x.at[2200, 5].add(1)  # a token of the second dw chunk
-    assert not _same(grads(x2, w, "pallas")[1][1], got[1][1]), "negative control: the input must change dw"
+    assert not _same(grads(x2, w, g, "pallas")[1][1], got[1][1]), "negative control: the input must change dw"

@@ -268,6 +268,12 @@ def test_fp8_mosaic_product_replays_bit_exact_on_gpu():
             one(g, w, kind="dx", out_dtype=jnp.bfloat16),
             one(x, g, kind="dw", out_dtype=jnp.float32),
             *(a.view(jnp.uint8) for a in quantize_transposed(v, 9.0, dtype=jnp.float8_e5m2, interpret=False)[:2]),
+            *(  # partial tiles and tiles past v (zero-padded, masked)
+                a.view(jnp.uint8)
+                for a in quantize_transposed(
+                    v[:8188, :4000], 9.0, dtype=jnp.float8_e5m2, interpret=False, rows_to=4096, cols_to=256
+                )[:2]
+            ),
         )
 
     fn = jax.jit(run)
@@ -297,3 +303,10 @@ def test_fp8_quantize_transposed_matches_the_xla_quantization():
             assert _same(amax, fp8._amax(v))
             other, _, _ = quantize_transposed(v, jnp.float32(s * 1.01), dtype=dtype, interpret=interp)
             assert not _same(other.view(jnp.uint8), q.view(jnp.uint8)), "negative control: the scale is used"
+    # a shape of partial tiles, zero-padded to 256 x 384 (rows 2 tiles beyond v): q is the quantization of
+    # v padded with zeros, and the amax v's alone (the values beyond v's edge are masked, never read as data)
+    v = 30 * jax.random.normal(ks[0], (100, 260))
+    q, qt, amax = quantize_transposed(v, jnp.float32(40.0), dtype=fp8.E4M3, interpret=interp, rows_to=256, cols_to=384)
+    want = jnp.pad(fp8._quantize(v, jnp.float32(40.0), fp8.E4M3), ((0, 156), (0, 124)))
+    assert q.shape == (256, 384) and _same(q.view(jnp.uint8), want.view(jnp.uint8))
+    assert _same(qt.view(jnp.uint8), want.T.view(jnp.uint8)) and _same(amax, fp8._amax(v))

@@ -22,8 +22,9 @@ The products themselves are detjax's pinned-tile Pallas matmul with fp8 operands
 sums -- the same math, emulated, so the tests run in CI). On Hopper, weights of at least
 kernel.MOSAIC_FP8_MIN_SIZE elements take the Mosaic GPU kernel's fp8 wgmma (kernel.fp8_nt), which reads both
 operands with the reduced dimension contiguous: x, w and dy are quantized by
-quantize.quantize_transposed, which writes the transposed copy (and the amax) in the same pass, and the
-dequantizing scale is applied in the kernel's epilogue. The routed experts' grouped matmuls
+quantize.quantize_transposed, which writes the transposed copy (and the amax) in the same pass, both
+zero-padded to the products' tiles (_mosaic_pads), and the dequantizing scale is applied in the kernel's
+epilogue. The routed experts' grouped matmuls
 (fp8_grouped_matmul) quantize the same way and multiply the fp8 values exactly in bf16 / float32.
 """
 
@@ -72,15 +73,27 @@ def _mosaic_path(w_KN: jax.Array, kernels: str) -> bool:
     return kernel.use_mosaic_fp8(E5M2, E4M3, *w_KN.shape, _interpret())
 
 
-def _quantize_both(v: jax.Array, scale: jax.Array, dtype):
-    """(q, q^T, amax) in one pass (quantize.quantize_transposed) where the shape is whole tiles; else XLA's
-    quantization and transpose -- the same q either way (elementwise; tests/test_matmul.py)."""
-    from detjax.pallas_kernels.matmul.quantize import fits, quantize_transposed
+def _mosaic_pads(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """The multiples that x (m, k), w (k, n) and dy (m, n) are padded to on the Mosaic path: each dimension
+    once, to every tile of kernel.fp8_nt that reads it (the forward's and dx's output tiles and 128-element
+    reduction blocks, dw's token chunks), so that the three products read the same padded copies and pad
+    nothing more. All are powers of two: the largest is a multiple of the others."""
+    from detjax.pallas_kernels.matmul import mosaic
+    from detjax.pallas_kernels.matmul.kernel import dw_row_chunk
 
-    if fits(v.shape):
-        return quantize_transposed(v, scale, dtype=dtype, interpret=_interpret())
-    q = _quantize(v, scale, dtype)
-    return q, q.T, _amax(v)
+    cm, cn = mosaic.cta_tile("nt")
+    br = mosaic.block_r(E4M3)
+    chunk = dw_row_chunk(k, n)
+    r_mult = chunk if 0 < chunk < m else br  # dw's reduction over tokens, as fp8_nt takes it
+    return max(cm, r_mult, br), max(cm, cn, br), max(cn, br)
+
+
+def _quantize_padded(v: jax.Array, scale: jax.Array, dtype, rows_to: int, cols_to: int):
+    """(q, q^T, amax) in one pass, q zero-padded to rows_to x cols_to multiples
+    (quantize.quantize_transposed: the same q as XLA's quantization, tests/test_matmul.py)."""
+    from detjax.pallas_kernels.matmul.quantize import quantize_transposed
+
+    return quantize_transposed(v, scale, dtype=dtype, interpret=_interpret(), rows_to=rows_to, cols_to=cols_to)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -95,27 +108,32 @@ def _fwd(x_MK, w_KN, scale_3, out_dtype, kernels):
     if _mosaic_path(w_KN, kernels):  # fp8 wgmma: every product as a @ b^T, transposed copies made while quantizing
         from detjax.pallas_kernels.matmul.kernel import fp8_nt
 
-        x8, x8_KM, amax_x = _quantize_both(x_MK, scale_3[0], E4M3)
-        w8, w8_NK, amax_w = _quantize_both(w_KN, scale_3[1], E4M3)
+        (m, k), n = x_MK.shape, w_KN.shape[1]
+        pm, pk, pn = _mosaic_pads(m, k, n)
+        x8, x8_KM, amax_x = _quantize_padded(x_MK, scale_3[0], E4M3, pm, pk)
+        w8, w8_NK, amax_w = _quantize_padded(w_KN, scale_3[1], E4M3, pk, pn)
         y = fp8_nt(x8, w8_NK, inv, out_dtype=out_dtype, r_chunk=0, interpret=_interpret())
-        return y, (x8_KM, w8, scale_3, amax_x, amax_w)
+        kn = jnp.zeros((k, n, 0), jnp.int8)  # the weight's unpadded shape, for the backward (no data)
+        return y[:m, :n], (x8_KM, w8, scale_3, amax_x, amax_w, kn)
     x8, w8 = _quantize(x_MK, scale_3[0], E4M3), _quantize(w_KN, scale_3[1], E4M3)
     y = _qdot(x8, w8, "fwd", kernels, inv, out_dtype)
-    return y, (x8, w8, scale_3, _amax(x_MK), _amax(w_KN))
+    return y, (x8, w8, scale_3, _amax(x_MK), _amax(w_KN), None)
 
 
 def _bwd(out_dtype, kernels, res, dy_MN):
     """dx in the compute dtype (x arrives in it, as out_dtype), dw in float32 (the master's dtype)."""
-    x8, w8, scale_3, amax_x, amax_w = res
+    x8, w8, scale_3, amax_x, amax_w, kn = res
     inv_dx, inv_dw = 1.0 / (scale_3[2] * scale_3[1]), 1.0 / (scale_3[0] * scale_3[2])
-    if _mosaic_path(w8, kernels):  # x8 is x8^T (K, M) here
+    if kn is not None:  # the Mosaic path: x8 is x8^T (K, M) and w8 (K, N), both padded; kn has (K, N)
         from detjax.pallas_kernels.matmul.kernel import dw_row_chunk, fp8_nt
 
-        g8, g8_NM, amax_g = _quantize_both(dy_MN, scale_3[2], E5M2)
+        (m, n), k = dy_MN.shape, kn.shape[0]
+        pm, _, pn = _mosaic_pads(m, k, n)
+        g8, g8_NM, amax_g = _quantize_padded(dy_MN, scale_3[2], E5M2, pm, pn)
         dx = fp8_nt(g8, w8, inv_dx, out_dtype=out_dtype, r_chunk=0, interpret=_interpret())
-        chunk = dw_row_chunk(*w8.shape)
+        chunk = dw_row_chunk(k, n)
         dw = fp8_nt(x8, g8_NM, inv_dw, out_dtype=jnp.float32, r_chunk=chunk, interpret=_interpret())
-        return dx, dw, jnp.stack([amax_x, amax_w, amax_g])
+        return dx[:m, :k], dw[:k, :n], jnp.stack([amax_x, amax_w, amax_g])
     g8 = _quantize(dy_MN, scale_3[2], E5M2)
     dx = _qdot(g8, w8, "dx", kernels, inv_dx, out_dtype)
     dw = _qdot(x8, g8, "dw", kernels, inv_dw, jnp.float32)
