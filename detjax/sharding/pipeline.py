@@ -332,6 +332,9 @@ def pipeline_grads(
         g_stages = jax.tree.map(lambda x: x[:, None], g_stages)
         return g_outer, g_stages, sums
 
+    # canonical: manual over tensor (the chunks with tensor_specs, else whole on every tensor device, as one
+    # device computes); default: tensor stays automatic, the partitioner splits the stages' products
+    manual_tensor = canonical and layout.degrees["tensor"] > 1
     if tensor_specs is None:
         tensor_specs = jax.tree.map(lambda x: P(*([None] * x.ndim)), params)
     is_p = {"is_leaf": lambda x: isinstance(x, P)}
@@ -353,7 +356,7 @@ def pipeline_grads(
         mesh=layout.mesh,
         in_specs=(outer_spec, stage_spec, tok_spec, P()),
         out_specs=out_specs,
-        axis_names=frozenset({"pipeline", *batch_axes, *(["tensor"] if layout.degrees["tensor"] > 1 else [])}),
+        axis_names=frozenset({"pipeline", *batch_axes, *(["tensor"] if manual_tensor else [])}),
         check_vma=False,
     )
     g_outer, g_stages, sums = fn(outer0, params["stages"], micro_tokens, step_key)
