@@ -774,13 +774,6 @@ def fp8_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
     off = "or set model.fp8.enabled=false"
     if cfg.mesh.pipeline > 1:
         key, value, why, fix = "mesh.pipeline", cfg.mesh.pipeline, "the pipeline schedule", "use mesh.pipeline=1"
-    elif cfg.mesh.expert > 1:
-        key, value, why, fix = (
-            "mesh.expert",
-            cfg.mesh.expert,
-            "expert parallelism's all-to-all path",
-            "use mesh.expert=1",
-        )
     elif cfg.trace.level != "none":
         key, value, why, fix = "trace.level", cfg.trace.level, "the tracer's instrumented steps", "trace without fp8"
     elif cfg.debug.inject_nondeterminism.scope:

@@ -394,6 +394,20 @@ def test_fp8_scales_are_mesh_invariant():
     assert not _same(bf16[0], ref[0]), "negative control: fp8 off should give other bits"
 
 
+@pytest.mark.extended  # the hybrid (experts) compiled three times: ~3 min on 2 cores
+def test_fp8_with_an_expert_axis_is_mesh_invariant():
+    """Canonical numerics with model.fp8 on expert 2 x data 4 (the experts' weights sharded over `expert`,
+    their fp8 scale sets' amaxes maxima over the leaves): two steps byte-equal to one device, parameters,
+    digests and fp8 collection. Negative control: without fp8 the bits differ."""
+    canon = ["determinism.numerics=canonical", "model.fp8.amax_history_len=3"]
+    ref = _one_step([*canon, "model.fp8.enabled=true", "mesh.devices=1"], (), steps=2)
+    got = _one_step([*canon, "model.fp8.enabled=true", "mesh.expert=2"], (), steps=2)
+    assert "collections" in ref[1]["digest"]
+    assert _same(got[0], ref[0]) and _same(got[1]["digest"], ref[1]["digest"])
+    bf16 = _one_step([*canon, "mesh.expert=2"], (), steps=2)
+    assert not _same(bf16[0], got[0]), "negative control: fp8 off should give other bits"
+
+
 @pytest.mark.parametrize(
     "model",
     [

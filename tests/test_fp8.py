@@ -212,7 +212,6 @@ def test_fp8_resume_is_bitwise_and_a_changed_scale_is_refused(cfg_of, reference,
     "over, key",
     [
         (["mesh.devices=2", "mesh.pipeline=2", "model.pattern='--'", "model.mtp.depth=0"], "mesh.pipeline"),
-        (["mesh.devices=2", "mesh.expert=2"], "mesh.expert"),
         (["trace.level=module", "trace.steps=1"], "trace.level"),
     ],
 )

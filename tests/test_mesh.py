@@ -263,6 +263,43 @@ def test_expert_parallel_equals_local_experts_forward_and_grads():
     assert "all_to_all" in hlo or "all-to-all" in hlo
 
 
+def test_expert_parallel_fp8_equals_local_experts_and_its_amaxes_are_the_global_maxima():
+    """model.fp8 on the all-to-all path (expert 4 x tensor 2): output and gradients as the local path's
+    (float32 sums of the same fp8 products: only their order may differ), and each scale set's amaxes (its
+    "gradient") byte-equal to the local path's -- the maximum over every device's rows and weight shards,
+    not their sum. Negative control: other scales give another output."""
+    from detjax.model.moe import Experts, route
+
+    layout = build_layout(cfg_for("mesh.expert=4", "mesh.tensor=2"), jax.devices()[:8])
+    e, d, f = 8, 16, 8
+    ks = jax.random.split(jax.random.key(1), 4)
+    x_TD = jax.random.normal(ks[0], (32, d))
+    idx, gate, _ = route(jax.random.normal(ks[1], (32, e)) * 3, 2, "softmax")
+    local = Experts(e, d, f, 0.3, jnp.float32, fp8=True)
+    variables = nn.unbox(local.init(ks[2], x_TD, idx, gate))
+    params = variables["params"]
+    scales = jax.tree.map(lambda s: jnp.asarray([4.0, 16.0, 2.0], jnp.float32), variables["fp8"])
+    ep = Experts(e, d, f, 0.3, jnp.float32, layout=layout, fp8=True)
+    w = jax.random.normal(ks[3], (32, d))
+
+    def loss(mod, p, s, x):
+        return jnp.sum(mod.apply({"params": p, "fp8": s}, x, idx, gate) * w)
+
+    y_l = local.apply({"params": params, "fp8": scales}, x_TD, idx, gate)
+    y_e = jax.jit(lambda p, s, x: ep.apply({"params": p, "fp8": s}, x, idx, gate))(params, scales, x_TD)
+    np.testing.assert_allclose(np.asarray(y_e), np.asarray(y_l), rtol=1e-5, atol=1e-6)
+    g_l = jax.grad(lambda p, s, x: loss(local, p, s, x), argnums=(0, 1, 2))(params, scales, x_TD)
+    g_e = jax.jit(jax.grad(lambda p, s, x: loss(ep, p, s, x), argnums=(0, 1, 2)))(params, scales, x_TD)
+    for a, b in zip(jax.tree.leaves((g_e[0], g_e[2])), jax.tree.leaves((g_l[0], g_l[2])), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    for name in ("gate", "up", "down"):
+        amax_e, amax_l = np.asarray(g_e[1][name]), np.asarray(g_l[1][name])
+        assert (amax_l > 0).all() and np.array_equal(amax_e.view(np.uint32), amax_l.view(np.uint32)), name
+    other = jax.tree.map(lambda s: s * 2.0, scales)
+    y_o = jax.jit(lambda p, s, x: ep.apply({"params": p, "fp8": s}, x, idx, gate))(params, other, x_TD)
+    assert not np.array_equal(np.asarray(y_o), np.asarray(y_e)), "negative control: the scales must be used"
+
+
 # ---------------------------------------------------------------------------------------------- multi-process
 
 

@@ -73,15 +73,15 @@ class Experts(nn.Module):
         w_up_EDF = param(self, "w_up", init, (e, d, f), (ax.EXPERTS, ax.EXPERT_EMBED, ax.EXPERT_MLP), tp)
         w_down_EFD = param(self, "w_down", init, (e, f, d), (ax.EXPERTS, ax.EXPERT_MLP, ax.EXPERT_EMBED), tp)
         weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
+        scales = tuple(scale_var(self, n, True) for n in ("gate", "up", "down")) if self.fp8 else None
         if self.layout is not None and self.layout.degrees["expert"] > 1:
-            return expert_parallel_moe(x_TD, idx_TX, gate_TX, weights, self.layout, dtype)
+            return expert_parallel_moe(x_TD, idx_TX, gate_TX, weights, self.layout, dtype, scales)
 
         t, k = idx_TX.shape
         _, order_R, inv_R, gs_E = sort_by_expert(idx_TX, e)
         self.sow("intermediates", "dispatch_order", order_R)  # row-wise trace tap (detjax.trace)
         x_RD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d)).reshape(-1, d)
         xs_RD = permute_rows(x_RD, order_R, inv_R)
-        scales = tuple(scale_var(self, n, True) for n in ("gate", "up", "down")) if self.fp8 else None
         if tp is not None:
             ys_RD = expert_ffn_chunked(tp, xs_RD, gs_E, weights, dtype, self.kernels, scales).astype(dtype)
         else:

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from detjax.model.dispatch import combine_slots, expert_ffn, permute_rows, sort_by_expert
 from detjax.sharding import rules as ax
+from detjax.sharding import tensor as tp_ops
 
 
 def _take_padded(x_RD: jax.Array, idx_U: jax.Array) -> jax.Array:
@@ -64,7 +65,7 @@ pack_rows.defvjp(_pack_fwd, _pack_bwd)
 unpack_rows.defvjp(_unpack_fwd, _unpack_bwd)
 
 
-def _local(x_TD, idx_TX, gate_TX, w_gate, w_up, w_down, *, n_ep: int, n_experts: int, tensor: bool, dtype):
+def _local(x_TD, idx_TX, gate_TX, w_gate, w_up, w_down, *scales, n_ep: int, n_experts: int, tensor: bool, dtype):
     t, k = idx_TX.shape
     d = x_TD.shape[-1]
     r = t * k
@@ -90,7 +91,8 @@ def _local(x_TD, idx_TX, gate_TX, w_gate, w_up, w_down, *, n_ep: int, n_experts:
     inv_U = jnp.argsort(order_U)
     xg_UD = permute_rows(recv_ARD.reshape(n_ep * r, d), order_U, inv_U)
     gs_loc = jnp.sum(recv_cnt_AE, axis=0)
-    y_UD = expert_ffn(xg_UD, gs_loc, w_gate, w_up, w_down, dtype)
+    fp8_scales = tuple(c[0] for c in scales) or None  # this device's copy of each fp8 scale set
+    y_UD = expert_ffn(xg_UD, gs_loc, w_gate, w_up, w_down, dtype, fp8_scales=fp8_scales)
     if tensor:  # expert ffn width split over `tensor`: partial sums of the down projection
         y_UD = jax.lax.psum(y_UD, "tensor")
     y_UD = y_UD.astype(dtype)
@@ -100,8 +102,15 @@ def _local(x_TD, idx_TX, gate_TX, w_gate, w_up, w_down, *, n_ep: int, n_experts:
     return combine_slots(y_TXD, gate_TX.astype(dtype))
 
 
-def expert_parallel_moe(x_TD, idx_TX, gate_TX, weights, layout: ax.Layout, dtype) -> jax.Array:
-    """The MoE expert computation with experts split over `expert` (see the module docstring)."""
+def expert_parallel_moe(
+    x_TD, idx_TX, gate_TX, weights, layout: ax.Layout, dtype, fp8_scales: tuple | None = None
+) -> jax.Array:
+    """The MoE expert computation with experts split over `expert` (see the module docstring).
+
+    fp8_scales (model.fp8): the (gate, up, down) scale vectors. Each device multiplies its rows with its own
+    copy of each (tensor.max_copies over the mesh's devices), so a scale set's "gradient" -- its amaxes,
+    detjax.model.fp8 -- leaves as the maximum over the devices' amaxes (exact in any order), where the
+    transpose of one replicated input would add them."""
     w_gate, w_up, w_down = weights
     deg = layout.degrees
     tensor = "tensor" if deg["tensor"] > 1 else None
@@ -109,11 +118,24 @@ def expert_parallel_moe(x_TD, idx_TX, gate_TX, weights, layout: ax.Layout, dtype
     body = functools.partial(
         _local, n_ep=deg["expert"], n_experts=w_gate.shape[0], tensor=tensor is not None, dtype=dtype
     )
+    copies, c_specs = (), ()
+    if fp8_scales is not None:
+        n_dev = layout.mesh.size
+        copies = tuple(tp_ops.max_copies(tp_ops.TensorSplit(1), s, n_dev) for s in fp8_scales)
+        c_specs = (P(tuple(layout.mesh.axis_names), None),) * len(copies)  # one copy per device
     fn = jax.shard_map(
         body,
         mesh=layout.mesh,
-        in_specs=(rows, rows, rows, P("expert", None, tensor), P("expert", None, tensor), P("expert", tensor, None)),
+        in_specs=(
+            rows,
+            rows,
+            rows,
+            P("expert", None, tensor),
+            P("expert", None, tensor),
+            P("expert", tensor, None),
+            *c_specs,
+        ),
         out_specs=rows,
         check_vma=False,
     )
-    return fn(x_TD, idx_TX, gate_TX, w_gate, w_up, w_down)
+    return fn(x_TD, idx_TX, gate_TX, w_gate, w_up, w_down, *copies)
