@@ -772,9 +772,7 @@ def fp8_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
     if not cfg.model.fp8.enabled:
         return []
     off = "or set model.fp8.enabled=false"
-    if cfg.mesh.pipeline > 1:
-        key, value, why, fix = "mesh.pipeline", cfg.mesh.pipeline, "the pipeline schedule", "use mesh.pipeline=1"
-    elif cfg.trace.level != "none":
+    if cfg.trace.level != "none":
         key, value, why, fix = "trace.level", cfg.trace.level, "the tracer's instrumented steps", "trace without fp8"
     elif cfg.debug.inject_nondeterminism.scope:
         key, value = "debug.inject_nondeterminism.scope", cfg.debug.inject_nondeterminism.scope

@@ -162,6 +162,8 @@ class Trainer:
             t = self.cfg.train
             ids = jnp.zeros((t.micro_batch, t.seq_len), jnp.int32)
             scales = self.model.init({"params": jax.random.key(0)}, ids)["fp8"]
+            if self.stacked:  # in the parameters' layout: the stages' scale sets stacked like their weights
+                scales = pipeline.stack_params(scales, self.cfg)
             collections["fp8"] = fp8.init_collection(scales, self.cfg.model.fp8.amax_history_len)
         return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), seed_key, collections)
 
@@ -310,20 +312,26 @@ class Trainer:
         model = HybridLM(m_cfg, None, tp)
         blocks = [block_class(m_cfg)(m_cfg, letter, None, tp) for letter in m_cfg.pattern[:n_per]]
 
-        def chunk(chunk_params, h, key, chunk_idx, aux=None):
+        def chunk(chunk_params, h, key, chunk_idx, aux=None, scales=None):
             """aux: the running sum of the earlier blocks' aux losses (canonical numerics carries it from stage
-            to stage so that it adds up in layer order, as the one-device model does); else this chunk's own."""
+            to stage so that it adds up in layer order, as the one-device model does); else this chunk's own.
+            scales: the chunk's fp8 scale sets (model.fp8), else None."""
             aux = jnp.zeros((), jnp.float32) if aux is None else aux
             for j, blk in enumerate(blocks):
-                h, a = blk.apply({"params": chunk_params[f"block_{j}"]}, h, True, layer_key(key, chunk_idx * n_per + j))
+                variables = {"params": chunk_params[f"block_{j}"]}
+                if scales is not None:
+                    variables["fp8"] = scales[f"block_{j}"]
+                h, a = blk.apply(variables, h, True, layer_key(key, chunk_idx * n_per + j))
                 aux = aux + a
             return h, aux
 
-        def embed(outer, ids):
-            return model.apply({"params": outer}, ids, method=HybridLM.embed_ids)
+        def embed(outer, ids, scales=None):  # scales: only because the model's setup declares its fp8 variables
+            variables = {"params": outer} | ({"fp8": scales} if scales is not None else {})
+            return model.apply(variables, ids, method=HybridLM.embed_ids)
 
-        def head(outer, h, tokens, key, e=None):
-            outs = model.apply({"params": outer}, h, tokens[:, :-1], True, key, e, method=HybridLM.outputs)
+        def head(outer, h, tokens, key, e=None, scales=None):
+            variables = {"params": outer} | ({"fp8": scales} if scales is not None else {})
+            outs = model.apply(variables, h, tokens[:, :-1], True, key, e, method=HybridLM.outputs)
             terms = self.objective.terms(*outs, tokens, split=tp)
             return self.objective.total(terms), terms
 
@@ -422,16 +430,17 @@ class Trainer:
         with jax.named_scope("grad_accumulate"):
             return unpack(canonical.tree_pair_sum(sums_S), amax_max(amax_S))
 
-    def canonical_pipeline_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array):
+    def canonical_pipeline_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array, fp8_scales=None):
         """Canonical numerics' gradient and loss-term sums through the pipeline (config: microbatches of
         determinism.canonical_leaf sequences): each microbatch is one leaf of the same pair tree as
         canonical_grad_sums' (detjax.sharding.pipeline, canonical=True), each batch shard pipelining its own
         block of leaves, so the sums are the one-device run's. The parameters arrive and the gradients leave
-        in the one-device layout."""
+        in the one-device layout, and so do the fp8 scales and amaxes."""
         t = self.cfg.train
         stacked = pipeline.stack_params(params, self.cfg)
+        scales = pipeline.stack_params(fp8_scales, self.cfg) if fp8_scales is not None else None
         micro_tokens = batch_GL1.reshape(t.n_micro, t.micro_batch, -1)
-        g_sum, sums = pipeline.pipeline_grads(
+        g_sum, sums, amax = pipeline.pipeline_grads(
             self.pipeline_fns(),
             self.cfg,
             self.layout,
@@ -441,8 +450,10 @@ class Trainer:
             canonical=True,
             batch_axes=self.batch_axes(),
             tensor_specs=self.stage_tensor_specs() if self.tensor_split is not None else None,
+            fp8_scales=scales,
         )
-        return pipeline.unstack_params(g_sum, self.cfg), sums, None
+        amax = pipeline.unstack_params(amax, self.cfg) if amax is not None else None
+        return pipeline.unstack_params(g_sum, self.cfg), sums, amax
 
     def batch_axes(self) -> tuple[str, ...]:
         """The mesh axes the batch is split over (degree > 1), major first."""
@@ -459,7 +470,7 @@ class Trainer:
     def grad_sums(self, state: TrainState, micro_tokens: jax.Array, step_key: jax.Array):
         """(gradient sums, loss-term sums, the step's fp8 amaxes: the max over microbatches, or None)."""
         if self.pipelined:
-            g_sum, sums = pipeline.pipeline_grads(
+            return pipeline.pipeline_grads(
                 self.pipeline_fns(),
                 self.cfg,
                 self.layout,
@@ -467,8 +478,8 @@ class Trainer:
                 micro_tokens,
                 step_key,
                 batch_axes=self.batch_axes(),
+                fp8_scales=self.fp8_scales(state),
             )
-            return g_sum, sums, None
         (g_sum, sums), amax_n = self.accumulate(state.params, micro_tokens, step_key, fp8_scales=self.fp8_scales(state))
         return g_sum, sums, jax.tree.map(lambda a: jnp.max(a, axis=0), amax_n) if self.fp8 else None
 
@@ -539,7 +550,9 @@ class Trainer:
     def train_step(self, state: TrainState, batch_GL1: jax.Array) -> tuple[TrainState, dict[str, Any]]:
         step_key = self.step_key(state)
         if self.canonical and self.pipelined:
-            g_sum, sums, amax = self.canonical_pipeline_grad_sums(state.params, batch_GL1, step_key)
+            g_sum, sums, amax = self.canonical_pipeline_grad_sums(
+                state.params, batch_GL1, step_key, self.fp8_scales(state)
+            )
         elif self.canonical:
             g_sum, sums, amax = self.canonical_grad_sums(state.params, batch_GL1, step_key, self.fp8_scales(state))
         else:

@@ -394,6 +394,58 @@ def test_fp8_scales_are_mesh_invariant():
     assert not _same(bf16[0], ref[0]), "negative control: fp8 off should give other bits"
 
 
+def _state_after(overrides: list[str], model: tuple[str, ...], steps: int):
+    """The train state after `steps` steps (parameters and collections in the one-device layout)."""
+    from detjax.sharding import pipeline
+    from detjax.sharding.mesh import build_layout
+    from detjax.step import Trainer, compile_init
+
+    cfg = load_config(MESH_CFG, [*model, *overrides])
+    tr = Trainer(cfg, build_layout(cfg, jax.devices()[: cfg.mesh.devices or 8]))
+    ssh, bsh = tr.state_shardings(), tr.batch_sharding()
+    state = compile_init(tr, ssh)(jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(1), (cfg.train.global_batch, cfg.train.seq_len + 1), 0, 264)
+    step = jax.jit(tr.train_step, in_shardings=(ssh, bsh))
+    for _ in range(steps):
+        state, metrics = step(state, jax.device_put(batch, bsh))
+    state, metrics = jax.device_get((state, metrics))
+    if tr.stacked:
+        fp8_state = {k: pipeline.unstack_params(v, cfg) for k, v in state.collections["fp8"].items()}
+        return pipeline.unstack_params(state.params, cfg), fp8_state, metrics
+    return state.params, state.collections["fp8"], metrics
+
+
+FP8_PIPE_MODEL = ("model.pattern='--'", "model.fp8.enabled=true", "model.fp8.amax_history_len=3")
+
+
+def test_fp8_through_a_canonical_pipeline_is_mesh_invariant():
+    """Canonical numerics with model.fp8 through the pipeline (pipeline 2 x data 4; MLP blocks and the MTP
+    head, whose scale sets live outside the stages): each chunk and head runs with the step's scales and its
+    amaxes are the maximum over microbatches, ranks and batch shards, so two steps give one device's
+    parameters, scales and amax histories, byte for byte. Negative control: fp8 off gives other bits."""
+    canon = ["determinism.numerics=canonical", "train.micro_batch=1"]
+    ref = _state_after([*canon, "mesh.devices=1"], FP8_PIPE_MODEL, 2)
+    got = _state_after([*canon, "mesh.pipeline=2"], FP8_PIPE_MODEL, 2)
+    assert "mtp_proj_h" in ref[1]["scale"]  # an outer scale set (the MTP head's), besides the stages'
+    assert _same(got[:2], ref[:2]) and _same(got[2]["digest"], ref[2]["digest"])
+    bf16 = _one_step([*canon, "mesh.devices=1"], FP8_PIPE_MODEL[:1], steps=2)
+    assert not _same(bf16[0], ref[0]), "negative control: fp8 off should give other bits"
+
+
+def test_fp8_through_a_default_pipeline_takes_every_stages_amaxes():
+    """Default numerics with model.fp8 through the pipeline (pipeline 2 x data 4, the state stacked by stage):
+    after one step every scale set's weight amax is the one-device run's, byte for byte (the same initial
+    weights; the activations' amaxes may differ, as default numerics do across meshes), and every
+    activation and gradient amax is set (positive). Negative control: the stages' histories before the step
+    are zero."""
+    ref = _state_after(["mesh.devices=1"], FP8_PIPE_MODEL, 1)[1]["amax_history"]
+    got = _state_after(["mesh.pipeline=2"], FP8_PIPE_MODEL, 1)[1]["amax_history"]
+    assert jax.tree.structure(got) == jax.tree.structure(ref)
+    for h_ref, h_got in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+        assert np.array_equal(u32(h_got[1, 0]), u32(h_ref[1, 0]))  # w's amax of step 0
+        assert (np.asarray(h_got[:, 0]) > 0).all() and (np.asarray(h_got[:, 1:]) == 0).all()
+
+
 @pytest.mark.extended  # the hybrid (experts) compiled three times: ~3 min on 2 cores
 def test_fp8_with_an_expert_axis_is_mesh_invariant():
     """Canonical numerics with model.fp8 on expert 2 x data 4 (the experts' weights sharded over `expert`,

@@ -211,7 +211,6 @@ def test_fp8_resume_is_bitwise_and_a_changed_scale_is_refused(cfg_of, reference,
 @pytest.mark.parametrize(
     "over, key",
     [
-        (["mesh.devices=2", "mesh.pipeline=2", "model.pattern='--'", "model.mtp.depth=0"], "mesh.pipeline"),
         (["trace.level=module", "trace.steps=1"], "trace.level"),
     ],
 )

@@ -224,18 +224,21 @@ def init_collection(scales, history_len: int) -> dict:
     """TrainState.collections["fp8"]: the scales the next step uses and the amax histories behind them."""
     return {
         "scale": scales,
-        "amax_history": jax.tree.map(lambda s: jnp.zeros((3, history_len), jnp.float32), scales),
+        "amax_history": jax.tree.map(lambda s: jnp.zeros((*s.shape, history_len), jnp.float32), scales),
     }
 
 
 def next_scales(history_3H: jax.Array, old_3: jax.Array, margin: int) -> jax.Array:
-    amax = jnp.max(history_3H, axis=1)
-    new = jnp.asarray(FMAX, jnp.float32) / amax / (2.0**margin)
+    """(..., 3, H) histories -> (..., 3) scales (leading dims: a pipeline's stacked stages)."""
+    amax = jnp.max(history_3H, axis=-1)
+    new = jnp.broadcast_to(jnp.asarray(FMAX, jnp.float32), amax.shape) / amax / (2.0**margin)
     return jnp.where((amax > 0) & jnp.isfinite(amax), new, old_3)
 
 
 def update_collection(coll: dict, amax_tree, margin: int) -> dict:
     """The state after a step: each history shifted by one with the step's amaxes in front; new scales."""
-    hist = jax.tree.map(lambda h, a: jnp.concatenate([a[:, None], h[:, :-1]], axis=1), coll["amax_history"], amax_tree)
+    hist = jax.tree.map(
+        lambda h, a: jnp.concatenate([a[..., None], h[..., :-1]], axis=-1), coll["amax_history"], amax_tree
+    )
     scale = jax.tree.map(lambda h, s: next_scales(h, s, margin), hist, coll["scale"])
     return {"scale": scale, "amax_history": hist}

@@ -103,6 +103,16 @@ def _tree_add_at(tree: Any, delta: Any, v: jax.Array) -> Any:
     return jax.tree.map(f, tree, delta)
 
 
+def _tree_max_at(tree: Any, amax: Any, v: jax.Array) -> Any:
+    """tree[v] = max(tree[v], amax) leaf by leaf (fp8 amaxes over microbatches: exact in any order)."""
+
+    def f(acc, a):
+        cur = jax.lax.dynamic_index_in_dim(acc, v, 0, False)
+        return jax.lax.dynamic_update_index_in_dim(acc, jnp.maximum(cur, a), v, 0)
+
+    return jax.tree.map(f, tree, amax)
+
+
 def _acc_push_at(acc: canon.TreeAccumulator, state: Any, x: Any, v: jax.Array, m: jax.Array) -> Any:
     """Push x as leaf m into the accumulator state of virtual stage v (every state leaf has a leading V axis)."""
     cur = _tree_get(state, v)
@@ -123,10 +133,11 @@ def _from_rank(x: jax.Array, rank: int, s: jax.Array) -> jax.Array:
 @dataclass(frozen=True)
 class StageFns:
     """What a pipeline runs, as functions (the model stays in detjax.model; the Trainer builds these):
-    chunk(chunk_params, h, key, chunk_index, aux=None) -> (h, aux: aux + the chunk's aux losses in layer
-    order, or the chunk's own sum); embed(outer_params, ids) -> h; head(outer_params, h, tokens, key, e=None)
-    -> (objective j, (lm sum, MTP sum, MTP aux)) with e the MTP's embedding of ids[:, 1:] when the caller made
-    it; aux_weight = d j / d aux."""
+    chunk(chunk_params, h, key, chunk_index, aux=None, scales=None) -> (h, aux: aux + the chunk's aux losses
+    in layer order, or the chunk's own sum); embed(outer_params, ids, scales=None) -> h;
+    head(outer_params, h, tokens, key, e=None, scales=None) -> (objective j, (lm sum, MTP sum, MTP aux)) with
+    e the MTP's embedding of ids[:, 1:] when the caller made it; aux_weight = d j / d aux. scales: the
+    chunk's / the outer layers' fp8 scale sets (model.fp8), or None."""
 
     chunk: Callable[..., tuple[jax.Array, jax.Array]]
     embed: Callable[..., jax.Array]
@@ -145,8 +156,15 @@ def pipeline_grads(
     canonical: bool = False,
     batch_axes: tuple[str, ...] = (),
     tensor_specs: Any = None,
+    fp8_scales: Any = None,
 ):
-    """Gradient sums of the step objective and the (lm, mtp, aux) sums, like the single-device scan.
+    """Gradient sums of the step objective, the (lm, mtp, aux) sums, like the single-device scan, and the
+    step's fp8 amaxes (None without fp8_scales).
+
+    fp8_scales (model.fp8): the scale sets in the pipeline layout (`stack_params`' split: "stages" and the
+    outer layers). Every forward and backward of a chunk or head runs with them, and its amaxes -- their
+    "gradient", detjax.model.fp8 -- are taken as the maximum over microbatches, ranks and batch shards (exact
+    in any order, so under canonical numerics they are the one-device step's too).
 
     canonical: each microbatch is one leaf of canonical numerics' pair tree (detjax.sharding.canonical), and
     the sums are the one-device canonical step's, bit for bit:
@@ -183,9 +201,13 @@ def pipeline_grads(
     last_c = n_stages * n_virtual - 1
 
     outer0 = {k: x for k, x in params.items() if k != "stages"}
+    fp8_on = fp8_scales is not None
+    s_outer0 = {k: x for k, x in fp8_scales.items() if k != "stages"} if fp8_on else {}
+    s_stages0 = fp8_scales.get("stages", {}) if fp8_on else {}
 
-    def body(outer, stages, tokens, skey):
+    def body(outer, stages, tokens, skey, s_outer, s_stages):
         s = jax.lax.axis_index("pipeline")
+        s_stages = jax.tree.map(lambda x: x[:, 0], s_stages)  # (V, 1, ...) -> (V, ...)
         shard = jax.lax.axis_index(batch_axes) if batch_axes else 0
         leaf0 = shard * n_micro if canonical else 0  # canonical: this shard's first global leaf
         stages = jax.tree.map(lambda x: x[:, 0], stages)  # (V, 1, ...) -> (V, ...)
@@ -199,13 +221,16 @@ def pipeline_grads(
             "g_outer": jax.tree.map(jnp.zeros_like, outer),
             "sums": jnp.zeros((3,), jnp.float32),
         }
+        if fp8_on:  # amaxes are >= 0: zero is the identity of their maximum
+            carry["amax_stages"] = jax.tree.map(jnp.zeros_like, s_stages)
+            carry["amax_outer"] = jax.tree.map(jnp.zeros_like, s_outer)
         if canonical:
             carry["g_stages"] = acc.init(stages)
             carry["g_outer"] = acc.init(outer)
             carry["sums"] = acc.init(jnp.zeros((3,), jnp.float32))
             carry["aux"] = jnp.zeros((n_virtual, n_micro), jnp.float32)  # the running aux sum arriving per (v, m)
             if mtp:  # first rank: the cotangent of the MTP's embedding per microbatch, sent by the last rank
-                e_sd = jax.eval_shape(lambda o, t: embed_fn(o, t[:, 1:-1]), outer, tokens[0])
+                e_sd = jax.eval_shape(lambda o, t: embed_fn(o, t[:, 1:-1], s_outer or None), outer, tokens[0])
                 carry["e_ct"] = jnp.zeros((n_micro,) + e_sd.shape, e_sd.dtype)
 
         def tick(carry, rows):
@@ -218,9 +243,12 @@ def pipeline_grads(
             if batch_axes and not canonical:  # default: each shard's rows their own dropout masks
                 key_m = jax.random.fold_in(key_m, shard)
             p_v = _tree_get(stages, v)
+            sc_v = _tree_get(s_stages, v) if fp8_on else None
 
             def chunk_input():
-                return jax.lax.cond(first, lambda: embed_fn(outer, tok_m[:, :-1]), lambda: _get(carry["act"], v, m))
+                return jax.lax.cond(
+                    first, lambda: embed_fn(outer, tok_m[:, :-1], s_outer or None), lambda: _get(carry["act"], v, m)
+                )
 
             zero = jnp.zeros((), jnp.float32)
             zeros_e = jnp.zeros(carry["e_ct"].shape[1:], carry["e_ct"].dtype) if canonical and mtp else None
@@ -232,25 +260,35 @@ def pipeline_grads(
                 return c, zeros_h, zeros_h, zero, zeros_e
 
             def fwd(c):
-                y, aux = chunk_fn(p_v, chunk_input(), key_m, c_idx, aux_in(c))
+                y, aux = chunk_fn(p_v, chunk_input(), key_m, c_idx, aux_in(c), sc_v)
                 e_out = zeros_e
 
                 def head(c):
-                    _, vjp, terms = jax.vjp(lambda o, h: head_objective(o, h, tok_m, key_m), outer, y, has_aux=True)
-                    d_outer, dy = vjp(jnp.ones((), jnp.float32))
+                    _, vjp, terms = jax.vjp(
+                        lambda o, h, sc: head_objective(o, h, tok_m, key_m, None, sc or None),
+                        outer,
+                        y,
+                        s_outer,
+                        has_aux=True,
+                    )
+                    d_outer, dy, amax = vjp(jnp.ones((), jnp.float32))
                     c = dict(c, grad=_put(c["grad"], dy, v, m))
+                    if fp8_on:
+                        c["amax_outer"] = jax.tree.map(jnp.maximum, c["amax_outer"], amax)
                     c["g_outer"] = jax.tree.map(jnp.add, c["g_outer"], d_outer)
                     c["sums"] = c["sums"] + jnp.stack(terms)
                     return c
 
                 def canonical_head(c):
-                    e = embed_fn(outer, tok_m[:, 1:-1]) if mtp else None
+                    e = embed_fn(outer, tok_m[:, 1:-1], s_outer or None) if mtp else None
 
-                    def objective(o, h, e):
-                        return head_objective(o, h, tok_m, key_m, e)
+                    def objective(o, h, e, sc):
+                        return head_objective(o, h, tok_m, key_m, e, sc or None)
 
-                    _, vjp, (lm, mtp_sum, mtp_aux) = jax.vjp(objective, outer, y, e, has_aux=True)
-                    d_outer, dy, d_e = vjp(jnp.ones((), jnp.float32))
+                    _, vjp, (lm, mtp_sum, mtp_aux) = jax.vjp(objective, outer, y, e, s_outer, has_aux=True)
+                    d_outer, dy, d_e, amax = vjp(jnp.ones((), jnp.float32))
+                    if fp8_on:
+                        c = dict(c, amax_outer=jax.tree.map(jnp.maximum, c["amax_outer"], amax))
                     terms = jnp.stack([lm, mtp_sum, aux + mtp_aux])  # one device: (main aux) + MTP aux
                     d_outer, terms = jax.lax.optimization_barrier((d_outer, terms))
                     c = dict(c, grad=_put(c["grad"], dy, v, m))
@@ -269,8 +307,10 @@ def pipeline_grads(
                 x = chunk_input()
                 dy = _get(c["grad"], v, m)
                 a_in = aux_in(c)
-                _, vjp = jax.vjp(lambda p, h: chunk_fn(p, h, key_m, c_idx, a_in), p_v, x)
-                dp, dx = vjp((dy, jnp.asarray(aux_w, jnp.float32)))
+                _, vjp = jax.vjp(lambda p, h, sc: chunk_fn(p, h, key_m, c_idx, a_in, sc), p_v, x, sc_v)
+                dp, dx, amax = vjp((dy, jnp.asarray(aux_w, jnp.float32)))
+                if fp8_on:
+                    c = dict(c, amax_stages=_tree_max_at(c["amax_stages"], amax, v))
                 if canonical:
                     dp = jax.lax.optimization_barrier(dp)
                     c = dict(c, g_stages=_acc_push_at(acc, c["g_stages"], dp, v, m))
@@ -278,12 +318,12 @@ def pipeline_grads(
                     c = dict(c, g_stages=_tree_add_at(c["g_stages"], dp, v))
 
                 def embed_grad(c):
-                    _, evjp = jax.vjp(lambda o: embed_fn(o, tok_m[:, :-1]), outer)
+                    _, evjp = jax.vjp(lambda o: embed_fn(o, tok_m[:, :-1], s_outer or None), outer)
                     (d_outer,) = evjp(dx)
                     if not canonical:
                         return dict(c, g_outer=jax.tree.map(jnp.add, c["g_outer"], d_outer))
                     if mtp:  # the leaf's other use of the embedding (the MTP head's), added as one device adds it
-                        _, mvjp = jax.vjp(lambda o: embed_fn(o, tok_m[:, 1:-1]), outer)
+                        _, mvjp = jax.vjp(lambda o: embed_fn(o, tok_m[:, 1:-1], s_outer or None), outer)
                         (d_mtp,) = mvjp(jax.lax.dynamic_index_in_dim(c["e_ct"], m, 0, False))
                         d_outer = dict(d_outer, embed=jax.tree.map(jnp.add, d_mtp["embed"], d_outer["embed"]))
                     d_outer = jax.lax.optimization_barrier(d_outer)
@@ -314,6 +354,11 @@ def pipeline_grads(
 
         tables = tuple(jnp.asarray(a) for a in (sched.action, sched.recv_f, sched.recv_b))
         carry, _ = jax.lax.scan(tick, carry, tables)
+        amax = ()
+        if fp8_on:  # the maximum over ranks (outer layers: zeros where a rank ran no head) and batch shards
+            a_outer = jax.lax.pmax(carry["amax_outer"], ("pipeline", *batch_axes))
+            a_stages = jax.lax.pmax(carry["amax_stages"], batch_axes) if batch_axes else carry["amax_stages"]
+            amax = (a_outer, jax.tree.map(lambda x: x[:, None], a_stages))
         if canonical:  # each sum from the rank that made it: the embedding's on the first, the rest on the last
             g_outer = {
                 k: jax.tree.map(lambda x, r=(0 if k == "embed" else n_stages - 1): _from_rank(x, r, s), sub)
@@ -321,7 +366,7 @@ def pipeline_grads(
             }
             sums = _from_rank(carry["sums"]["total"], n_stages - 1, s)
             g_stages = jax.tree.map(lambda x: x[:, None], carry["g_stages"]["total"])
-            return jax.tree.map(lambda x: x[None], (g_outer, g_stages, sums))  # a leading axis of batch shards
+            return (*jax.tree.map(lambda x: x[None], (g_outer, g_stages, sums)), amax)  # leading axis: batch shards
         # Partial gradients of the replicated parameters and the loss sums: summed over the pipeline ranks, then
         # over each batch axis; the stages' gradients over each batch axis. One axis per psum keeps each sum
         # to that axis's degree of operands (two on dp2-tp2-pp2: a + b == b + a, so a multi-process run's
@@ -330,7 +375,7 @@ def pipeline_grads(
         for a in batch_axes:
             g_outer, sums, g_stages = jax.lax.psum((g_outer, sums, g_stages), a)
         g_stages = jax.tree.map(lambda x: x[:, None], g_stages)
-        return g_outer, g_stages, sums
+        return g_outer, g_stages, sums, amax
 
     # canonical: manual over tensor (the chunks with tensor_specs, else whole on every tensor device, as one
     # device computes); default: tensor stays automatic, the partitioner splits the stages' products
@@ -351,16 +396,21 @@ def pipeline_grads(
         tok_spec = P(k)
     else:  # rows of every microbatch split over the batch axes
         out_specs, tok_spec = (outer_spec, stage_spec, P()), P(None, batch_axes or None)
+    # fp8 scale sets: replicated except the stages' split over `pipeline`; their amaxes come out the same way
+    s_outer_spec = jax.tree.map(lambda x: P(), s_outer0)
+    s_stage_spec = jax.tree.map(lambda x: P(None, "pipeline"), s_stages0)
+    amax_specs = (s_outer_spec, s_stage_spec) if fp8_on else ()
     fn = jax.shard_map(
         body,
         mesh=layout.mesh,
-        in_specs=(outer_spec, stage_spec, tok_spec, P()),
-        out_specs=out_specs,
+        in_specs=(outer_spec, stage_spec, tok_spec, P(), s_outer_spec, s_stage_spec),
+        out_specs=(*out_specs, amax_specs),
         axis_names=frozenset({"pipeline", *batch_axes, *(["tensor"] if manual_tensor else [])}),
         check_vma=False,
     )
-    g_outer, g_stages, sums = fn(outer0, params["stages"], micro_tokens, step_key)
+    g_outer, g_stages, sums, amax = fn(outer0, params["stages"], micro_tokens, step_key, s_outer0, s_stages0)
     if canonical:
         g_outer, g_stages, sums = canon.tree_pair_sum((g_outer, g_stages, sums))
     grads = dict(g_outer, stages=g_stages)
-    return grads, (sums[0], sums[1], sums[2])
+    amax = dict(amax[0], stages=amax[1]) if fp8_on else None
+    return grads, (sums[0], sums[1], sums[2]), amax
