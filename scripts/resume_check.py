@@ -45,11 +45,11 @@ def final_state_diff(a: Path, b: Path) -> str | None:
     from detjax.ckpt import Checkpointer
     from detjax.ckpt.manager import host_bytes
     from detjax.config import load_config
-    from detjax.sharding.mesh import replicated, single_device_mesh
+    from detjax.sharding.mesh import build_layout, replicated, single_device_mesh
     from detjax.step import Trainer
 
     cfg = load_config(a / "config.yaml")
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, build_layout(cfg))  # the run's own layout (a pipeline's state is stacked by stage)
     abstract = trainer.abstract_state()
     sh = jax.tree.map(lambda _: replicated(single_device_mesh()), abstract)
     restored = []
