@@ -5,7 +5,8 @@
 # - sweep:     every cell of configs/meshes.yaml (pattern (M*E-) x 4: splits into 2 and 4 identical stages),
 #              default numerics, each mesh twice in separate processes, 20 steps -> repeat-identical per cell,
 #              median step time and tokens/s per cell (scaling against `single`)
-# - canonical: the cells canonical numerics runs (single, dp8, fsdp8, fsdp 2 x data 4) -> all equal `single`
+# - canonical: every cell under canonical numerics (max_tensor 8) -> all equal `single`; then single, dp8 and
+#              fsdp8 with the Pallas kernels
 # - tax:       on single, dp8 and fsdp8: strict (xla_flags strategy) and canonical numerics with the Pallas
 #              kernels (the kernels strategy runs multi-device only under canonical numerics) against the
 #              fastest nondeterministic recipe on the same mesh
@@ -25,8 +26,11 @@ for part in $PARTS; do
       python3 scripts/mesh_sweep.py --config $CFG --meshes $CELLS --repeats 2 "${COMMON[@]}" \
         --out "$OUT/sweep" --json "$OUT/sweep.json" 2>&1 | tail -20 ;;
     canonical)
-      python3 scripts/mesh_sweep.py --config $CFG --meshes "single;dp8;fsdp8;fsdp=2,data=4" --repeats 1 \
-        "${COMMON[@]}" determinism.numerics=canonical --out "$OUT/canonical" --json "$OUT/canonical.json" 2>&1 | tail -8
+      # every cell, as the CPU sweep of docs/MESHES.md (session 22): feature chunks for tensor 8, one-sequence
+      # microbatches (a canonical pipeline's leaves)
+      python3 scripts/mesh_sweep.py --config $CFG --meshes $CELLS --repeats 1 "${COMMON[@]}" \
+        determinism.numerics=canonical determinism.max_tensor=8 model.n_kv_heads=8 train.micro_batch=1 \
+        --out "$OUT/canonical" --json "$OUT/canonical.json" 2>&1 | tail -20
       python3 scripts/mesh_sweep.py --config $CFG --meshes single,dp8,fsdp8 --repeats 1 "${COMMON[@]}" \
         determinism.numerics=canonical determinism.strategy=kernels model.kernels=pallas determinism.canonical_leaf=2 \
         --out "$OUT/canonical_kernels" --json "$OUT/canonical_kernels.json" 2>&1 | tail -6 ;;
