@@ -176,20 +176,22 @@ def pipeline_grads(
       embedding there, and the first rank takes its gradient), as one device adds them;
     - the replicated parameters' sums and the loss sums are then taken from their owning rank, bit for bit
       (never a float psum with zeros).
-    batch_axes (canonical only): the mesh axes the leaves are split over. Shard k of S runs its own pipeline
-    over the contiguous block of leaves [k N/S, (k+1) N/S) (each with the dropout key of its global index),
-    and the S block sums meet in the top levels of the same pair tree, as in Trainer.canonical_grad_sums.
+    batch_axes: the mesh axes the batch is split over. Canonical: shard k of S runs its own pipeline over the
+    contiguous block of leaves [k N/S, (k+1) N/S) (each with the dropout key of its global index), and the S
+    block sums meet in the top levels of the same pair tree, as in Trainer.canonical_grad_sums. Default
+    numerics: below.
     tensor_specs (canonical only): each parameter's PartitionSpec over `tensor` in the pipeline layout
     (stacked leaves' specs start with their virtual and stage dims): the stages run canonical tensor
     parallelism's chunks (detjax.sharding.tensor) on their tensor shards, manual over `tensor` too.
 
     Default numerics with batch_axes: every batch shard runs the pipeline on its own rows of every
-    microbatch (train.micro_batch / shards each), and the sums are one psum over the pipeline and batch axes
-    at the end. The batch axes are manual, not left to the partitioner, because a partitioner-made collective
-    inside a stage's branch would need every device, while at one tick only one stage's devices run that
-    branch (XLA's CPU runtime aborted such a step after waiting for the others: a collective permute of the
-    Mamba2 decay gradient's pair tree over batch-sharded tokens). Each shard's rows are one aux-loss group
-    (loss.Objective.from_config's aux_shards), as each rank's microbatch is in Megatron."""
+    microbatch (train.micro_batch / shards each), and the sums are taken at the end, over the pipeline ranks
+    and then over each batch axis. The batch axes are manual, not left to the partitioner, because a
+    partitioner-made collective inside a stage's branch would need every device, while at one tick only one
+    stage's devices run that branch (XLA's CPU runtime aborted such a step after waiting for the others: a
+    collective permute of the Mamba2 decay gradient's pair tree over batch-sharded tokens). Each shard's rows
+    are one aux-loss group (loss.Objective.from_config's aux_shards), as each rank's microbatch is in
+    Megatron."""
     n_stages, n_virtual, _ = _chunking(cfg)
     n_shards = math.prod(layout.degrees[a] for a in batch_axes)
     # microbatches per pipeline: canonical shards pipeline blocks of whole leaves, default shards split rows
@@ -208,6 +210,7 @@ def pipeline_grads(
     def body(outer, stages, tokens, skey, s_outer, s_stages):
         s = jax.lax.axis_index("pipeline")
         s_stages = jax.tree.map(lambda x: x[:, 0], s_stages)  # (V, 1, ...) -> (V, ...)
+        s_out = s_outer or None  # the outer layers' fp8 scale sets (the model's setup declares them), or None
         shard = jax.lax.axis_index(batch_axes) if batch_axes else 0
         leaf0 = shard * n_micro if canonical else 0  # canonical: this shard's first global leaf
         stages = jax.tree.map(lambda x: x[:, 0], stages)  # (V, 1, ...) -> (V, ...)
@@ -230,7 +233,7 @@ def pipeline_grads(
             carry["sums"] = acc.init(jnp.zeros((3,), jnp.float32))
             carry["aux"] = jnp.zeros((n_virtual, n_micro), jnp.float32)  # the running aux sum arriving per (v, m)
             if mtp:  # first rank: the cotangent of the MTP's embedding per microbatch, sent by the last rank
-                e_sd = jax.eval_shape(lambda o, t: embed_fn(o, t[:, 1:-1], s_outer or None), outer, tokens[0])
+                e_sd = jax.eval_shape(lambda o, t: embed_fn(o, t[:, 1:-1], s_out), outer, tokens[0])
                 carry["e_ct"] = jnp.zeros((n_micro,) + e_sd.shape, e_sd.dtype)
 
         def tick(carry, rows):
@@ -247,7 +250,7 @@ def pipeline_grads(
 
             def chunk_input():
                 return jax.lax.cond(
-                    first, lambda: embed_fn(outer, tok_m[:, :-1], s_outer or None), lambda: _get(carry["act"], v, m)
+                    first, lambda: embed_fn(outer, tok_m[:, :-1], s_out), lambda: _get(carry["act"], v, m)
                 )
 
             zero = jnp.zeros((), jnp.float32)
@@ -280,7 +283,7 @@ def pipeline_grads(
                     return c
 
                 def canonical_head(c):
-                    e = embed_fn(outer, tok_m[:, 1:-1], s_outer or None) if mtp else None
+                    e = embed_fn(outer, tok_m[:, 1:-1], s_out) if mtp else None
 
                     def objective(o, h, e, sc):
                         return head_objective(o, h, tok_m, key_m, e, sc or None)
@@ -318,12 +321,12 @@ def pipeline_grads(
                     c = dict(c, g_stages=_tree_add_at(c["g_stages"], dp, v))
 
                 def embed_grad(c):
-                    _, evjp = jax.vjp(lambda o: embed_fn(o, tok_m[:, :-1], s_outer or None), outer)
+                    _, evjp = jax.vjp(lambda o: embed_fn(o, tok_m[:, :-1], s_out), outer)
                     (d_outer,) = evjp(dx)
                     if not canonical:
                         return dict(c, g_outer=jax.tree.map(jnp.add, c["g_outer"], d_outer))
                     if mtp:  # the leaf's other use of the embedding (the MTP head's), added as one device adds it
-                        _, mvjp = jax.vjp(lambda o: embed_fn(o, tok_m[:, 1:-1], s_outer or None), outer)
+                        _, mvjp = jax.vjp(lambda o: embed_fn(o, tok_m[:, 1:-1], s_out), outer)
                         (d_mtp,) = mvjp(jax.lax.dynamic_index_in_dim(c["e_ct"], m, 0, False))
                         d_outer = dict(d_outer, embed=jax.tree.map(jnp.add, d_mtp["embed"], d_outer["embed"]))
                     d_outer = jax.lax.optimization_barrier(d_outer)
