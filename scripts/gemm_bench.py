@@ -9,6 +9,7 @@ sets and shape classes (detjax/pallas_kernels/matmul/kernel.py: TILE_SETS, tile_
     python3 scripts/gemm_bench.py --sweep --kinds dw --no-table   # one product only, no table
     python3 scripts/gemm_bench.py --sweep --kinds dw --dw-chunks 1024,4096 --no-table   # pinned dw vs other chunks
     python3 scripts/gemm_bench.py --fp8 --no-table  # model.fp8's products (Mosaic fp8 wgmma, Triton) against bf16
+    python3 scripts/gemm_bench.py --mosaic-variants --no-table  # the Mosaic kernel's speed knobs: time and bits
 
 Run with XLA's default flags (autotuning on): the XLA column is the GEMM XLA picks for the shape. Times: one
 jitted call runs the product on 8 different input sets (so no launch or host sync is timed per product);
@@ -272,6 +273,92 @@ def fp8_table(reps: int) -> None:
     )
 
 
+MOSAIC_VARIANTS = {  # (warpgroup tile columns of "nt", pipeline stages, wgmmas left in flight)
+    "fp8": [(128, 4, 0), (128, 4, 1), (256, 3, 0), (256, 3, 1)],
+    "bf16": [(128, 4, 0), (128, 4, 1)],
+}
+
+
+def mosaic_variants(reps: int) -> None:
+    """The Mosaic kernel's speed knobs (mosaic.mosaic_matmul's wg_n, stages, delay) on gpu_dense's shapes at
+    M rows, each variant timed alternately with the first (the kernel's settings at the time) and its output
+    compared bytewise with the first's. fp8: the three products as the model poses them to kernel.fp8_nt
+    (operands laid out with R contiguous, dw in dw_row_chunk's token chunks); bf16: the three kinds of the
+    weights that take the Mosaic kernel (kernel.use_mosaic)."""
+    from detjax.pallas_kernels.matmul import mosaic
+    from detjax.pallas_kernels.matmul.kernel import MOSAIC_MIN_SIZE, dw_row_chunk
+
+    e4, e5, bf = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
+    flops_total = {}
+    for name, k, n, _, count in SHAPES["gpu_dense"]:
+        for kind in KINDS:
+            for prec in ("fp8", "bf16"):
+                if prec == "bf16" and k * n < MOSAIC_MIN_SIZE:
+                    continue
+                chunk = dw_row_chunk(k, n) if kind == "dw" else 0
+                if prec == "fp8":  # nt operands: (rows, R) and (cols, R)
+                    sh, ty = {
+                        "fwd": (((M, k), (n, k)), (e4, e4)),
+                        "dx": (((M, n), (k, n)), (e5, e4)),
+                        "dw": (((k, M), (n, M)), (e4, e5)),
+                    }[kind]
+                    mk = "nt"
+                else:
+                    sh, ty, mk = _shapes(kind, k, n), (bf, bf), kind
+                od = jnp.float32 if kind == "dw" else bf
+                sets = [
+                    tuple(
+                        jax.random.normal(jax.random.key(10 * i + j), s_, jnp.float32).astype(ty[j])
+                        for j, s_ in enumerate(sh)
+                    )
+                    for i in range(SETS)
+                ]
+                rows = {"fwd": M, "dx": M, "dw": k}[kind]
+                flops = 2 * M * k * n
+                base = None
+                for wg_n, stages, delay in MOSAIC_VARIANTS[prec]:
+                    one = functools.partial(
+                        mosaic.mosaic_matmul,
+                        kind=mk,
+                        out_dtype=od,
+                        r_chunk=chunk if 0 < chunk < M else 0,
+                        stages=stages,
+                        wg_n=wg_n,
+                        delay=delay,
+                    )
+                    scale = jnp.ones((1,), jnp.float32) if prec == "fp8" and not chunk else None
+                    fn = jax.jit(lambda sets, one=one, scale=scale: [one(a, b, scale) for a, b in sets])
+                    tag = f"{prec} {kind} {M}x{k}x{n} ({name}) wg_n={wg_n} stages={stages} delay={delay}"
+                    try:
+                        out = np.asarray(fn(sets[:1])[0])
+                    except Exception as e:  # a variant this jax or device refuses (shared memory, API)
+                        print(f"{tag}: failed: {type(e).__name__}: {str(e).splitlines()[0][:240]}", flush=True)
+                        continue
+                    bits = out.view(np.uint32 if out.dtype == np.float32 else np.uint16)
+                    if base is None:
+                        base = (fn, bits)
+                        t = timed(fn, sets, reps)
+                        same, t0 = "(reference)", t
+                    else:
+                        t0, t = timed_pair(base[0], fn, sets, reps)
+                        same = "same bits" if np.array_equal(bits, base[1]) else "DIFFERENT BITS"
+                    flops_total.setdefault((prec, wg_n, stages, delay), [0.0, 0.0])
+                    ft = flops_total[(prec, wg_n, stages, delay)]
+                    ft[0] += count * t
+                    ft[1] += count * t0
+                    print(
+                        f"{tag}: {t:.4f} ms ({flops / t / 1e9:.0f} TFLOP/s), first {t0:.4f} ms, "
+                        f"{t0 / t:.3f} x; {same}; {rows} output rows",
+                        flush=True,
+                    )
+    for (prec, wg_n, stages, delay), (t, t0) in flops_total.items():
+        print(
+            f"variants weighted ({prec}) wg_n={wg_n} stages={stages} delay={delay}: {t:.3f} ms, first {t0:.3f} ms "
+            f"({t0 / t:.3f} x)",
+            flush=True,
+        )
+
+
 def tile_bits() -> None:
     """Same product, every candidate tile set with the same block_r: are the output bits identical?"""
     for kind in KINDS:
@@ -298,6 +385,7 @@ def main() -> int:
         "--dw-chunks", default="", help="dw: the pinned set against split sets with these token chunks (e.g. 1024,4096)"
     )
     ap.add_argument("--no-table", action="store_true")
+    ap.add_argument("--mosaic-variants", action="store_true", help="the Mosaic kernel's wg_n / stages / delay knobs")
     ap.add_argument("--fp8", action="store_true", help="model.fp8's products (Mosaic and Triton) against bf16")
     a = ap.parse_args()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, M = {M} rows", flush=True)
@@ -307,6 +395,8 @@ def main() -> int:
         sweep(a.reps, tuple(a.kinds.split(",")), tuple(int(c) for c in a.dw_chunks.split(",") if c))
     if a.fp8:
         fp8_table(a.reps)
+    if a.mosaic_variants:
+        mosaic_variants(a.reps)
     if not a.no_table:
         table(a.reps, a.rounds)
     return 0

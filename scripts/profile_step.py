@@ -139,6 +139,7 @@ def main() -> int:
         help="leave XLA's CUDA-graph command buffers on (default: off while profiling, so ops map to scopes)",
     )
     ap.add_argument("--dump-events", type=int, default=0, help="print the first N device events (raw)")
+    ap.add_argument("--hlo", default=None, help="write the compiled step's HLO text here (gzip)")
     ap.add_argument("--plain", action="store_true", help="profile scripts/plain_step.py's step of the config")
     ap.add_argument("--attention", default="cudnn", choices=["cudnn", "xla"], help="the plain step's attention")
     ap.add_argument("--src", default=None, help="profile the detjax package under this tree (e.g. an older commit)")
@@ -200,7 +201,11 @@ def main() -> int:
         step = compile_train_step(trainer, state_sh, batch_sh)
         batches = [jax.device_put(np.asarray(ds[i]), batch_sh) for i in range(4)]
     # the plain step has no module scopes to map to, and is not lowered a second time
-    names = {} if a.plain else hlo_op_names(step.lower(state, batches[0]).compile().as_text())
+    hlo_text = "" if a.plain else step.lower(state, batches[0]).compile().as_text()
+    names = hlo_op_names(hlo_text) if hlo_text else {}
+    if a.hlo and hlo_text:
+        with gzip.open(a.hlo, "wt") as f:
+            f.write(hlo_text)
     for i in range(a.warmup):
         state, m = step(state, batches[i % 4])
     jax.block_until_ready((state, m))

@@ -56,11 +56,15 @@ def available() -> bool:
     return True
 
 
-def cta_tile(kind: str) -> tuple[int, int]:
+def cta_tile(kind: str, wg_n: int = TILE) -> tuple[int, int]:
     """(rows, columns) of one CTA's output: the two warpgroups split columns for fwd/dw, rows for dx and nt
     (the split is always along the operand that is NOT read transposed, so neither warpgroup slices a
-    transposed view)."""
-    return (2 * TILE, TILE) if kind in ("dx", "nt") else (TILE, 2 * TILE)
+    transposed view); "nt" warpgroups are TILE x wg_n."""
+    if kind == "nt":
+        return 2 * TILE, wg_n
+    if wg_n != TILE:
+        raise ValueError(f"mosaic matmul {kind}: warpgroup tiles are {TILE} x {TILE} (wg_n={wg_n} is for nt)")
+    return (2 * TILE, TILE) if kind == "dx" else (TILE, 2 * TILE)
 
 
 def block_r(dtype) -> int:
@@ -102,6 +106,8 @@ def mosaic_matmul(
     out_dtype,
     r_chunk: int,
     stages: int = STAGES,
+    wg_n: int = TILE,
+    delay: int = 0,
     interpret: bool = False,
 ) -> jax.Array:
     """The product `kind` of kernel.py, or "nt" (a @ b^T: a (m, R), b (n, R)), on operands already padded:
@@ -110,7 +116,10 @@ def mosaic_matmul(
     operands with R contiguous, so the caller lays them out that way. r_chunk > 0 (dw or nt): float32
     partial sums per chunk, returned as (R / r_chunk, m, n) for the caller to add in ascending order;
     otherwise the (m, n) product in out_dtype. `scale` (float32, shape (1,); not with r_chunk): the float32
-    sums are multiplied by scale[0] before the rounding to out_dtype (fp8's dequantization, in the epilogue)."""
+    sums are multiplied by scale[0] before the rounding to out_dtype (fp8's dequantization, in the epilogue).
+    Speed only (the wgmmas of a tile are issued in the same order into one accumulator): `wg_n`, each
+    warpgroup's tile columns for "nt" (TILE or 2 * TILE); `delay` 1 keeps one wgmma in flight while the next
+    stage is issued (its shared-memory slot is released one step later)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -122,7 +131,7 @@ def mosaic_matmul(
     m = a.shape[1] if trans_a else a.shape[0]
     n = b.shape[0] if trans_b else b.shape[1]
     r = a.shape[0] if trans_a else a.shape[1]
-    cm, cn = cta_tile(kind)
+    cm, cn = cta_tile(kind, wg_n)
     br = block_r(a.dtype)
     if m % cm or n % cn or r % br or (r_chunk and r % r_chunk):
         raise ValueError(f"mosaic matmul {kind}: shape m={m} n={n} r={r} is not padded to the tiles {cm}x{cn}x{br}")
@@ -144,14 +153,16 @@ def mosaic_matmul(
     a_index = (lambda k: (k, 0)) if trans_a else (lambda k: (0, k))
     b_index = (lambda k: (0, k)) if trans_b else (lambda k: (k, 0))
 
+    release = {"delay_release": delay} if delay else {}
+
     def pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(chunk // br,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec(a_block, a_index, transforms=tiled, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec(b_block, b_index, transforms=tiled, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec(a_block, a_index, transforms=tiled, memory_space=plgpu.SMEM, **release),
+                plgpu.BlockSpec(b_block, b_index, transforms=tiled, memory_space=plgpu.SMEM, **release),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -184,11 +195,12 @@ def mosaic_matmul(
                 rs = pl.ds(c * chunk, chunk)
                 # this warpgroup's TILE x TILE part of the CTA tile
                 wrows = pl.ds(wg * TILE, TILE) if split_rows else slice(None)
+                wn = cn if split_rows else TILE
                 wcols = slice(None) if split_rows else pl.ds(wg * TILE, TILE)
                 out_rows = pl.ds(c * m + mi * cm, cm)
 
                 def context(run):
-                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE, TILE), jnp.float32))
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE, wn), jnp.float32))
                     def acc_scope(acc):
                         run(acc)
                         val = acc[...] if s_gmem is None else acc[...] * s_gmem[0]
@@ -196,7 +208,7 @@ def mosaic_matmul(
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         piece = 0
                         for pm in range(TILE // epi_m):
-                            for pn in range(TILE // epi_n):
+                            for pn in range(wn // epi_n):
                                 slot = piece % 2
                                 piece += 1
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -213,7 +225,7 @@ def mosaic_matmul(
                     lhs = a_smem.transpose((1, 0)) if trans_a else a_smem.at[wrows]
                     rhs = b_smem.transpose((1, 0)) if trans_b else b_smem.at[:, wcols]
                     plgpu.wgmma(acc, lhs, rhs)
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(delay)
                     return acc
 
                 a_view = a_gmem.at[rs, rows] if trans_a else a_gmem.at[rows, rs]
