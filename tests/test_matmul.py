@@ -310,3 +310,41 @@ def test_fp8_quantize_transposed_matches_the_xla_quantization():
     want = jnp.pad(fp8._quantize(v, jnp.float32(40.0), fp8.E4M3), ((0, 156), (0, 124)))
     assert q.shape == (256, 384) and _same(q.view(jnp.uint8), want.view(jnp.uint8))
     assert _same(qt.view(jnp.uint8), want.T.view(jnp.uint8)) and _same(amax, fp8._amax(v))
+
+
+def test_fp8_swiglu_quantization_kernels_match_xla():
+    """quantize.swiglu_quantize_transposed / swiglu_bwd_quantize_transposed (Triton on the GPU, the interpreter
+    on CPU) on general bf16 values: q byte-equal to XLA's quantization of quantize.swiglu(gate, up) and of
+    [dgate | dup] = quantize.swiglu_grads (float32, clipping included), q^T its transpose, amax the exact max.
+    Negative control: a changed up tile changes h's bytes."""
+    from detjax.model import fp8
+    from detjax.pallas_kernels.matmul.quantize import (
+        swiglu,
+        swiglu_bwd_quantize_transposed,
+        swiglu_grads,
+        swiglu_quantize_transposed,
+    )
+
+    interp = interpret_mode()
+    ks = jax.random.split(jax.random.key(9), 2)
+    m, f = 256, 384
+    y = (4 * jax.random.normal(ks[0], (m, 2 * f))).astype(jnp.bfloat16)
+    dh = (3 * jax.random.normal(ks[1], (m, f))).astype(jnp.bfloat16)
+    g, u = y[:, :f].astype(jnp.float32), y[:, f:].astype(jnp.float32)
+    h = swiglu(g, u)
+    q, qt, amax = swiglu_quantize_transposed(y, jnp.float32(30.0), dtype=fp8.E4M3, interpret=interp)
+    want = fp8._quantize(h, jnp.float32(30.0), fp8.E4M3)  # some |h| * 30 beyond 448: clipped
+    assert _same(q.view(jnp.uint8), want.view(jnp.uint8)) and _same(qt.view(jnp.uint8), want.T.view(jnp.uint8))
+    assert _same(amax, jnp.max(jnp.abs(h)))
+    dy = jnp.concatenate(swiglu_grads(g, u, dh.astype(jnp.float32)), axis=1)
+    q, qt, amax = swiglu_bwd_quantize_transposed(y, dh, jnp.float32(3000.0), dtype=fp8.E5M2, interpret=interp)
+    want = fp8._quantize(dy, jnp.float32(3000.0), fp8.E5M2)
+    assert _same(q.view(jnp.uint8), want.view(jnp.uint8)) and _same(qt.view(jnp.uint8), want.T.view(jnp.uint8))
+    assert _same(amax, jnp.max(jnp.abs(dy)))
+    other, _, _ = swiglu_quantize_transposed(
+        y.at[:128, f:].multiply(2), jnp.float32(30.0), dtype=fp8.E4M3, interpret=interp
+    )
+    assert not _same(
+        other.view(jnp.uint8),
+        swiglu_quantize_transposed(y, jnp.float32(30.0), dtype=fp8.E4M3, interpret=interp)[0].view(jnp.uint8),
+    )

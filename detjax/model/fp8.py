@@ -143,6 +143,84 @@ def _bwd(out_dtype, kernels, res, dy_MN):
 fp8_matmul.defvjp(_fwd, _bwd)
 
 
+def fused_swiglu(m: int, d: int, f: int, kernels: str) -> bool:
+    """Whether an MLP of m tokens, d_model d and ffn_dim f runs as fp8_swiglu_mlp: both products on the Mosaic
+    path (kernel.use_mosaic_fp8) with shapes that need no padding (whole tiles of _mosaic_pads and of the
+    quantization's 128-element blocks), so no copy of y, h or dy is padded or sliced."""
+    from detjax.pallas_kernels.matmul import kernel
+    from detjax.pallas_kernels.matmul.quantize import BLOCK
+
+    if kernels != "pallas" or f % BLOCK:
+        return False
+    interp = _interpret()
+    if not (kernel.use_mosaic_fp8(E5M2, E4M3, d, 2 * f, interp) and kernel.use_mosaic_fp8(E5M2, E4M3, f, d, interp)):
+        return False
+    (pm, pd, pn), (pm2, pf, pd2) = _mosaic_pads(m, d, 2 * f), _mosaic_pads(m, f, d)
+    return all(a % b == 0 for a, b in ((m, pm), (m, pm2), (d, pd), (d, pd2), (2 * f, pn), (f, pf)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def fp8_swiglu_mlp(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, out_dtype):
+    """down(silu(gate) * up) of x through fp8 on the Mosaic path, with w_gu = [w_gate | w_up] (k, 2f): the
+    two products of fp8_matmul with h = silu(gate) * up computed in float32 and quantized in one kernel
+    (quantize.swiglu_quantize_transposed), and its backward likewise (swiglu_bwd_quantize_transposed), so
+    neither h nor dy is written in the compute dtype. The amaxes are those of fp8_matmul (h's in float32).
+    Shapes as fused_swiglu admits them."""
+    return _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, out_dtype)[0]
+
+
+def _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, out_dtype):
+    from detjax.pallas_kernels.matmul.kernel import fp8_nt
+    from detjax.pallas_kernels.matmul.quantize import swiglu_quantize_transposed
+
+    (m, k), f2 = x_MK.shape, w_gu_KN.shape[1]
+    interp = _interpret()
+    pm, pk, pn = _mosaic_pads(m, k, f2)
+    x8, x8_KM, amax_x = _quantize_padded(x_MK, s_gu_3[0], E4M3, pm, pk)
+    w8, w8_NK, amax_w = _quantize_padded(w_gu_KN, s_gu_3[1], E4M3, pk, pn)
+    y = fp8_nt(x8, w8_NK, 1.0 / (s_gu_3[0] * s_gu_3[1]), out_dtype=out_dtype, r_chunk=0, interpret=interp)
+    h8, h8_FM, amax_h = swiglu_quantize_transposed(y, s_down_3[0], dtype=E4M3, interpret=interp)
+    _, pf, pd = _mosaic_pads(m, f2 // 2, k)
+    wd8, wd8_NK, amax_wd = _quantize_padded(w_down_FK, s_down_3[1], E4M3, pf, pd)
+    out = fp8_nt(h8, wd8_NK, 1.0 / (s_down_3[0] * s_down_3[1]), out_dtype=out_dtype, r_chunk=0, interpret=interp)
+    return out, (x8_KM, w8, y, h8_FM, wd8, s_gu_3, s_down_3, amax_x, amax_w, amax_h, amax_wd)
+
+
+def _swiglu_bwd(out_dtype, res, dout_MK):
+    from detjax.pallas_kernels.matmul.kernel import dw_row_chunk, fp8_nt
+    from detjax.pallas_kernels.matmul.quantize import swiglu_bwd_quantize_transposed
+
+    x8_KM, w8, y, h8_FM, wd8, s_gu, s_dn, amax_x, amax_w, amax_h, amax_wd = res
+    (m, k), f = dout_MK.shape, y.shape[1] // 2
+    interp = _interpret()
+    pm, _, pd = _mosaic_pads(m, f, k)
+    g8, g8_KM, amax_g = _quantize_padded(dout_MK, s_dn[2], E5M2, pm, pd)
+    dh = fp8_nt(g8, wd8, 1.0 / (s_dn[2] * s_dn[1]), out_dtype=out_dtype, r_chunk=0, interpret=interp)
+    dw_down = fp8_nt(
+        h8_FM, g8_KM, 1.0 / (s_dn[0] * s_dn[2]), out_dtype=jnp.float32, r_chunk=dw_row_chunk(f, k), interpret=interp
+    )
+    dy8, dy8_NM, amax_dy = swiglu_bwd_quantize_transposed(y, dh, s_gu[2], dtype=E5M2, interpret=interp)
+    dx = fp8_nt(dy8, w8, 1.0 / (s_gu[2] * s_gu[1]), out_dtype=out_dtype, r_chunk=0, interpret=interp)
+    dw_gu = fp8_nt(
+        x8_KM,
+        dy8_NM,
+        1.0 / (s_gu[0] * s_gu[2]),
+        out_dtype=jnp.float32,
+        r_chunk=dw_row_chunk(k, 2 * f),
+        interpret=interp,
+    )
+    return (
+        dx,
+        dw_gu,
+        dw_down,
+        jnp.stack([amax_x, amax_w, amax_dy]),
+        jnp.stack([amax_h, amax_wd, amax_g]),
+    )
+
+
+fp8_swiglu_mlp.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def fp8_grouped_matmul(x_RK: jax.Array, w_EKN: jax.Array, gs_E: jax.Array, scale_3: jax.Array, kernels: str, x_dtype):
     """Rows sorted by expert (in x_dtype, the compute dtype) times their expert's weight through fp8 (one scale

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from detjax.model.fp8 import fp8_dense_many, scale_var
+from detjax.model.fp8 import fp8_dense_many, fp8_swiglu_mlp, fused_swiglu, scale_var
 from detjax.pallas_kernels.matmul.ops import compute_copy, dense, dense_many
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
@@ -315,6 +315,18 @@ class MLP(nn.Module):
             w_c = (tp_ops.chunked(w_gate_DF, 1, n), tp_ops.chunked(w_up_DF, 1, n), tp_ops.chunked(w_down_FD, 0, n))
             parts = tp_ops.per_chunk(chunk, tp_ops.fanout(tp, x_BLD), *w_c, *scales)
             return tp_ops.combine(tp, parts).astype(dtype)
+        m = x_BLD.shape[0] * x_BLD.shape[1]
+        if self.fp8 and (self.layout is None or self.layout.trivial) and fused_swiglu(m, d, f, kern):
+            # one device, the Mosaic fp8 path: h and dy go straight to fp8 (detjax.model.fp8.fp8_swiglu_mlp)
+            out = fp8_swiglu_mlp(
+                x_BLD.astype(self.dtype).reshape(m, d),
+                jnp.concatenate([w_gate_DF, w_up_DF], axis=1),
+                w_down_FD,
+                scale_var(self, "gate_up", True),
+                scale_var(self, "down", True),
+                self.dtype,
+            )
+            return out.reshape(x_BLD.shape)
         names = (ax.BATCH, ax.LENGTH, ax.ACT_MLP)
         gate_BLF, up_BLF = proj_many(
             ["bld,df->blf"] * 2,

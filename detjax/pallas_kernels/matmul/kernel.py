@@ -181,12 +181,15 @@ def fp8_nt(lhs, rhs, inv_scale, *, out_dtype, r_chunk: int, interpret: bool):
     r_mult = r_chunk or mosaic.block_r(lhs.dtype)
     lhs, rhs = _pad_to(lhs, (cm, r_mult)), _pad_to(rhs, (cn, r_mult))
     inv_scale = jnp.asarray(inv_scale, jnp.float32)
+    knobs = {"delay": mosaic.FP8_DELAY}
     if r_chunk:
-        parts = mosaic.mosaic_matmul(lhs, rhs, kind="nt", out_dtype=jnp.float32, r_chunk=r_chunk, interpret=interpret)
+        parts = mosaic.mosaic_matmul(
+            lhs, rhs, kind="nt", out_dtype=jnp.float32, r_chunk=r_chunk, interpret=interpret, **knobs
+        )
         out = (_add_in_order(parts) * inv_scale).astype(out_dtype)
     else:
         out = mosaic.mosaic_matmul(
-            lhs, rhs, inv_scale.reshape(1), kind="nt", out_dtype=out_dtype, r_chunk=0, interpret=interpret
+            lhs, rhs, inv_scale.reshape(1), kind="nt", out_dtype=out_dtype, r_chunk=0, interpret=interpret, **knobs
         )
     return out[:m, :n] if out.shape != (m, n) else out
 

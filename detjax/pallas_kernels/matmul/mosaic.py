@@ -39,6 +39,7 @@ BLOCK_R = 64  # bf16 reduction block (block_r): four k = 16 wgmma steps per pipe
 TILE = 128  # each compute warpgroup's output tile is TILE x TILE; a CTA's two warpgroups sit side by side
 SWIZZLE = 128  # bytes: a 64-element bf16 row, the widest swizzle
 STAGES = 4  # pipeline depth (4 x (128 x 64 + 64 x 256) bf16 = 192 KiB of shared memory)
+FP8_DELAY = 1  # fp8 products keep one wgmma in flight (same bits; 1.01-1.09 x on gpu_dense's shapes, session 24)
 SNAKE_WIDTH = 8  # tiles per band of the persistent loop's order (L2 locality; no effect on bits)
 
 
@@ -119,7 +120,8 @@ def mosaic_matmul(
     sums are multiplied by scale[0] before the rounding to out_dtype (fp8's dequantization, in the epilogue).
     Speed only (the wgmmas of a tile are issued in the same order into one accumulator): `wg_n`, each
     warpgroup's tile columns for "nt" (TILE or 2 * TILE); `delay` 1 keeps one wgmma in flight while the next
-    stage is issued (its shared-memory slot is released one step later)."""
+    stage is issued (its shared-memory slot is released one step later; only with two or more reduction
+    steps per tile)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -153,6 +155,8 @@ def mosaic_matmul(
     a_index = (lambda k: (k, 0)) if trans_a else (lambda k: (0, k))
     b_index = (lambda k: (0, k)) if trans_b else (lambda k: (k, 0))
 
+    if chunk // br < 2:  # one reduction step per tile: a delayed release would skip a barrier phase when the
+        delay = 0  # persistent loop runs the next tile (Pallas' interpreter reports it), so none is delayed
     release = {"delay_release": delay} if delay else {}
 
     def pipeline(body, context):

@@ -85,3 +85,115 @@ def quantize_transposed(
         compiler_params=triton_params(NUM_WARPS, 1, interpret),
     )(v, jnp.asarray(scale, jnp.float32).reshape(1))
     return q, qt, jnp.max(amax)
+
+
+# ------------------------------------------------------------------ SwiGLU fused with the quantization
+# model.fp8's MLP on the Mosaic path (detjax.model.fp8.fp8_swiglu_mlp): the down projection's input
+# h = silu(gate) * up is never stored in bf16. The forward kernel reads the gate+up product y = [gate | up]
+# and writes h's fp8 copies; the backward kernel reads y and dh (the down product's dx) and writes the fp8
+# copies of dy = [dgate | dup], the gate+up product's incoming gradient. Both compute in float32 with the
+# formulas of `swiglu` / `swiglu_grads`, which the XLA reference path (CPU) uses too.
+
+
+def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
+    """silu(g) * u in float32, sigmoid as 1 / (1 + exp(-g))."""
+    return g * (1.0 / (1.0 + jnp.exp(-g))) * u
+
+
+def swiglu_grads(g: jax.Array, u: jax.Array, dh: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(dgate, dup) of h = swiglu(g, u) for the cotangent dh, in float32."""
+    sig = 1.0 / (1.0 + jnp.exp(-g))
+    return dh * u * (sig * (1.0 + g * (1.0 - sig))), dh * g * sig
+
+
+def _swiglu_kernel(g_ref, u_ref, s_ref, q_ref, qt_ref, amax_ref):
+    h = swiglu(g_ref[...].astype(jnp.float32), u_ref[...].astype(jnp.float32))
+    q = quantize(h, s_ref[0], q_ref.dtype)
+    q_ref[...] = q
+    qt_ref[...] = q.T
+    amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(h)), (1, 1))
+
+
+def _swiglu_bwd_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref):
+    dgate, dup = swiglu_grads(
+        g_ref[...].astype(jnp.float32), u_ref[...].astype(jnp.float32), dh_ref[...].astype(jnp.float32)
+    )
+    d = jnp.where(pl.program_id(2) == 0, dgate, dup)  # this program's half of dy: the gate's or the up's
+    q = quantize(d, s_ref[0], q_ref.dtype)
+    q_ref[...] = q
+    qt_ref[...] = q.T
+    amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(d)), (1, 1))
+
+
+def _check_swiglu(y: jax.Array) -> tuple[int, int]:
+    m, f2 = y.shape
+    if m % BLOCK or f2 % (2 * BLOCK):
+        raise ValueError(f"swiglu quantization: y {y.shape} must have rows and halves in whole {BLOCK}-tiles")
+    return m, f2 // 2
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
+def swiglu_quantize_transposed(y: jax.Array, scale: jax.Array, *, dtype, interpret: bool):
+    """(q, q^T, amax) of h = swiglu(gate, up) for y = [gate | up] (m, 2f): q = dtype(clip(h * scale)) (m, f),
+    its transpose, and max |h| (float32)."""
+    m, f = _check_swiglu(y)
+    gm, nf = m // BLOCK, f // BLOCK
+    q, qt, amax = pl.pallas_call(
+        _swiglu_kernel,
+        grid=(gm, nf),
+        in_specs=[
+            pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j)),
+            pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, nf + j)),
+            pl.BlockSpec((1,), lambda i, j: (0,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j)),
+            pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (j, i)),
+            pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((m, f), dtype),
+            jax.ShapeDtypeStruct((f, m), dtype),
+            jax.ShapeDtypeStruct((gm, nf), jnp.float32),
+        ],
+        name="fp8_swiglu_quantize",
+        interpret=interpret,
+        compiler_params=triton_params(NUM_WARPS, 1, interpret),
+    )(y, y, jnp.asarray(scale, jnp.float32).reshape(1))
+    return q, qt, jnp.max(amax)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
+def swiglu_bwd_quantize_transposed(y: jax.Array, dh: jax.Array, scale: jax.Array, *, dtype, interpret: bool):
+    """(q, q^T, amax) of dy = [dgate | dup] (m, 2f), the gradient of y = [gate | up] through h = swiglu(gate,
+    up) for the cotangent dh (m, f): q = dtype(clip(dy * scale)), its transpose and max |dy| (float32).
+    Grid (row tile, column tile, half): the two programs of one tile read the same y and dh tiles (the
+    second from L2) and write the gate's and the up's half."""
+    m, f = _check_swiglu(y)
+    if dh.shape != (m, f):
+        raise ValueError(f"swiglu backward: dh {dh.shape} does not match y {y.shape}")
+    gm, nf = m // BLOCK, f // BLOCK
+    q, qt, amax = pl.pallas_call(
+        _swiglu_bwd_kernel,
+        grid=(gm, nf, 2),
+        in_specs=[
+            pl.BlockSpec((BLOCK, BLOCK), lambda i, j, c: (i, j)),
+            pl.BlockSpec((BLOCK, BLOCK), lambda i, j, c: (i, nf + j)),
+            pl.BlockSpec((BLOCK, BLOCK), lambda i, j, c: (i, j)),
+            pl.BlockSpec((1,), lambda i, j, c: (0,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((BLOCK, BLOCK), lambda i, j, c: (i, c * nf + j)),
+            pl.BlockSpec((BLOCK, BLOCK), lambda i, j, c: (c * nf + j, i)),
+            pl.BlockSpec((1, 1), lambda i, j, c: (i, c * nf + j)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((m, 2 * f), dtype),
+            jax.ShapeDtypeStruct((2 * f, m), dtype),
+            jax.ShapeDtypeStruct((gm, 2 * nf), jnp.float32),
+        ],
+        name="fp8_swiglu_bwd_quantize",
+        interpret=interpret,
+        compiler_params=triton_params(NUM_WARPS, 1, interpret),
+    )(y, y, dh, jnp.asarray(scale, jnp.float32).reshape(1))
+    return q, qt, jnp.max(amax)
