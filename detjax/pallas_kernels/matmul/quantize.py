@@ -118,7 +118,7 @@ def _swiglu_bwd_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref):
     dgate, dup = swiglu_grads(
         g_ref[...].astype(jnp.float32), u_ref[...].astype(jnp.float32), dh_ref[...].astype(jnp.float32)
     )
-    d = jnp.where(pl.program_id(2) == 0, dgate, dup)  # this program's half of dy: the gate's or the up's
+    d = jnp.where(pl.program_id(0) == 0, dgate, dup)  # this program's half of dy: the gate's or the up's
     q = quantize(d, s_ref[0], q_ref.dtype)
     q_ref[...] = q
     qt_ref[...] = q.T
@@ -167,25 +167,25 @@ def swiglu_quantize_transposed(y: jax.Array, scale: jax.Array, *, dtype, interpr
 def swiglu_bwd_quantize_transposed(y: jax.Array, dh: jax.Array, scale: jax.Array, *, dtype, interpret: bool):
     """(q, q^T, amax) of dy = [dgate | dup] (m, 2f), the gradient of y = [gate | up] through h = swiglu(gate,
     up) for the cotangent dh (m, f): q = dtype(clip(dy * scale)), its transpose and max |dy| (float32).
-    Grid (row tile, column tile, half): the two programs of one tile read the same y and dh tiles (the
-    second from L2) and write the gate's and the up's half."""
+    Grid (half, row tile, column tile), the half fastest: the two programs of one tile run side by side,
+    read the same y and dh tiles (the second from L2) and write the gate's and the up's half."""
     m, f = _check_swiglu(y)
     if dh.shape != (m, f):
         raise ValueError(f"swiglu backward: dh {dh.shape} does not match y {y.shape}")
     gm, nf = m // BLOCK, f // BLOCK
     q, qt, amax = pl.pallas_call(
         _swiglu_bwd_kernel,
-        grid=(gm, nf, 2),
+        grid=(2, gm, nf),
         in_specs=[
-            pl.BlockSpec((BLOCK, BLOCK), lambda i, j, c: (i, j)),
-            pl.BlockSpec((BLOCK, BLOCK), lambda i, j, c: (i, nf + j)),
-            pl.BlockSpec((BLOCK, BLOCK), lambda i, j, c: (i, j)),
-            pl.BlockSpec((1,), lambda i, j, c: (0,)),
+            pl.BlockSpec((BLOCK, BLOCK), lambda c, i, j: (i, j)),
+            pl.BlockSpec((BLOCK, BLOCK), lambda c, i, j: (i, nf + j)),
+            pl.BlockSpec((BLOCK, BLOCK), lambda c, i, j: (i, j)),
+            pl.BlockSpec((1,), lambda c, i, j: (0,)),
         ],
         out_specs=[
-            pl.BlockSpec((BLOCK, BLOCK), lambda i, j, c: (i, c * nf + j)),
-            pl.BlockSpec((BLOCK, BLOCK), lambda i, j, c: (c * nf + j, i)),
-            pl.BlockSpec((1, 1), lambda i, j, c: (i, c * nf + j)),
+            pl.BlockSpec((BLOCK, BLOCK), lambda c, i, j: (i, c * nf + j)),
+            pl.BlockSpec((BLOCK, BLOCK), lambda c, i, j: (c * nf + j, i)),
+            pl.BlockSpec((1, 1), lambda c, i, j: (i, c * nf + j)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((m, 2 * f), dtype),
