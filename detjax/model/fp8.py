@@ -24,7 +24,9 @@ kernel.MOSAIC_FP8_MIN_SIZE elements take the Mosaic GPU kernel's fp8 wgmma (kern
 operands with the reduced dimension contiguous: x, w and dy are quantized by
 quantize.quantize_transposed, which writes the transposed copy (and the amax) in the same pass, both
 zero-padded to the products' tiles (_mosaic_pads), and the dequantizing scale is applied in the kernel's
-epilogue. The routed experts' grouped matmuls
+epilogue. On one device, an MLP whose two products both take that path runs as fp8_swiglu_mlp: SwiGLU is
+computed in float32 inside the kernels that quantize its output h and its gradient dy, so neither is written
+in the compute dtype. The routed experts' grouped matmuls
 (fp8_grouped_matmul) quantize the same way and multiply the fp8 values exactly in bf16 / float32.
 """
 
