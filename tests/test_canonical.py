@@ -238,6 +238,29 @@ def test_tensor_parallel_is_byte_equal_to_one_device():
     assert not _same(one, two), "negative control: default numerics should change with the tensor degree"
 
 
+def test_sequence_parallel_mixers_end_in_a_reduce_scatter():
+    """With sequence parallelism the attention, MLP and Mamba2 blocks of the hybrid end in
+    tensor.combine_piece: one all_to_all over `tensor` per such block in the forward (its transpose, an
+    all-gather, in the backward), so each device adds the top of the chunk tree on its own piece of the
+    sequence only (the bits: test_tensor_parallel_is_byte_equal_to_one_device). Negative control: without
+    sequence parallelism the step has no all_to_all."""
+    from detjax.jaxprs import iter_eqns
+    from detjax.sharding.mesh import build_layout
+    from detjax.step import Trainer
+
+    def all_to_alls(mesh):
+        cfg = load_config(MESH_CFG, [*TP, *mesh])
+        tr = Trainer(cfg, build_layout(cfg, jax.devices()[:8]))
+        batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32)
+        jaxpr = jax.make_jaxpr(tr.train_step)(tr.abstract_state(), batch)
+        return [e for e in iter_eqns(jaxpr.jaxpr) if e.primitive.name == "all_to_all"]
+
+    got = all_to_alls(["mesh.tensor=2", "mesh.sequence_parallel=true"])
+    assert len(got) == 3, [e.params for e in got]  # M, * and - of M*E- (the MTP block runs the whole sequence)
+    assert all("tensor" in str(e.params["axis_name"]) for e in got)
+    assert not all_to_alls(["mesh.tensor=2"]), "negative control: no reduce-scatter without sequence parallelism"
+
+
 @pytest.mark.extended  # ~3 min on 2 cores
 @pytest.mark.parametrize(
     "mesh",

@@ -91,7 +91,7 @@ class Attention(nn.Module):
 
             w_c = [tp_ops.chunked(w, 1, n) for w in (w_q_DHQ, w_k_DKQ, w_v_DKQ)] + [tp_ops.chunked(w_o_HQD, 0, n)]
             parts = tp_ops.per_chunk(chunk, tp_ops.fanout(tp, x_BLD), *w_c, *scales)
-            return tp_ops.combine(tp, parts).astype(dtype)
+            return tp_ops.combine_piece(tp, parts).astype(dtype)
         kernels = "pallas" if self.impl == "pallas" else "reference"  # the projections' matmul
         lay, q_names, kv_names = (
             self.layout,

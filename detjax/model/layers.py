@@ -314,7 +314,7 @@ class MLP(nn.Module):
 
             w_c = (tp_ops.chunked(w_gate_DF, 1, n), tp_ops.chunked(w_up_DF, 1, n), tp_ops.chunked(w_down_FD, 0, n))
             parts = tp_ops.per_chunk(chunk, tp_ops.fanout(tp, x_BLD), *w_c, *scales)
-            return tp_ops.combine(tp, parts).astype(dtype)
+            return tp_ops.combine_piece(tp, parts).astype(dtype)
         m = x_BLD.shape[0] * x_BLD.shape[1]
         if self.fp8 and (self.layout is None or self.layout.trivial) and fused_swiglu(m, d, f, kern):
             # one device, the Mosaic fp8 path: h and dy go straight to fp8 (detjax.model.fp8.fp8_swiglu_mlp)

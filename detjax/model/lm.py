@@ -71,13 +71,19 @@ class Block(nn.Module):
             y_BLD = MLP(c.d_model, c.ffn_dim, c.init_std, dtype, lay, c.kernels, c.fp8.enabled, tp, name="mixer")(x_BLD)
         else:
             raise ValueError(f"unknown block letter {self.letter!r}")
+        # sequence parallelism: attention, the MLP and Mamba2 end in tensor.combine_piece (a reduce-scatter), so
+        # y is already this device's piece of the sequence; the MoE block's y is whole
+        piece = tp is not None and tp.sequence and self.letter != "E"
         if train and c.dropout > 0.0:
             if key is None:
                 raise ValueError("training with dropout needs a dropout key")
-            y_BLD = nn.Dropout(c.dropout, deterministic=False)(y_BLD, rng=key)
+            if piece:
+                y_BLD = tp_ops.dropout_piece(tp, c.dropout, key, y_BLD)
+            else:
+                y_BLD = nn.Dropout(c.dropout, deterministic=False)(y_BLD, rng=key)
         y_BLD = y_BLD.astype(jnp.float32)
         if tp is not None and tp.sequence:
-            return h_BlD + tp_ops.scatter_sequence(tp, y_BLD), aux
+            return h_BlD + (y_BLD if piece else tp_ops.scatter_sequence(tp, y_BLD)), aux
         h_BLD = h_BLD + y_BLD
         return constrain(h_BLD, lay, (ax.BATCH, ax.SEQ, ax.ACT_EMBED), "residual"), aux
 

@@ -211,4 +211,4 @@ class Mamba2(nn.Module):
             tp_ops.chunked(w_out_HPD, 0, n),
             *(() if s_out is None else (s_out,)),
         )
-        return tp_ops.combine(tp, parts).astype(dtype)
+        return tp_ops.combine_piece(tp, parts).astype(dtype)

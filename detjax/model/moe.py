@@ -6,6 +6,8 @@ fixed-order sum over the k slots, so neither the forward nor the backward needs 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -124,7 +126,9 @@ class MoE(nn.Module):
         )
         y_BLD = experts(x_TD, idx_TX, gate_TX).reshape(bsz, length, d)
         if c.shared_expert:
-            shared = MLP(d, f, self.init_std, self.dtype, self.layout, self.kernels, self.fp8, self.tp, name="shared")
+            # whole-sequence output (it is added to the routed experts'): no reduce-scatter to a piece
+            tp = dataclasses.replace(self.tp, sequence=False) if self.tp is not None else None
+            shared = MLP(d, f, self.init_std, self.dtype, self.layout, self.kernels, self.fp8, tp, name="shared")
             y_BLD = y_BLD + shared(x_BLD)
         return y_BLD, aux
 

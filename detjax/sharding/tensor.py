@@ -22,9 +22,14 @@ Two operations carry it, each the other's transpose:
 
 Sequence parallelism (`TensorSplit.sequence`) keeps the residual stream between blocks split over `tensor`
 along the sequence. A block gathers the pieces (`gather_sequence`), runs the program of the unsplit stream and
-keeps its own piece of the result (`scatter_sequence`); both are copies in either direction, so the bits are
-those of the unsplit stream. What it saves is the stored stream (the block inputs that `model.remat` keeps),
-not communication: the chunk tree's all-gather still carries whole-sequence partials.
+keeps its own piece of the result; gathering and taking a piece are copies in either direction, so the bits
+are those of the unsplit stream. The mixers whose output is a row-parallel product (attention, the MLP,
+Mamba2) end with `combine_piece`, the chunk tree's reduce-scatter: each device adds its own chunks over the
+whole sequence (its subtree), the subtree results are exchanged piece by piece (`all_to_all`: device r
+receives every device's piece r) and added by the same top levels of the tree, on the piece alone. The adds
+and their order are `combine`'s followed by `scatter_sequence`, so the bits are too; the exchange carries 1/t
+of the all-gather's bytes. The MoE block (its shared expert's output is added to the routed experts') keeps
+`combine` and `scatter_sequence`.
 """
 
 from __future__ import annotations
@@ -93,6 +98,44 @@ def _combine_bwd(split, _, g):
 
 
 combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def _piece_tree(split: TensorSplit, parts: jax.Array) -> jax.Array:
+    s = canonical.pair_sum(parts, 0)  # this device's subtree, over the whole sequence (axis 1)
+    t, n = split.degree, s.shape[1] // split.degree
+    pieces = jnp.moveaxis(s.reshape(s.shape[0], t, n, *s.shape[2:]), 1, 0)  # (t, B, l, ...): piece r at [r]
+    got = jax.lax.all_to_all(pieces, split.axis, 0, 0)  # got[j]: device j's subtree, this device's piece
+    return canonical.pair_sum(got, 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def combine_piece(split: TensorSplit, parts: jax.Array) -> jax.Array:
+    """`combine` under sequence parallelism, for parts (local, B, L, ...) whose sum leaves the block: this
+    device's piece of the sequence (axis 1) of the chunk tree's result, by reduce-scatter (module docstring).
+    Without sequence parallelism it is `combine`. The backward all-gathers the pieces' cotangents and hands
+    every chunk the whole."""
+    return _piece_tree(split, parts) if split.sequence else _tree(split, parts)
+
+
+def _combine_piece_fwd(split, parts):
+    return (_piece_tree(split, parts) if split.sequence else _tree(split, parts)), None
+
+
+def _combine_piece_bwd(split, _, g):
+    whole = _all_pieces(split, g) if split.sequence else g
+    return (jnp.broadcast_to(whole, (split.local, *whole.shape)),)
+
+
+combine_piece.defvjp(_combine_piece_fwd, _combine_piece_bwd)
+
+
+def dropout_piece(split: TensorSplit, rate: float, key: jax.Array, y_BlD: jax.Array) -> jax.Array:
+    """Flax's nn.Dropout of the whole-sequence value, applied to this device's piece of it: the mask is drawn
+    for the whole sequence with the block's key (the unsplit stream's mask) and the piece's part kept."""
+    keep_prob = 1.0 - rate
+    whole = (y_BlD.shape[0], y_BlD.shape[1] * split.degree, *y_BlD.shape[2:])
+    mask = _own_piece(split, jax.random.bernoulli(key, p=keep_prob, shape=whole))
+    return jax.lax.select(mask, y_BlD / keep_prob, jnp.zeros_like(y_BlD))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
