@@ -157,6 +157,10 @@ def fused_swiglu(m: int, d: int, f: int, kernels: str) -> bool:
     interp = _interpret()
     if not (kernel.use_mosaic_fp8(E5M2, E4M3, d, 2 * f, interp) and kernel.use_mosaic_fp8(E5M2, E4M3, f, d, interp)):
         return False
+    return _whole_tiles(m, d, f)
+
+
+def _whole_tiles(m: int, d: int, f: int) -> bool:
     (pm, pd, pn), (pm2, pf, pd2) = _mosaic_pads(m, d, 2 * f), _mosaic_pads(m, f, d)
     return all(a % b == 0 for a, b in ((m, pm), (m, pm2), (d, pd), (d, pd2), (2 * f, pn), (f, pf)))
 
@@ -176,6 +180,8 @@ def _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, out_dtype):
     from detjax.pallas_kernels.matmul.quantize import swiglu_quantize_transposed
 
     (m, k), f2 = x_MK.shape, w_gu_KN.shape[1]
+    if f2 % 2 or not _whole_tiles(m, k, f2 // 2):
+        raise ValueError(f"fp8_swiglu_mlp: x {x_MK.shape}, w_gu {w_gu_KN.shape} are not whole tiles (fused_swiglu)")
     interp = _interpret()
     pm, pk, pn = _mosaic_pads(m, k, f2)
     x8, x8_KM, amax_x = _quantize_padded(x_MK, s_gu_3[0], E4M3, pm, pk)
