@@ -39,7 +39,7 @@ BLOCK_R = 64  # bf16 reduction block (block_r): four k = 16 wgmma steps per pipe
 TILE = 128  # each compute warpgroup's output tile is TILE x TILE; a CTA's two warpgroups sit side by side
 SWIZZLE = 128  # bytes: a 64-element bf16 row, the widest swizzle
 STAGES = 4  # pipeline depth (4 x (128 x 64 + 64 x 256) bf16 = 192 KiB of shared memory)
-FP8_DELAY = 1  # fp8 products keep one wgmma in flight (same bits; 1.01-1.09 x on gpu_dense's shapes, session 24)
+FP8_DELAY = 1  # fp8 products keep one wgmma in flight (same bits; 0.98-1.09 x per product of gpu_dense, session 24)
 SNAKE_WIDTH = 8  # tiles per band of the persistent loop's order (L2 locality; no effect on bits)
 
 
