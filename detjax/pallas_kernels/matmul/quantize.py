@@ -61,29 +61,35 @@ def quantize_transposed(
     if rows_to % BLOCK or cols_to % BLOCK:
         raise ValueError(f"quantize_transposed: rows_to={rows_to}, cols_to={cols_to} must be multiples of {BLOCK}")
     mp, np_ = padded(m, rows_to), padded(n, cols_to)
-    gm, gn = mp // BLOCK, np_ // BLOCK
     last_i, last_j = -(-m // BLOCK) - 1, -(-n // BLOCK) - 1  # v's last tile: tiles past v load it, then mask
+    in_specs = [pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (jnp.minimum(i, last_i), jnp.minimum(j, last_j)))]
+    kernel = functools.partial(_kernel, m=m, n=n, padding=(mp, np_) != (m, n))
+    return _tiles_call(kernel, "fp8_quantize_transposed", in_specs, (mp, np_), dtype, interpret, v, scale=scale)
+
+
+def _tiles_call(kernel, name: str, in_specs: list, shape: tuple[int, int], dtype, interpret: bool, *args, scale):
+    """The pallas_call of a kernel over (BLOCK x BLOCK) tiles of a (rows, cols) result: in_specs for args, then
+    the scale; out q (rows, cols), q^T and each tile's amax. Returns (q, q^T, the max of the amaxes)."""
+    rows, cols = shape
+    gm, gn = rows // BLOCK, cols // BLOCK
     q, qt, amax = pl.pallas_call(
-        functools.partial(_kernel, m=m, n=n, padding=(mp, np_) != (m, n)),
+        kernel,
         grid=(gm, gn),
-        in_specs=[
-            pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (jnp.minimum(i, last_i), jnp.minimum(j, last_j))),
-            pl.BlockSpec((1,), lambda i, j: (0,)),
-        ],
+        in_specs=[*in_specs, pl.BlockSpec((1,), lambda i, j: (0,))],
         out_specs=[
             pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j)),
             pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (j, i)),
             pl.BlockSpec((1, 1), lambda i, j: (i, j)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((mp, np_), dtype),
-            jax.ShapeDtypeStruct((np_, mp), dtype),
+            jax.ShapeDtypeStruct((rows, cols), dtype),
+            jax.ShapeDtypeStruct((cols, rows), dtype),
             jax.ShapeDtypeStruct((gm, gn), jnp.float32),
         ],
-        name="fp8_quantize_transposed",
+        name=name,
         interpret=interpret,
         compiler_params=triton_params(NUM_WARPS, 1, interpret),
-    )(v, jnp.asarray(scale, jnp.float32).reshape(1))
+    )(*args, jnp.asarray(scale, jnp.float32).reshape(1))
     return q, qt, jnp.max(amax)
 
 
@@ -137,30 +143,12 @@ def swiglu_quantize_transposed(y: jax.Array, scale: jax.Array, *, dtype, interpr
     """(q, q^T, amax) of h = swiglu(gate, up) for y = [gate | up] (m, 2f): q = dtype(clip(h * scale)) (m, f),
     its transpose, and max |h| (float32)."""
     m, f = _check_swiglu(y)
-    gm, nf = m // BLOCK, f // BLOCK
-    q, qt, amax = pl.pallas_call(
-        _swiglu_kernel,
-        grid=(gm, nf),
-        in_specs=[
-            pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j)),
-            pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, nf + j)),
-            pl.BlockSpec((1,), lambda i, j: (0,)),
-        ],
-        out_specs=[
-            pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j)),
-            pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (j, i)),
-            pl.BlockSpec((1, 1), lambda i, j: (i, j)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((m, f), dtype),
-            jax.ShapeDtypeStruct((f, m), dtype),
-            jax.ShapeDtypeStruct((gm, nf), jnp.float32),
-        ],
-        name="fp8_swiglu_quantize",
-        interpret=interpret,
-        compiler_params=triton_params(NUM_WARPS, 1, interpret),
-    )(y, y, jnp.asarray(scale, jnp.float32).reshape(1))
-    return q, qt, jnp.max(amax)
+    nf = f // BLOCK
+    in_specs = [
+        pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j)),
+        pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, nf + j)),
+    ]
+    return _tiles_call(_swiglu_kernel, "fp8_swiglu_quantize", in_specs, (m, f), dtype, interpret, y, y, scale=scale)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
