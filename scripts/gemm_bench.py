@@ -281,15 +281,16 @@ MOSAIC_VARIANTS = {  # (warpgroup tile columns of "nt", pipeline stages, wgmmas 
 
 def mosaic_variants(reps: int) -> None:
     """The Mosaic kernel's speed knobs (mosaic.mosaic_matmul's wg_n, stages, delay) on gpu_dense's shapes at
-    M rows, each variant timed alternately with the first (the kernel's settings at the time) and its output
-    compared bytewise with the first's. fp8: the three products as the model poses them to kernel.fp8_nt
+    M rows, each variant timed alternately with the first listed (wg_n 128, 4 stages, delay 0: the settings
+    before session 24; the model's fp8 products now run delay 1, mosaic.FP8_DELAY) and its output compared
+    bytewise with the first's. fp8: the three products as the model poses them to kernel.fp8_nt
     (operands laid out with R contiguous, dw in dw_row_chunk's token chunks); bf16: the three kinds of the
     weights that take the Mosaic kernel (kernel.use_mosaic)."""
     from detjax.pallas_kernels.matmul import mosaic
     from detjax.pallas_kernels.matmul.kernel import MOSAIC_MIN_SIZE, dw_row_chunk
 
     e4, e5, bf = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
-    flops_total = {}
+    totals = {}  # (precision, knobs) -> [ms of the variant, ms of the first], weighted by use
     for name, k, n, _, count in SHAPES["gpu_dense"]:
         for kind in KINDS:
             for prec in ("fp8", "bf16"):
@@ -342,16 +343,15 @@ def mosaic_variants(reps: int) -> None:
                     else:
                         t0, t = timed_pair(base[0], fn, sets, reps)
                         same = "same bits" if np.array_equal(bits, base[1]) else "DIFFERENT BITS"
-                    flops_total.setdefault((prec, wg_n, stages, delay), [0.0, 0.0])
-                    ft = flops_total[(prec, wg_n, stages, delay)]
-                    ft[0] += count * t
-                    ft[1] += count * t0
+                    tot = totals.setdefault((prec, wg_n, stages, delay), [0.0, 0.0])
+                    tot[0] += count * t
+                    tot[1] += count * t0
                     print(
                         f"{tag}: {t:.4f} ms ({flops / t / 1e9:.0f} TFLOP/s), first {t0:.4f} ms, "
                         f"{t0 / t:.3f} x; {same}; {rows} output rows",
                         flush=True,
                     )
-    for (prec, wg_n, stages, delay), (t, t0) in flops_total.items():
+    for (prec, wg_n, stages, delay), (t, t0) in totals.items():
         print(
             f"variants weighted ({prec}) wg_n={wg_n} stages={stages} delay={delay}: {t:.3f} ms, first {t0:.3f} ms "
             f"({t0 / t:.3f} x)",

@@ -101,14 +101,18 @@ def _tiles_call(kernel, name: str, in_specs: list, shape: tuple[int, int], dtype
 # formulas of `swiglu` / `swiglu_grads`, which the XLA reference path (CPU) uses too.
 
 
+def _sigmoid(g: jax.Array) -> jax.Array:
+    return 1.0 / (1.0 + jnp.exp(-g))
+
+
 def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
     """silu(g) * u in float32, sigmoid as 1 / (1 + exp(-g))."""
-    return g * (1.0 / (1.0 + jnp.exp(-g))) * u
+    return g * _sigmoid(g) * u
 
 
 def swiglu_grads(g: jax.Array, u: jax.Array, dh: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(dgate, dup) of h = swiglu(g, u) for the cotangent dh, in float32."""
-    sig = 1.0 / (1.0 + jnp.exp(-g))
+    sig = _sigmoid(g)
     return dh * u * (sig * (1.0 + g * (1.0 - sig))), dh * g * sig
 
 
@@ -155,8 +159,9 @@ def swiglu_quantize_transposed(y: jax.Array, scale: jax.Array, *, dtype, interpr
 def swiglu_bwd_quantize_transposed(y: jax.Array, dh: jax.Array, scale: jax.Array, *, dtype, interpret: bool):
     """(q, q^T, amax) of dy = [dgate | dup] (m, 2f), the gradient of y = [gate | up] through h = swiglu(gate,
     up) for the cotangent dh (m, f): q = dtype(clip(dy * scale)), its transpose and max |dy| (float32).
-    Grid (half, row tile, column tile), the half fastest: the two programs of one tile run side by side,
-    read the same y and dh tiles (the second from L2) and write the gate's and the up's half."""
+    Grid (half, row tile, column tile): the two programs of one tile are neighbours in launch order, so that
+    the second reads the y and dh tiles the first has just brought into L2 (the intent; not profiled), and
+    they write the gate's and the up's half."""
     m, f = _check_swiglu(y)
     if dh.shape != (m, f):
         raise ValueError(f"swiglu backward: dh {dh.shape} does not match y {y.shape}")
