@@ -119,6 +119,59 @@ def test_fp8_grouped_matmul_kernel_and_reference_agree():
     assert not np.any(np.asarray(outs["pallas"][2][1]))  # the empty group's weight gradient is zero
 
 
+def test_fp8_grouped_mosaic_path_is_exact_on_its_padded_layout():
+    """The experts' fp8 products through the Mosaic kernel (fp8 wgmma on Hopper; its interpreter here) on the
+    padded group layout (gmm/mosaic.py): an empty group, a group over two row tiles (dw over four 128-row
+    blocks) and one inside a tile. On small integers every sum is exact, so y, dx and dw are byte-equal to
+    XLA's ragged_dot reference, and the amaxes too. Negative control: swapped group sizes change y."""
+    ks = jax.random.split(jax.random.key(3), 3)
+    gs = jnp.asarray([0, 300, 90], jnp.int32)
+    ints = lambda k, shape: jax.random.randint(k, shape, -3, 4).astype(jnp.float32)  # noqa: E731
+    x, w, g = ints(ks[0], (390, 256)).astype(jnp.bfloat16), ints(ks[1], (3, 256, 128)), ints(ks[2], (390, 128))
+    s = jnp.ones((3,), jnp.float32)
+
+    def run(kernels, gs=gs):
+        y, vjp = jax.vjp(lambda x, w, s: fp8.fp8_grouped_matmul(x, w, gs, s, kernels, x.dtype), x, w, s)
+        return y, *vjp(g)
+
+    ref, got = run("reference"), run("mosaic")
+    for name, a, b in zip(("y", "dx", "dw", "amax"), ref, got, strict=True):
+        assert _same(a, b), name
+    assert float(jnp.max(jnp.abs(got[2][1]))) > 0 and not np.any(np.asarray(got[2][0]))  # group 0 is empty
+    assert not _same(run("reference", gs[::-1])[0], got[0])
+
+
+@pytest.mark.gpu
+def test_fp8_grouped_mosaic_is_row_and_group_invariant_and_replays_on_gpu():
+    """On Hopper, the experts' fp8 wgmma path on general values (sums that round): replays give the same bits,
+    and 100 rows added in front of expert 0's group change no other row's y or dx and no other expert's dw
+    (each group's dw sums its own rows in its own order, wherever the layout puts them). Negative control:
+    expert 0's dw changes."""
+    from detjax.pallas_kernels.harness import assert_replays_bit_exact
+
+    e, k, n = 8, 1024, 1024
+    w = 0.02 * jax.random.normal(jax.random.key(1), (e, k, n))
+    if not fp8._grouped_mosaic(w, "pallas"):
+        pytest.skip("the grouped fp8 Mosaic path needs a Hopper GPU")
+    gs = jnp.asarray([900, 1100, 0, 1500, 1024, 700, 1300, 1668], jnp.int32)
+    rows = int(gs.sum())
+    x = jax.random.normal(jax.random.key(2), (rows + 100, k)).astype(jnp.bfloat16)
+    g = jax.random.normal(jax.random.key(3), (rows + 100, n))
+    s = jnp.asarray([8.0, 64.0, 4096.0], jnp.float32)
+
+    @jax.jit
+    def run(x, w, g, gs):
+        y, vjp = jax.vjp(lambda x, w: fp8.fp8_grouped_matmul(x, w, gs, s, "pallas", jnp.bfloat16), x, w)
+        return y, *vjp(g)
+
+    base = run(x[100:], w, g[100:], gs)
+    assert_replays_bit_exact(run, (x[100:], w, g[100:], gs), replays=3)
+    grown = run(x, w, g, gs.at[0].add(100))
+    assert _same(grown[0][100:], base[0]) and _same(grown[1][100:], base[1])
+    assert _same(grown[2][1:], base[2][1:])
+    assert not _same(grown[2][0], base[2][0])
+
+
 def test_delayed_scaling_update_rule():
     hist = jnp.asarray([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0], [4.0, 8.0, 1.0]], jnp.float32)
     old = jnp.asarray([1.0, 7.0, 3.0], jnp.float32)

@@ -232,14 +232,33 @@ fp8_swiglu_mlp.defvjp(_swiglu_fwd, _swiglu_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def fp8_grouped_matmul(x_RK: jax.Array, w_EKN: jax.Array, gs_E: jax.Array, scale_3: jax.Array, kernels: str, x_dtype):
     """Rows sorted by expert (in x_dtype, the compute dtype) times their expert's weight through fp8 (one scale
-    set for the whole expert stack), float32 out. The fp8 values are multiplied exactly: as bf16 operands of
-    detjax's gmm / tgmm under kernels=pallas (fp8 values convert to bf16 exactly; no fp8 MMA yet), else as
-    float32 operands of XLA's ragged_dot at full precision."""
+    set for the whole expert stack), float32 out. Under kernels=pallas on Hopper (`_grouped_mosaic`), fp8
+    wgmma through the Mosaic GPU kernel on the padded group layout (detjax.pallas_kernels.gmm.mosaic), the
+    activations quantized with their transposed copies by quantize.quantize_transposed; kernels="mosaic"
+    takes that path anywhere (its interpreter off the GPU: the tests). Otherwise the fp8 values are
+    multiplied exactly: as bf16 operands of detjax's Triton gmm / tgmm under kernels=pallas (or "triton",
+    which forces it: scripts/gemm_bench.py --grouped), else as float32 operands of XLA's ragged_dot at
+    full precision."""
     return _gfwd(x_RK, w_EKN, gs_E, scale_3, kernels, x_dtype)[0]
 
 
+def _grouped_mosaic(w_EKN: jax.Array, kernels: str) -> bool:
+    """Whether the experts' products take fp8 wgmma: kernels="mosaic", or kernels=pallas where each expert's
+    product takes the Mosaic kernel (kernel.use_mosaic_fp8, e5m2 x e4m3 included) and whole tiles fit."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    _, k, n = w_EKN.shape
+    if kernels == "mosaic":
+        return True
+    if kernels != "pallas" or not gmosaic.usable(k, n):
+        return False
+    from detjax.pallas_kernels.matmul import kernel
+
+    return kernel.use_mosaic_fp8(E5M2, E4M3, k, n, _interpret())
+
+
 def _gmm(a, w, gs, kernels):
-    if kernels == "pallas":
+    if kernels in ("pallas", "triton"):
         from detjax.pallas_kernels.backend import interpret_mode
         from detjax.pallas_kernels.gmm.kernel import gmm
 
@@ -253,7 +272,7 @@ def _gmm(a, w, gs, kernels):
 
 
 def _tgmm(a, b, gs, kernels, n_groups: int):
-    if kernels == "pallas":
+    if kernels in ("pallas", "triton"):
         from detjax.pallas_kernels.backend import interpret_mode
         from detjax.pallas_kernels.gmm.kernel import tgmm
 
@@ -272,17 +291,47 @@ def _tgmm(a, b, gs, kernels, n_groups: int):
 
 
 def _gfwd(x_RK, w_EKN, gs_E, scale_3, kernels, x_dtype):
+    if _grouped_mosaic(w_EKN, kernels):
+        return _gfwd_mosaic(x_RK, w_EKN, gs_E, scale_3, kernels)
     x8, w8 = _quantize(x_RK, scale_3[0], E4M3), _quantize(w_EKN, scale_3[1], E4M3)
     y = _gmm(x8, w8, gs_E, kernels) * (1.0 / (scale_3[0] * scale_3[1]))
     return y, (x8, w8, gs_E, scale_3, _amax(x_RK), _amax(w_EKN))
 
 
 def _gbwd(kernels, x_dtype, res, dy_RN):
+    if len(res) == 4:  # the Mosaic path's residuals
+        return _gbwd_mosaic(kernels, x_dtype, res, dy_RN)
     x8, w8, gs_E, scale_3, amax_x, amax_w = res
     g8 = _quantize(dy_RN, scale_3[2], E5M2)
     dx = (_gmm(g8, jnp.swapaxes(w8, 1, 2), gs_E, kernels) * (1.0 / (scale_3[2] * scale_3[1]))).astype(x_dtype)
     dw = _tgmm(x8, g8, gs_E, kernels, w8.shape[0]) * (1.0 / (scale_3[0] * scale_3[2]))
     return dx, dw, None, jnp.stack([amax_x, amax_w, _amax(dy_RN)])
+
+
+def _gfwd_mosaic(x_RK, w_EKN, gs_E, scale_3, kernels):
+    """The forward on the padded group layout: x copied in, quantized with its transposed copy (kept for dw),
+    each row tile times its expert's w^T copy, the dequantizing scale in the epilogue, the rows copied out."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    gm = gmosaic.GROUP_ROWS
+    lay = gmosaic.padded_layout(gs_E, x_RK.shape[0])
+    x8, x8_KP, amax_x = _quantize_padded(gmosaic.to_padded(x_RK, lay), scale_3[0], E4M3, gm, gm)
+    w8 = _quantize(w_EKN, scale_3[1], E4M3)
+    inv = 1.0 / (scale_3[0] * scale_3[1])
+    y = gmosaic.grouped_nt(x8, jnp.swapaxes(w8, 1, 2), lay, inv, out_dtype=jnp.float32, interpret=_interpret())
+    return gmosaic.from_padded(y, lay), (x8_KP, w8, lay, (scale_3, amax_x, _amax(w_EKN)))
+
+
+def _gbwd_mosaic(kernels, x_dtype, res, dy_RN):
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    x8_KP, w8, lay, (scale_3, amax_x, amax_w) = res
+    gm = gmosaic.GROUP_ROWS
+    g8, g8_NP, amax_g = _quantize_padded(gmosaic.to_padded(dy_RN, lay), scale_3[2], E5M2, gm, gmosaic.BLOCK)
+    inv_dx, inv_dw = 1.0 / (scale_3[2] * scale_3[1]), 1.0 / (scale_3[0] * scale_3[2])
+    dx = gmosaic.grouped_nt(g8, w8, lay, inv_dx, out_dtype=x_dtype, interpret=_interpret())
+    dw = gmosaic.grouped_tnt(x8_KP, g8_NP, lay, inv_dw, interpret=_interpret())
+    return gmosaic.from_padded(dx, lay), dw, None, jnp.stack([amax_x, amax_w, amax_g])
 
 
 fp8_grouped_matmul.defvjp(_gfwd, _gbwd)

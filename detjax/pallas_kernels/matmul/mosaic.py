@@ -110,6 +110,8 @@ def mosaic_matmul(
     wg_n: int = TILE,
     delay: int = 0,
     interpret: bool = False,
+    tile_groups=None,
+    group_blocks=None,
 ) -> jax.Array:
     """The product `kind` of kernel.py, or "nt" (a @ b^T: a (m, R), b (n, R)), on operands already padded:
     the output's rows and columns whole multiples of cta_tile(kind) and R a multiple of block_r (and of
@@ -121,7 +123,16 @@ def mosaic_matmul(
     Speed only (the wgmmas of a tile are issued in the same order into one accumulator): `wg_n`, each
     warpgroup's tile columns for "nt" (TILE or 2 * TILE); `delay` 1 keeps one wgmma in flight while the next
     stage is issued (its shared-memory slot is released one step later; only with two or more reduction
-    steps per tile)."""
+    steps per tile).
+
+    Grouped "nt" products (the MoE experts' fp8 products, detjax.pallas_kernels.gmm.mosaic), whose rows are laid
+    out in groups padded to whole tiles, so no tile mixes groups:
+    - `tile_groups` (int32, one per row tile of cta_tile("nt")[0] rows): b is (G, n, R), a stack of G
+      operands, and row tile i multiplies b[tile_groups[i]]. Out (m, n).
+    - `group_blocks` (int32 (2, G): first block and number of blocks, in block_r units of R): item g reduces
+      R's blocks first..first+count-1 of a (m, R) and b (n, R) in ascending order (count >= 1; >= 2 when
+      delay > 0). Out (G * m, n): group g's product in rows g*m..(g+1)*m-1.
+    Either way every output tile is still one ascending loop into one accumulator."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -130,15 +141,24 @@ def mosaic_matmul(
         raise ValueError(f"mosaic matmul {kind}: fp8 operands are multiplied as nt (both with R contiguous)")
     if scale is not None and r_chunk:
         raise ValueError("mosaic matmul: a scale applies to whole sums, not to chunk partials")
+    grouped = tile_groups is not None or group_blocks is not None
+    if grouped and (kind != "nt" or r_chunk or (tile_groups is not None and group_blocks is not None)):
+        raise ValueError("mosaic matmul: tile_groups or group_blocks (one of them) is for nt products without r_chunk")
+    if tile_groups is not None and b.ndim != 3:
+        raise ValueError(f"mosaic matmul: tile_groups needs b stacked as (groups, n, R); got b {b.shape}")
     m = a.shape[1] if trans_a else a.shape[0]
-    n = b.shape[0] if trans_b else b.shape[1]
+    n = b.shape[-2] if trans_b else b.shape[1]
     r = a.shape[0] if trans_a else a.shape[1]
     cm, cn = cta_tile(kind, wg_n)
     br = block_r(a.dtype)
     if m % cm or n % cn or r % br or (r_chunk and r % r_chunk):
         raise ValueError(f"mosaic matmul {kind}: shape m={m} n={n} r={r} is not padded to the tiles {cm}x{cn}x{br}")
+    if tile_groups is not None and tile_groups.shape != (m // cm,):
+        raise ValueError(
+            f"mosaic matmul: tile_groups has shape {tile_groups.shape}, want one per row tile ({m // cm},)"
+        )
     chunk = r_chunk or r
-    n_chunks = r // chunk
+    n_chunks = group_blocks.shape[1] if group_blocks is not None else r // chunk
     m_tiles, n_tiles = m // cm, n // cn
     out_dtype = jnp.float32 if r_chunk else jnp.dtype(out_dtype)
     split_rows = kind in ("dx", "nt")
@@ -155,18 +175,23 @@ def mosaic_matmul(
     a_index = (lambda k: (k, 0)) if trans_a else (lambda k: (0, k))
     b_index = (lambda k: (0, k)) if trans_b else (lambda k: (k, 0))
 
-    if chunk // br < 2:  # one reduction step per tile: a delayed release would skip a barrier phase when the
-        delay = 0  # persistent loop runs the next tile (Pallas' interpreter reports it), so none is delayed
+    if chunk // br < 2 and group_blocks is None:  # one reduction step per tile: a delayed release would skip
+        delay = 0  # a barrier phase when the persistent loop runs the next tile (Pallas' interpreter reports it)
     release = {"delay_release": delay} if delay else {}
 
-    def pipeline(body, context):
+    def pipeline(body, context, steps=chunk // br, first=0):
+        # grouped reductions: a dynamic number of steps from a dynamic first block (whole-R views)
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(chunk // br,),
+            grid=(steps,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec(a_block, a_index, transforms=tiled, memory_space=plgpu.SMEM, **release),
-                plgpu.BlockSpec(b_block, b_index, transforms=tiled, memory_space=plgpu.SMEM, **release),
+                plgpu.BlockSpec(
+                    a_block, lambda k: a_index(k + first), transforms=tiled, memory_space=plgpu.SMEM, **release
+                ),
+                plgpu.BlockSpec(
+                    b_block, lambda k: b_index(k + first), transforms=tiled, memory_space=plgpu.SMEM, **release
+                ),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -175,14 +200,20 @@ def mosaic_matmul(
         )
 
     def body(a_gmem, b_gmem, *refs):
-        s_gmem, out_gmem = refs if scale is not None else (None, refs[0])
+        refs = list(refs)
+        s_gmem = refs.pop(0) if scale is not None else None
+        g_gmem = refs.pop(0) if grouped else None
+        (out_gmem,) = refs
 
         def no_op(*_, **__):
             return None
 
+        alloc_steps = max(stages, 2) if group_blocks is not None else chunk // br  # every slot of a dynamic grid
+        b_alloc = b_gmem.at[0] if tile_groups is not None else b_gmem
+
         @functools.partial(
             pl.run_scoped,
-            allocs=pipeline(no_op, no_op).get_allocations(a_gmem, b_gmem),
+            allocs=pipeline(no_op, no_op, alloc_steps).get_allocations(a_gmem, b_alloc),
             out_smem=plgpu.SMEM((2, 2, epi_m, epi_n), out_dtype, transforms=out_tiled),
             collective_axes="wg",
         )
@@ -232,13 +263,19 @@ def mosaic_matmul(
                     plgpu.wgmma_wait(delay)
                     return acc
 
-                a_view = a_gmem.at[rs, rows] if trans_a else a_gmem.at[rows, rs]
-                b_view = b_gmem.at[cols, rs] if trans_b else b_gmem.at[rs, cols]
-                pipeline(step, context)(a_view, b_view, allocations=allocs)
+                if group_blocks is not None:  # item c reduces its own blocks of the whole R
+                    a_view, b_view = a_gmem.at[rows, :], b_gmem.at[cols, :]
+                    pipe = pipeline(step, context, g_gmem[1, c], g_gmem[0, c])
+                else:
+                    b_op = b_gmem.at[g_gmem[mi]] if tile_groups is not None else b_gmem
+                    a_view = a_gmem.at[rs, rows] if trans_a else a_gmem.at[rows, rs]
+                    b_view = b_op.at[cols, rs] if trans_b else b_op.at[rs, cols]
+                    pipe = pipeline(step, context)
+                pipe(a_view, b_view, allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    out_rows_total = n_chunks * m if r_chunk else m
+    out_rows_total = n_chunks * m if (r_chunk or group_blocks is not None) else m
     run = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((out_rows_total, n), out_dtype),
@@ -249,5 +286,6 @@ def mosaic_matmul(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
     )
-    out = run(a, b) if scale is None else run(a, b, scale)
+    extra = [x for x in (scale, tile_groups if tile_groups is not None else group_blocks) if x is not None]
+    out = run(a, b, *extra)
     return out.reshape(n_chunks, m, n) if r_chunk else out

@@ -1,0 +1,115 @@
+"""The experts' grouped fp8 products on Hopper: fp8 wgmma through the Mosaic GPU kernel of
+detjax.pallas_kernels.matmul.mosaic, on rows laid out in groups padded to whole tiles.
+
+Layout. Rows come sorted by expert (group e: sorted rows S_e .. S_e + g_e - 1). Each group is copied to
+its own run of GROUP_ROWS-row tiles, zero rows after its last (`padded_layout`; a group with no rows still
+gets one tile, of zeros). The padded array has a static row count, an upper bound for any group sizes:
+ceil(R / GROUP_ROWS) + E tiles; the tiles past the last group are zeros. So no tile mixes two experts:
+- gmm (the forward, and dx): each row tile multiplies one expert's weight (mosaic `tile_groups`);
+- tgmm (dw): expert e's weight gradient reduces the transposed copies' columns of its own tiles, in
+  ascending 128-token blocks from the group's first row (mosaic `group_blocks`). The order is fixed by the
+  group's own rows: other groups' sizes move where its rows sit, never how they are added (the rule of the
+  Triton tgmm, gmm/kernel.py).
+The zero rows add +0 to the float32 sums (the products of fp8 values with 0 are 0), and the outputs of
+padding rows are dropped when the real rows are gathered back. The copies in and out are row gathers:
+data movement only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from detjax.pallas_kernels.matmul import mosaic
+
+GROUP_ROWS = 2 * mosaic.TILE  # one row tile of the "nt" product (mosaic.cta_tile("nt")[0])
+BLOCK = 128  # fp8 reduction block (mosaic.block_r of a one-byte type); GROUP_ROWS is a multiple of it
+
+
+class GroupLayout(NamedTuple):
+    pos_R: jax.Array  # int32 (R,): the padded row of each sorted row
+    src_P: jax.Array  # int32 (P,): the sorted row each padded row copies (clamped; see valid_P)
+    valid_P: jax.Array  # bool (P,): whether the padded row holds a row (False: a zero row)
+    tile_groups: jax.Array  # int32 (P / GROUP_ROWS,): the expert of each row tile
+    group_blocks: jax.Array  # int32 (2, E): first 128-row block and number of blocks of each group
+
+
+def padded_rows(rows: int, n_groups: int) -> int:
+    """The static padded row count for `rows` sorted rows in `n_groups` groups."""
+    return (-(-rows // GROUP_ROWS) + n_groups) * GROUP_ROWS
+
+
+def padded_layout(gs_E: jax.Array, rows: int) -> GroupLayout:
+    """Integer bookkeeping of the padded layout for group sizes gs_E summing to at most `rows`."""
+    gs = gs_E.astype(jnp.int32)
+    e = gs.shape[0]
+    tiles_E = jnp.maximum(1, -(-gs // GROUP_ROWS))
+    pstart_E = jnp.cumsum(tiles_E * GROUP_ROWS) - tiles_E * GROUP_ROWS
+    start_E = jnp.cumsum(gs) - gs
+    r_idx = jnp.arange(rows, dtype=jnp.int32)
+    expert_R = jnp.minimum(jnp.searchsorted(jnp.cumsum(gs), r_idx, side="right"), e - 1).astype(jnp.int32)
+    pos_R = r_idx - start_E[expert_R] + pstart_E[expert_R]
+    p = padded_rows(rows, e)
+    tile_start = jnp.arange(p // GROUP_ROWS, dtype=jnp.int32) * GROUP_ROWS
+    tile_groups = jnp.minimum(jnp.searchsorted(pstart_E, tile_start, side="right") - 1, e - 1).astype(jnp.int32)
+    p_idx = jnp.arange(p, dtype=jnp.int32)
+    tile_of = tile_groups[p_idx // GROUP_ROWS]
+    offset = p_idx - pstart_E[tile_of]
+    valid_P = offset < gs[tile_of]
+    src_P = jnp.minimum(start_E[tile_of] + offset, rows - 1)
+    blocks = jnp.stack([pstart_E // BLOCK, tiles_E * (GROUP_ROWS // BLOCK)]).astype(jnp.int32)
+    return GroupLayout(pos_R, src_P, valid_P, tile_groups, blocks)
+
+
+def to_padded(x_RK: jax.Array, lay: GroupLayout) -> jax.Array:
+    """The sorted rows copied into the padded layout (zeros elsewhere)."""
+    return jnp.where(lay.valid_P[:, None], jnp.take(x_RK, lay.src_P, axis=0), jnp.zeros((), x_RK.dtype))
+
+
+def from_padded(y_PN: jax.Array, lay: GroupLayout) -> jax.Array:
+    """The rows of the padded layout that hold sorted rows, back in sorted order."""
+    return jnp.take(y_PN, lay.pos_R, axis=0)
+
+
+def grouped_nt(x8_PK, w8_ENK, lay: GroupLayout, inv_scale, *, out_dtype, interpret: bool) -> jax.Array:
+    """(x8 @ w8[expert]^T, float32 sums) * inv_scale per padded row tile -> (P, N) in out_dtype. x8 (P, K) in
+    the padded layout, w8 (E, N, K): both fp8 with K contiguous (the gmm forward; dx with w's other copy)."""
+    return mosaic.mosaic_matmul(
+        x8_PK,
+        w8_ENK,
+        jnp.asarray(inv_scale, jnp.float32).reshape(1),
+        kind="nt",
+        out_dtype=out_dtype,
+        r_chunk=0,
+        delay=mosaic.FP8_DELAY,
+        interpret=interpret,
+        tile_groups=lay.tile_groups,
+    )
+
+
+def grouped_tnt(x8_KP, g8_NP, lay: GroupLayout, inv_scale, *, interpret: bool) -> jax.Array:
+    """dw[e] = (x8_e^T-copy @ g8_e^T-copy^T, float32 sums over group e's padded rows in ascending order)
+    * inv_scale -> (E, K, N) float32, from the transposed copies x8^T (K, P) and g8^T (N, P)."""
+    e = lay.group_blocks.shape[1]
+    k, n = x8_KP.shape[0], g8_NP.shape[0]
+    out = mosaic.mosaic_matmul(
+        x8_KP,
+        g8_NP,
+        jnp.asarray(inv_scale, jnp.float32).reshape(1),
+        kind="nt",
+        out_dtype=jnp.float32,
+        r_chunk=0,
+        delay=mosaic.FP8_DELAY,
+        interpret=interpret,
+        group_blocks=lay.group_blocks,
+    )
+    return out.reshape(e, k, n)
+
+
+def usable(k: int, n: int) -> bool:
+    """Whether an expert weight (K, N) has the whole tiles the grouped Mosaic products need: dw's output
+    tiles are GROUP_ROWS x 128 of (K, N); the forward's and dx's are 128 columns wide and reduce N or K in
+    128-element blocks."""
+    return k % GROUP_ROWS == 0 and n % BLOCK == 0
