@@ -26,8 +26,9 @@ quantize.quantize_transposed, which writes the transposed copy (and the amax) in
 zero-padded to the products' tiles (_mosaic_pads), and the dequantizing scale is applied in the kernel's
 epilogue. On one device, an MLP whose two products both take that path runs as fp8_swiglu_mlp: SwiGLU is
 computed in float32 inside the kernels that quantize its output h and its gradient dy, so neither is written
-in the compute dtype. The routed experts' grouped matmuls
-(fp8_grouped_matmul) quantize the same way and multiply the fp8 values exactly in bf16 / float32.
+in the compute dtype. The routed experts' grouped matmuls (fp8_grouped_matmul) take fp8 wgmma on Hopper too,
+on rows laid out in groups padded to whole tiles (detjax.pallas_kernels.gmm.mosaic); elsewhere they multiply
+the fp8 values exactly in bf16 (Triton gmm / tgmm) or float32 (XLA's ragged_dot).
 """
 
 from __future__ import annotations

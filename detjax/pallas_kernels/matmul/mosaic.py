@@ -21,7 +21,8 @@ Hopper GPUs (compute capability 9.0), where it gives the Triton kernel's bits (b
 every product of gpu_dense and gpu_medium) at up to 1.17 x its speed; smaller weights, float32 products (the
 MoE router) and every other device use the Triton kernel (docs/BENCHMARKS.md, session 16). model.fp8's
 products of weights of at least kernel.MOSAIC_FP8_MIN_SIZE elements use it through kernel.fp8_nt (session 22;
-other bits than the Triton kernel's fp8 products, whose backward multiplies in bf16). On CPU the tests run it
+other bits than the Triton kernel's fp8 products, whose backward multiplies in bf16), and the MoE experts' fp8
+grouped products through its grouped modes (gmm/mosaic.py, session 25). On CPU the tests run it
 under Pallas' Mosaic GPU interpreter, whose dot is not wgmma: that checks the indexing and the chunk rule,
 not the GPU's bits.
 """
