@@ -215,29 +215,35 @@ class Trainer:
         t = self.cfg.train
         return constrain(batch_GL1.reshape(t.n_micro, t.micro_batch, -1), self.layout, (None, ax.BATCH, None))
 
-    def compute_copies(self, params: Any) -> Any:
+    def compute_copies(self, params: Any, fp8_scales: Any = None) -> Any:
         """The model's "compute" collection: the projection weights cast to the compute dtype, and fused
         where the model multiplies several as one product (detjax.model.layers.COMPUTE_COPIES), or None
-        where nothing reads them (model.kernels other than pallas, fp8, a float32 compute dtype, canonical
-        tensor chunks).
+        where nothing reads them (model.kernels other than pallas, a float32 compute dtype, canonical
+        tensor chunks; fp8 without its scales or on a multi-device mesh).
 
         A step makes them once, before its microbatch (or leaf) loop, instead of casting and concatenating
         the float32 masters again in every microbatch's forward and backward (3.2 ms of gpu_dense's step in
         session 17's profile; the step was 2.6 ms faster with the copies, docs/BENCHMARKS.md session 18). The
-        same casts and concatenations, so the same bits; the products' gradients still reach the masters."""
+        same casts and concatenations, so the same bits; the products' gradients still reach the masters.
+        With model.fp8 (`fp8_scales`: the step's scale sets), the fp8 projections' weights are copied as
+        their products read them -- quantized with the step's scale, with the transposed copy and the amax
+        (layers.FP8_SCALES, fp8.weight_copy) -- the same bytes each microbatch would make."""
         dtype = DTYPES[self.cfg.model.compute_dtype]
-        if self.cfg.model.kernels != "pallas" or self.fp8 or dtype == jnp.float32 or self.tensor_split is not None:
+        if self.cfg.model.kernels != "pallas" or dtype == jnp.float32 or self.tensor_split is not None:
             return None  # (canonical tensor chunks cast their own weight chunks)
+        if self.fp8 and (fp8_scales is None or (self.layout is not None and not self.layout.trivial)):
+            return None
 
-        def walk(tree):
-            out = module_copies(tree, dtype)
+        def walk(tree, scales):
+            out = module_copies(tree, dtype, scales if self.fp8 else None)
             for name, sub in tree.items():
-                if isinstance(sub, Mapping) and (copies := walk(sub)):
+                sub_scales = scales.get(name) if isinstance(scales, Mapping) else None
+                if isinstance(sub, Mapping) and (copies := walk(sub, sub_scales)):
                     out[name] = copies
             return out
 
         with jax.named_scope("compute_copies"):
-            return walk(params)
+            return walk(params, fp8_scales if self.fp8 else None)
 
     def apply_model(
         self, params: Any, ids_BL: jax.Array, key: jax.Array, fp8_scales: Any = None, model=None, compute=None
@@ -278,12 +284,12 @@ class Trainer:
         "gradient" with respect to the scales, detjax.model.fp8 -- else none); extras come back stacked along
         the microbatch axis."""
 
-        compute = self.compute_copies(params) if micro_fn is None else None
+        compute = self.compute_copies(params, fp8_scales) if micro_fn is None else None
 
         def plain(params, tokens, key, g_acc):
             if fp8_scales is not None:
                 grad = jax.grad(self.micro_objective, argnums=(0, 3), has_aux=True)
-                (g, amax), terms = grad(params, tokens, key, fp8_scales)
+                (g, amax), terms = grad(params, tokens, key, fp8_scales, compute=compute)
                 return g, terms, amax
             g, terms = jax.grad(self.micro_objective, has_aux=True)(params, tokens, key, compute=compute)
             return g, terms, ()
@@ -367,7 +373,7 @@ class Trainer:
         def leaf_grad(params, tokens_CL1, key, scales, compute):
             if fp8_on:  # the amaxes come back as the "gradient" with respect to the scales (detjax.model.fp8)
                 grad = jax.grad(self.leaf_objective, argnums=(0, 3), has_aux=True)
-                (g, amax), terms = grad(params, tokens_CL1, key, scales)
+                (g, amax), terms = grad(params, tokens_CL1, key, scales, compute=compute)
                 return (g, terms), amax
             g, terms = jax.grad(self.leaf_objective, has_aux=True)(params, tokens_CL1, key, compute=compute)
             return jax.lax.optimization_barrier((g, terms)), ()
@@ -376,7 +382,7 @@ class Trainer:
             return jax.tree.map(lambda a: jnp.max(a, axis=0), a_K)
 
         def block_sums(params, tokens_NCL1, key, first, scales):
-            compute = self.compute_copies(params)  # once per device and step, before the leaf loop
+            compute = self.compute_copies(params, scales)  # once per device and step, before the leaf loop
 
             def leaf_body(_, xs):
                 tokens_CL1, j = xs

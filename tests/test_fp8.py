@@ -3,6 +3,7 @@ and amax histories live in TrainState.collections: two runs give the same bytes 
 uninterrupted one with the scales and histories included (L2), the scale of step s comes from the amaxes of
 steps < s, and a changed saved scale is refused on restore. Byte equality throughout."""
 
+import functools
 import shutil
 
 import jax
@@ -170,6 +171,68 @@ def test_fp8_grouped_mosaic_is_row_and_group_invariant_and_replays_on_gpu():
     assert _same(grown[0][100:], base[0]) and _same(grown[1][100:], base[1])
     assert _same(grown[2][1:], base[2][1:])
     assert not _same(grown[2][0], base[2][0])
+
+
+def _copies_case(tiny_path, overrides):
+    base = ["model.kernels=pallas", "model.fp8.enabled=true", "train.global_batch=2", "train.micro_batch=2"]
+    cfg = load_config(tiny_path, [*base, "model.mtp.depth=0", "model.dropout=0", *overrides])
+    return cfg, Trainer(cfg)
+
+
+def test_fp8_compute_copies_give_the_same_bits(tiny_path):
+    """model.fp8 with model.kernels=pallas: the step quantizes each fp8 projection's weight once, before the
+    microbatch loop (Trainer.compute_copies: fp8.weight_copy with the step's scales; the LM head's copy stays
+    in the compute dtype). The loss, every gradient and every amax are byte-equal to quantizing at each use,
+    and the products read the copies (negative control: copies made with other scales change the loss)."""
+    cfg, trainer = _copies_case(tiny_path, ["model.pattern='M*-'", "train.seq_len=32"])
+    state = jax.jit(trainer.init_state)(jax.random.key(0))
+    scales = jax.tree.map(lambda s: s * jnp.asarray([4.0, 16.0, 2.0]), trainer.fp8_scales(state))
+    compute = jax.jit(trainer.compute_copies)(state.params, scales)
+    assert compute["w_head"].dtype == jnp.bfloat16
+    for group in (
+        ["layer_0", "mixer", "w_in_z+w_in_x+w_in_bc+w_in_dt"],
+        ["layer_1", "mixer", "w_q+w_k+w_v"],
+        ["layer_2", "mixer", "w_gate+w_up"],
+        ["layer_2", "mixer", "w_down"],
+    ):
+        copy = functools.reduce(lambda t, k: t[k], group, compute)
+        assert copy[0].dtype == fp8.E4M3 and copy[2].shape == (), group
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.model.vocab_size)
+
+    @jax.jit
+    def grads(params, scales, compute):
+        grad = jax.grad(trainer.micro_objective, argnums=(0, 3), has_aux=True)
+        return grad(params, tokens, jax.random.key(2), scales, compute=compute)
+
+    ref, got = jax.device_get(grads(state.params, scales, None)), jax.device_get(grads(state.params, scales, compute))
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+        assert _same(a, b)
+    other = jax.jit(trainer.compute_copies)(state.params, jax.tree.map(lambda s: s * 2.0, scales))
+    assert not _same(grads(state.params, scales, other)[1][0], ref[1][0])
+
+
+@pytest.mark.gpu
+def test_fp8_mosaic_compute_copies_give_the_same_bits_on_gpu(tiny_path):
+    """On Hopper, the Mosaic path's weight copies (padded fp8 copies in both layouts; the fused SwiGLU MLP
+    reads two): loss, gradients and amaxes byte-equal to quantizing at each use, at gpu_dense's widths."""
+    dims = ["model.d_model=1024", "model.ffn_dim=2048", "model.n_heads=16", "model.n_kv_heads=4", "model.head_dim=64"]
+    cfg, trainer = _copies_case(tiny_path, ["model.pattern='*-'", "train.seq_len=256", *dims])
+    state = jax.jit(trainer.init_state)(jax.random.key(0))
+    if not fp8._mosaic_path(state.params["layer_1"]["mixer"]["w_down"], "pallas"):
+        pytest.skip("the Mosaic fp8 path needs a Hopper GPU")
+    scales = jax.tree.map(lambda s: s * jnp.asarray([4.0, 16.0, 2.0]), trainer.fp8_scales(state))
+    compute = jax.jit(trainer.compute_copies)(state.params, scales)
+    assert compute["layer_1"]["mixer"]["w_down"][1] is not None  # the transposed copy: the Mosaic path's
+    tokens = jax.random.randint(jax.random.key(1), (2, 257), 0, cfg.model.vocab_size)
+
+    @jax.jit
+    def grads(params, scales, compute):
+        grad = jax.grad(trainer.micro_objective, argnums=(0, 3), has_aux=True)
+        return grad(params, tokens, jax.random.key(2), scales, compute=compute)
+
+    ref, got = jax.device_get(grads(state.params, scales, None)), jax.device_get(grads(state.params, scales, compute))
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+        assert _same(a, b)
 
 
 def test_delayed_scaling_update_rule():
@@ -363,7 +426,7 @@ def test_fused_swiglu_mlp_is_exact_and_its_amaxes_are_the_products():
 
     def fused(x):
         def loss(x, w_gu, w_dn, s_gu, s_dn):
-            out = fp8.fp8_swiglu_mlp(x, w_gu, w_dn, s_gu, s_dn, bf)
+            out = fp8.fp8_swiglu_mlp(x, w_gu, w_dn, s_gu, s_dn, None, bf)
             return jnp.sum(out.astype(f32) * g_out), out
 
         (_, out), (dx, dw_gu, dw_dn, a_gu, a_dn) = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(

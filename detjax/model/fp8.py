@@ -106,7 +106,48 @@ def fp8_matmul(x_MK: jax.Array, w_KN: jax.Array, scale_3: jax.Array, out_dtype, 
     return _fwd(x_MK, w_KN, scale_3, out_dtype, kernels)[0]
 
 
-def _fwd(x_MK, w_KN, scale_3, out_dtype, kernels):
+def weight_copy(w_KN: jax.Array, scale_3: jax.Array, kernels: str) -> tuple:
+    """What fp8_matmul's products read of a weight w (k, n) (its float32 master, or the masters fused along n
+    as the product fuses them): (w8, w8^T, amax |w|) on the Mosaic path, both zero-padded to the products'
+    tiles, else (w8, None, amax |w|). The step makes these once per step, before its microbatch loop
+    (detjax.step.Trainer.compute_copies; fp8_matmul_copy reads them): the weight and its scale are the same
+    in every microbatch, so they are the same bytes the product would make at each use."""
+    if _mosaic_path(w_KN, kernels):
+        k, n = w_KN.shape
+        _, pk, pn = _mosaic_pads(k, k, n)  # the weight's pads do not depend on the token count
+        return _quantize_padded(w_KN, scale_3[1], E4M3, pk, pn)
+    return _quantize(w_KN, scale_3[1], E4M3), None, _amax(w_KN)
+
+
+def _check_copy(w_KN, wq, mosaic: bool) -> None:
+    if (wq[1] is not None) != mosaic or wq[0].shape[0] < w_KN.shape[0] or wq[0].shape[1] < w_KN.shape[1]:
+        raise ValueError(f"fp8 weight copy {wq[0].shape} does not fit the weight {w_KN.shape} (fp8.weight_copy)")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def fp8_matmul_copy(x_MK, w_KN, wq, scale_3, out_dtype, kernels: str) -> jax.Array:
+    """fp8_matmul reading wq = weight_copy(w, scale_3, kernels), made beforehand: the products never read
+    w's values, w only receives dw. The same bytes as fp8_matmul, so the same bits."""
+    _check_copy(w_KN, wq, _mosaic_path(w_KN, kernels))
+    return _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, wq)[0]
+
+
+def _copy_fwd(x_MK, w_KN, wq, scale_3, out_dtype, kernels):
+    _check_copy(w_KN, wq, _mosaic_path(w_KN, kernels))
+    y, res = _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, wq)
+    return y, (res, wq)
+
+
+def _copy_bwd(out_dtype, kernels, res, dy_MN):
+    res, wq = res
+    dx, dw, amax = _bwd(out_dtype, kernels, res, dy_MN)
+    return dx, dw, jax.tree.map(jnp.zeros_like, wq), amax  # the copy is a constant of the step
+
+
+fp8_matmul_copy.defvjp(_copy_fwd, _copy_bwd)
+
+
+def _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, wq=None):
     inv = 1.0 / (scale_3[0] * scale_3[1])
     if _mosaic_path(w_KN, kernels):  # fp8 wgmma: every product as a @ b^T, transposed copies made while quantizing
         from detjax.pallas_kernels.matmul.kernel import fp8_nt
@@ -114,13 +155,14 @@ def _fwd(x_MK, w_KN, scale_3, out_dtype, kernels):
         (m, k), n = x_MK.shape, w_KN.shape[1]
         pm, pk, pn = _mosaic_pads(m, k, n)
         x8, x8_KM, amax_x = _quantize_padded(x_MK, scale_3[0], E4M3, pm, pk)
-        w8, w8_NK, amax_w = _quantize_padded(w_KN, scale_3[1], E4M3, pk, pn)
+        w8, w8_NK, amax_w = wq if wq is not None else _quantize_padded(w_KN, scale_3[1], E4M3, pk, pn)
         y = fp8_nt(x8, w8_NK, inv, out_dtype=out_dtype, r_chunk=0, interpret=_interpret())
         kn = jnp.zeros((k, n, 0), jnp.int8)  # the weight's unpadded shape, for the backward (no data)
         return y[:m, :n], (x8_KM, w8, scale_3, amax_x, amax_w, kn)
-    x8, w8 = _quantize(x_MK, scale_3[0], E4M3), _quantize(w_KN, scale_3[1], E4M3)
+    x8 = _quantize(x_MK, scale_3[0], E4M3)
+    w8, _, amax_w = wq if wq is not None else (_quantize(w_KN, scale_3[1], E4M3), None, _amax(w_KN))
     y = _qdot(x8, w8, "fwd", kernels, inv, out_dtype)
-    return y, (x8, w8, scale_3, _amax(x_MK), _amax(w_KN), None)
+    return y, (x8, w8, scale_3, _amax(x_MK), amax_w, None)
 
 
 def _bwd(out_dtype, kernels, res, dy_MN):
@@ -166,17 +208,18 @@ def _whole_tiles(m: int, d: int, f: int) -> bool:
     return all(a % b == 0 for a, b in ((m, pm), (m, pm2), (d, pd), (d, pd2), (2 * f, pn), (f, pf)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def fp8_swiglu_mlp(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def fp8_swiglu_mlp(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, copies, out_dtype):
     """down(silu(gate) * up) of x through fp8 on the Mosaic path, with w_gu = [w_gate | w_up] (k, 2f): the
     two products of fp8_matmul with h = silu(gate) * up computed in float32 and quantized in one kernel
     (quantize.swiglu_quantize_transposed), and its backward likewise (swiglu_bwd_quantize_transposed), so
     neither h nor dy is written in the compute dtype. The amaxes are those of fp8_matmul (h's in float32).
-    Shapes as fused_swiglu admits them."""
-    return _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, out_dtype)[0]
+    Shapes as fused_swiglu admits them. `copies`: None, or (weight_copy of w_gu, of w_down) made beforehand
+    (then the weights' values are not read; they receive the gradients)."""
+    return _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, copies, out_dtype)[0]
 
 
-def _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, out_dtype):
+def _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, copies, out_dtype):
     from detjax.pallas_kernels.matmul.kernel import fp8_nt
     from detjax.pallas_kernels.matmul.quantize import swiglu_quantize_transposed
 
@@ -186,20 +229,24 @@ def _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, out_dtype):
     interp = _interpret()
     pm, pk, pn = _mosaic_pads(m, k, f2)
     x8, x8_KM, amax_x = _quantize_padded(x_MK, s_gu_3[0], E4M3, pm, pk)
-    w8, w8_NK, amax_w = _quantize_padded(w_gu_KN, s_gu_3[1], E4M3, pk, pn)
+    if copies is not None:
+        _check_copy(w_gu_KN, copies[0], True)
+        _check_copy(w_down_FK, copies[1], True)
+    w8, w8_NK, amax_w = copies[0] if copies is not None else _quantize_padded(w_gu_KN, s_gu_3[1], E4M3, pk, pn)
     y = fp8_nt(x8, w8_NK, 1.0 / (s_gu_3[0] * s_gu_3[1]), out_dtype=out_dtype, r_chunk=0, interpret=interp)
     h8, h8_FM, amax_h = swiglu_quantize_transposed(y, s_down_3[0], dtype=E4M3, interpret=interp)
     _, pf, pd = _mosaic_pads(m, f2 // 2, k)
-    wd8, wd8_NK, amax_wd = _quantize_padded(w_down_FK, s_down_3[1], E4M3, pf, pd)
+    wd8, wd8_NK, amax_wd = copies[1] if copies is not None else _quantize_padded(w_down_FK, s_down_3[1], E4M3, pf, pd)
     out = fp8_nt(h8, wd8_NK, 1.0 / (s_down_3[0] * s_down_3[1]), out_dtype=out_dtype, r_chunk=0, interpret=interp)
-    return out, (x8_KM, w8, y, h8_FM, wd8, s_gu_3, s_down_3, amax_x, amax_w, amax_h, amax_wd)
+    zero = jax.tree.map(jnp.zeros_like, copies)  # the copies' cotangent: they are constants of the step
+    return out, (x8_KM, w8, y, h8_FM, wd8, s_gu_3, s_down_3, amax_x, amax_w, amax_h, amax_wd, zero)
 
 
 def _swiglu_bwd(out_dtype, res, dout_MK):
     from detjax.pallas_kernels.matmul.kernel import dw_row_chunk, fp8_nt
     from detjax.pallas_kernels.matmul.quantize import swiglu_bwd_quantize_transposed
 
-    x8_KM, w8, y, h8_FM, wd8, s_gu, s_dn, amax_x, amax_w, amax_h, amax_wd = res
+    x8_KM, w8, y, h8_FM, wd8, s_gu, s_dn, amax_x, amax_w, amax_h, amax_wd, zero = res
     (m, k), f = dout_MK.shape, y.shape[1] // 2
     interp = _interpret()
     pm, _, pd = _mosaic_pads(m, f, k)
@@ -224,6 +271,7 @@ def _swiglu_bwd(out_dtype, res, dout_MK):
         dw_down,
         jnp.stack([amax_x, amax_w, amax_dy]),
         jnp.stack([amax_h, amax_wd, amax_g]),
+        zero,
     )
 
 
@@ -338,12 +386,15 @@ def _gbwd_mosaic(kernels, x_dtype, res, dy_RN):
 fp8_grouped_matmul.defvjp(_gfwd, _gbwd)
 
 
-def fp8_dense_many(specs: list[str], x: jax.Array, ws: list[jax.Array], dtype, scale_3, kernels: str):
+def fp8_dense_many(specs: list[str], x: jax.Array, ws: list[jax.Array], dtype, scale_3, kernels: str, wq=None):
     """Several projections of one input as one fp8 product over the weights concatenated along N (one
-    scale set for the fused weight, as one GEMM), split after (detjax.pallas_kernels.matmul.ops.dense_many)."""
+    scale set for the fused weight, as one GEMM), split after (detjax.pallas_kernels.matmul.ops.dense_many).
+    `wq`: the fused weight's weight_copy, made beforehand (the step's compute copies), or None."""
     from detjax.pallas_kernels.matmul.ops import dense_many
 
-    return dense_many(specs, x, ws, dtype, product=lambda x2d, w: fp8_matmul(x2d, w, scale_3, dtype, kernels))
+    if wq is None:
+        return dense_many(specs, x, ws, dtype, product=lambda x2d, w: fp8_matmul(x2d, w, scale_3, dtype, kernels))
+    return dense_many(specs, x, ws, dtype, product=lambda x2d, w: fp8_matmul_copy(x2d, w, wq, scale_3, dtype, kernels))
 
 
 def scale_var(module, name: str, enabled: bool) -> jax.Array | None:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from detjax.model.fp8 import fp8_dense_many, fp8_swiglu_mlp, fused_swiglu, scale_var
-from detjax.pallas_kernels.matmul.ops import compute_copy, dense, dense_many
+from detjax.model.fp8 import fp8_dense_many, fp8_swiglu_mlp, fused_swiglu, scale_var, weight_copy
+from detjax.pallas_kernels.matmul.ops import compute_copy, dense, dense_many, fuse
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
 from detjax.pallas_kernels.segment_sum.ops import segment_sum
@@ -48,7 +49,9 @@ def param(
 # parameter names in the order the module multiplies them; the value gives how many leading dims the product
 # contracts and the first weight's rank (which tells the MLP's 2-D gate/up from the MoE's stacked experts). A
 # projection called with copy=(module, names) reads its copy from there when the trainer made one
-# (model.kernels=pallas without fp8); a module that has copies but not the one named is an error.
+# (model.kernels=pallas); a module that has copies but not the one named is an error. With model.fp8 the
+# groups of FP8_SCALES are copied as the fp8 product reads them (detjax.model.fp8.weight_copy, quantized with
+# the module's scale set of that name), the others (the LM head) in the compute dtype.
 COMPUTE_COPIES: dict[tuple[str, ...], tuple[int, int]] = {
     ("w_q", "w_k", "w_v"): (1, 3),
     ("w_o",): (2, 3),
@@ -60,17 +63,34 @@ COMPUTE_COPIES: dict[tuple[str, ...], tuple[int, int]] = {
 }
 
 
+FP8_SCALES: dict[tuple[str, ...], str] = {
+    ("w_q", "w_k", "w_v"): "qkv",
+    ("w_o",): "o",
+    ("w_gate", "w_up"): "gate_up",
+    ("w_down",): "down",
+    ("w_in_z", "w_in_x", "w_in_bc", "w_in_dt"): "in_proj",
+    ("w_out",): "out_proj",
+}
+
+
 def copy_key(names: tuple[str, ...]) -> str:
     return "+".join(names)
 
 
-def module_copies(tree: dict, dtype) -> dict:
-    """The compute copies of one module's parameter dict (COMPUTE_COPIES), {copy_key: weight}."""
+def module_copies(tree: dict, dtype, fp8_scales: dict | None = None) -> dict:
+    """The compute copies of one module's parameter dict (COMPUTE_COPIES), {copy_key: weight}. fp8_scales:
+    the module's fp8 scale sets (model.fp8 on): FP8_SCALES groups become fp8 weight copies."""
     out = {}
     for names, (contracted, ndim) in COMPUTE_COPIES.items():
         ws = [tree.get(n) for n in names]
-        if all(isinstance(w, jax.Array) and w.dtype == jnp.float32 for w in ws) and ws[0].ndim == ndim:
+        if not (all(isinstance(w, jax.Array) and w.dtype == jnp.float32 for w in ws) and ws[0].ndim == ndim):
+            continue
+        if fp8_scales is None or names not in FP8_SCALES:
             out[copy_key(names)] = compute_copy(ws, contracted, dtype)
+        elif FP8_SCALES[names] in fp8_scales:  # as fp8_dense_many fuses them: side by side, no padding
+            k = math.prod(ws[0].shape[:contracted])
+            fused = fuse([w.reshape(k, -1) for w in ws], padded=False)
+            out[copy_key(names)] = weight_copy(fused, fp8_scales[FP8_SCALES[names]], "pallas")
     return out
 
 
@@ -98,8 +118,10 @@ def proj(
     kernels=pallas it is detjax's pinned-tile Pallas matmul (forward and both backward products), reading
     the trainer's compute copy of the weight when `copy` = (module, (name,)) finds one (COMPUTE_COPIES). With
     an fp8 scale vector (model.fp8, detjax.model.fp8.scale_var) it runs in fp8 with delayed scaling."""
-    if fp8_scale is not None:
-        return fp8_dense_many([spec], x, [w], dtype, fp8_scale, kernels)[0]
+    if fp8_scale is not None:  # (the trainer's fp8 copies are made for kernels=pallas)
+        return fp8_dense_many(
+            [spec], x, [w], dtype, fp8_scale, kernels, _copy_of(copy if kernels == "pallas" else None)
+        )[0]
     if kernels == "pallas":
         return dense(spec, x, w, dtype, w_c=_copy_of(copy))
     return _xla_dense(spec, jnp.dtype(dtype), x.dtype, w.dtype, x, w)
@@ -145,8 +167,8 @@ def proj_many(
     kernels=pallas they are one matmul over the concatenated weights, bit-identical to separate ones (and
     `copy` as in proj: the fused compute copy); in fp8 one product with one scale set (either kernels
     setting)."""
-    if fp8_scale is not None:
-        return fp8_dense_many(specs, x, ws, dtype, fp8_scale, kernels)
+    if fp8_scale is not None:  # (the trainer's fp8 copies are made for kernels=pallas)
+        return fp8_dense_many(specs, x, ws, dtype, fp8_scale, kernels, _copy_of(copy if kernels == "pallas" else None))
     if kernels == "pallas":
         return dense_many(specs, x, ws, dtype, w_cat_c=_copy_of(copy))
     return [proj(s, x, w, dtype) for s, w in zip(specs, ws, strict=True)]
@@ -318,12 +340,14 @@ class MLP(nn.Module):
         m = x_BLD.shape[0] * x_BLD.shape[1]
         if self.fp8 and (self.layout is None or self.layout.trivial) and fused_swiglu(m, d, f, kern):
             # one device, the Mosaic fp8 path: h and dy go straight to fp8 (detjax.model.fp8.fp8_swiglu_mlp)
+            copies = _copy_of((self, ("w_gate", "w_up"))), _copy_of((self, ("w_down",)))
             out = fp8_swiglu_mlp(
                 x_BLD.astype(self.dtype).reshape(m, d),
-                jnp.concatenate([w_gate_DF, w_up_DF], axis=1),
+                jnp.concatenate([w_gate_DF, w_up_DF], axis=1),  # with copies: only carries dw to the masters
                 w_down_FD,
                 scale_var(self, "gate_up", True),
                 scale_var(self, "down", True),
+                None if copies[0] is None else copies,
                 self.dtype,
             )
             return out.reshape(x_BLD.shape)
