@@ -424,9 +424,9 @@ def test_fused_swiglu_mlp_is_exact_and_its_amaxes_are_the_products():
         amaxes = (jnp.stack([amax(x), amax(w_gu), amax(dy)]), jnp.stack([amax(h), amax(w_dn), amax(g8)]))
         return out, grads, amaxes
 
-    def fused(x):
+    def fused(x, copies=None):
         def loss(x, w_gu, w_dn, s_gu, s_dn):
-            out = fp8.fp8_swiglu_mlp(x, w_gu, w_dn, s_gu, s_dn, None, bf)
+            out = fp8.fp8_swiglu_mlp(x, w_gu, w_dn, s_gu, s_dn, copies, bf)
             return jnp.sum(out.astype(f32) * g_out), out
 
         (_, out), (dx, dw_gu, dw_dn, a_gu, a_dn) = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
@@ -440,5 +440,12 @@ def test_fused_swiglu_mlp_is_exact_and_its_amaxes_are_the_products():
             assert _same(a, b), (a.shape, a.dtype, dot is xla_dot)
     assert float(jnp.max(jnp.abs(got[1][1]))) > 0 and float(jnp.max(jnp.abs(got[1][2]))) > 0
     x2 = x.at[100].set(-x[100])
-    got2 = fused(x2)
+    # the weights quantized beforehand, as the step's compute copies hold them on the Mosaic path
+    # (fp8.weight_copy there): the changed token's run reads them, and its dx rows of the other tokens agree
+    copies = tuple(
+        fp8._quantize_padded(w, s[1], e4, *fp8._mosaic_pads(1, *w.shape)[1:]) for w, s in ((w_gu, s_gu), (w_dn, s_dn))
+    )
+    got2 = fused(x2, copies)
     assert not _same(got2[1][1], got[1][1]) and not _same(got2[1][2], got[1][2]), "negative control"
+    assert _same(jnp.delete(got2[1][0], 100, axis=0), jnp.delete(got[1][0], 100, axis=0))
+    assert _same(got2[2][0][1], got[2][0][1]) and _same(got2[2][1][1], got[2][1][1])  # the weights' amaxes
