@@ -138,6 +138,10 @@ def test_fp8_grouped_mosaic_path_is_exact_on_its_padded_layout():
     ref, got = run("reference"), run("mosaic")
     for name, a, b in zip(("y", "dx", "dw", "amax"), ref, got, strict=True):
         assert _same(a, b), name
+    wq = fp8.grouped_weight_copy(w, s, "mosaic")  # the step's once-per-step copy (Trainer.compute_copies)
+    y, vjp = jax.vjp(lambda x, w, s: fp8.fp8_grouped_matmul_copy(x, w, gs, s, wq, "mosaic", x.dtype), x, w, s)
+    for name, a, b in zip(("y", "dx", "dw", "amax"), got, (y, *vjp(g)), strict=True):
+        assert _same(a, b), f"{name} from the copy"
     assert float(jnp.max(jnp.abs(got[2][1]))) > 0 and not np.any(np.asarray(got[2][0]))  # group 0 is empty
     assert not _same(run("reference", gs[::-1])[0], got[0])
 
@@ -181,10 +185,11 @@ def _copies_case(tiny_path, overrides):
 
 def test_fp8_compute_copies_give_the_same_bits(tiny_path):
     """model.fp8 with model.kernels=pallas: the step quantizes each fp8 projection's weight once, before the
-    microbatch loop (Trainer.compute_copies: fp8.weight_copy with the step's scales; the LM head's copy stays
-    in the compute dtype). The loss, every gradient and every amax are byte-equal to quantizing at each use,
-    and the products read the copies (negative control: copies made with other scales change the loss)."""
-    cfg, trainer = _copies_case(tiny_path, ["model.pattern='M*-'", "train.seq_len=32"])
+    microbatch loop (Trainer.compute_copies: fp8.weight_copy with the step's scales, the routed experts'
+    stacks by fp8.grouped_weight_copy; the LM head's copy stays in the compute dtype). The loss, every
+    gradient and every amax are byte-equal to quantizing at each use, and the products read the copies
+    (negative controls: copies made with other scales change the loss, the experts' alone too)."""
+    cfg, trainer = _copies_case(tiny_path, ["model.pattern='M*E'", "train.seq_len=32"])
     state = jax.jit(trainer.init_state)(jax.random.key(0))
     scales = jax.tree.map(lambda s: s * jnp.asarray([4.0, 16.0, 2.0]), trainer.fp8_scales(state))
     compute = jax.jit(trainer.compute_copies)(state.params, scales)
@@ -192,8 +197,10 @@ def test_fp8_compute_copies_give_the_same_bits(tiny_path):
     for group in (
         ["layer_0", "mixer", "w_in_z+w_in_x+w_in_bc+w_in_dt"],
         ["layer_1", "mixer", "w_q+w_k+w_v"],
-        ["layer_2", "mixer", "w_gate+w_up"],
-        ["layer_2", "mixer", "w_down"],
+        ["layer_2", "mixer", "shared", "w_gate+w_up"],
+        ["layer_2", "mixer", "shared", "w_down"],
+        ["layer_2", "mixer", "experts", "w_gate"],
+        ["layer_2", "mixer", "experts", "w_down"],
     ):
         copy = functools.reduce(lambda t, k: t[k], group, compute)
         assert copy[0].dtype == fp8.E4M3 and copy[2].shape == (), group
@@ -209,6 +216,9 @@ def test_fp8_compute_copies_give_the_same_bits(tiny_path):
         assert _same(a, b)
     other = jax.jit(trainer.compute_copies)(state.params, jax.tree.map(lambda s: s * 2.0, scales))
     assert not _same(grads(state.params, scales, other)[1][0], ref[1][0])
+    mixer = compute["layer_2"]["mixer"]  # the experts' copies alone from other scales: they are read too
+    experts_only = {**compute, "layer_2": {"mixer": {**mixer, "experts": other["layer_2"]["mixer"]["experts"]}}}
+    assert not _same(grads(state.params, scales, experts_only)[1][0], ref[1][0])
 
 
 @pytest.mark.gpu

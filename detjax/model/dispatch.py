@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from detjax.model.fp8 import fp8_grouped_matmul
+from detjax.model.fp8 import fp8_grouped_matmul, fp8_grouped_matmul_copy
 from detjax.pallas_kernels.gmm.ops import grouped_matmul
 from detjax.sharding import tensor as tp_ops
 from detjax.sharding.tensor import TensorSplit
@@ -57,13 +57,17 @@ def expert_ffn(
     dtype,
     kernels: str = "reference",
     fp8_scales: tuple | None = None,
+    fp8_copies: tuple | None = None,
 ) -> jax.Array:
     """SwiGLU per expert over rows sorted by expert (group sizes gs_E): grouped matmuls (XLA's ragged_dot,
     or with kernels=pallas the fixed-order Pallas gmm/tgmm; `kernels` here is the resolved experts_impl).
-    fp8_scales: (gate, up, down) scale vectors of model.fp8 (detjax.model.fp8.fp8_grouped_matmul)."""
-    scales = iter(fp8_scales or ())
+    fp8_scales: (gate, up, down) scale vectors of model.fp8 (detjax.model.fp8.fp8_grouped_matmul);
+    fp8_copies: their weights' fp8.grouped_weight_copy, made once per step by the trainer, or None."""
+    scales, copies = iter(fp8_scales or ()), iter(fp8_copies or ())
 
     def gmm(a, w):
+        if fp8_scales is not None and fp8_copies is not None:
+            return fp8_grouped_matmul_copy(a.astype(dtype), w, gs_E, next(scales), next(copies), kernels, dtype)
         if fp8_scales is not None:
             return fp8_grouped_matmul(a.astype(dtype), w, gs_E, next(scales), kernels, dtype)
         if kernels == "pallas":

@@ -339,12 +339,45 @@ def _tgmm(a, b, gs, kernels, n_groups: int):
     return vjp(b.astype(f32))[0]
 
 
-def _gfwd(x_RK, w_EKN, gs_E, scale_3, kernels, x_dtype):
+def grouped_weight_copy(w_EKN: jax.Array, scale_3: jax.Array, kernels: str) -> tuple:
+    """What fp8_grouped_matmul's products read of an expert stack w (E, K, N): (w8, w8 with K and N swapped on
+    the Mosaic path else None, amax |w|) -- made once per step by the trainer (Trainer.compute_copies), the
+    same bytes the products would make at each use (fp8_grouped_matmul_copy reads them)."""
+    w8 = _quantize(w_EKN, scale_3[1], E4M3)
+    return w8, (jnp.swapaxes(w8, 1, 2) if _grouped_mosaic(w_EKN, kernels) else None), _amax(w_EKN)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def fp8_grouped_matmul_copy(x_RK, w_EKN, gs_E, scale_3, wq, kernels: str, x_dtype):
+    """fp8_grouped_matmul reading wq = grouped_weight_copy(w, scale_3, kernels), made beforehand: w's values
+    are not read, w only receives dw. The same bytes, so the same bits."""
+    return _gfwd(x_RK, w_EKN, gs_E, scale_3, kernels, x_dtype, wq)[0]
+
+
+def _gcopy_fwd(x_RK, w_EKN, gs_E, scale_3, wq, kernels, x_dtype):
+    if (wq[1] is not None) != _grouped_mosaic(w_EKN, kernels) or wq[0].shape != w_EKN.shape:
+        raise ValueError(f"fp8 expert weight copy {wq[0].shape} does not fit {w_EKN.shape} (grouped_weight_copy)")
+    y, res = _gfwd(x_RK, w_EKN, gs_E, scale_3, kernels, x_dtype, wq)
+    return y, (res, jax.tree.map(jnp.zeros_like, wq))
+
+
+def _gcopy_bwd(kernels, x_dtype, res, dy_RN):
+    res, zero = res
+    dx, dw, dgs, amax = _gbwd(kernels, x_dtype, res, dy_RN)
+    return dx, dw, dgs, amax, zero  # the copy is a constant of the step
+
+
+fp8_grouped_matmul_copy.defvjp(_gcopy_fwd, _gcopy_bwd)
+
+
+def _gfwd(x_RK, w_EKN, gs_E, scale_3, kernels, x_dtype, wq=None):
+    if wq is None:
+        wq = grouped_weight_copy(w_EKN, scale_3, kernels)
     if _grouped_mosaic(w_EKN, kernels):
-        return _gfwd_mosaic(x_RK, w_EKN, gs_E, scale_3, kernels)
-    x8, w8 = _quantize(x_RK, scale_3[0], E4M3), _quantize(w_EKN, scale_3[1], E4M3)
+        return _gfwd_mosaic(x_RK, wq, gs_E, scale_3)
+    x8, (w8, _, amax_w) = _quantize(x_RK, scale_3[0], E4M3), wq
     y = _gmm(x8, w8, gs_E, kernels) * (1.0 / (scale_3[0] * scale_3[1]))
-    return y, (x8, w8, gs_E, scale_3, _amax(x_RK), _amax(w_EKN))
+    return y, (x8, w8, gs_E, scale_3, _amax(x_RK), amax_w)
 
 
 def _gbwd(kernels, x_dtype, res, dy_RN):
@@ -357,18 +390,18 @@ def _gbwd(kernels, x_dtype, res, dy_RN):
     return dx, dw, None, jnp.stack([amax_x, amax_w, _amax(dy_RN)])
 
 
-def _gfwd_mosaic(x_RK, w_EKN, gs_E, scale_3, kernels):
+def _gfwd_mosaic(x_RK, wq, gs_E, scale_3):
     """The forward on the padded group layout: x copied in, quantized with its transposed copy (kept for dw),
     each row tile times its expert's w^T copy, the dequantizing scale in the epilogue, the rows copied out."""
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
 
+    w8, w8_ENK, amax_w = wq
     gm = gmosaic.GROUP_ROWS
     lay = gmosaic.padded_layout(gs_E, x_RK.shape[0])
     x8, x8_KP, amax_x = _quantize_padded(gmosaic.to_padded(x_RK, lay), scale_3[0], E4M3, gm, gm)
-    w8 = _quantize(w_EKN, scale_3[1], E4M3)
     inv = 1.0 / (scale_3[0] * scale_3[1])
-    y = gmosaic.grouped_nt(x8, jnp.swapaxes(w8, 1, 2), lay, inv, out_dtype=jnp.float32, interpret=_interpret())
-    return gmosaic.from_padded(y, lay), (x8_KP, w8, lay, (scale_3, amax_x, _amax(w_EKN)))
+    y = gmosaic.grouped_nt(x8, w8_ENK, lay, inv, out_dtype=jnp.float32, interpret=_interpret())
+    return gmosaic.from_padded(y, lay), (x8_KP, w8, lay, (scale_3, amax_x, amax_w))
 
 
 def _gbwd_mosaic(kernels, x_dtype, res, dy_RN):

@@ -10,7 +10,14 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from detjax.model.fp8 import fp8_dense_many, fp8_swiglu_mlp, fused_swiglu, scale_var, weight_copy
+from detjax.model.fp8 import (
+    fp8_dense_many,
+    fp8_swiglu_mlp,
+    fused_swiglu,
+    grouped_weight_copy,
+    scale_var,
+    weight_copy,
+)
 from detjax.pallas_kernels.matmul.ops import compute_copy, dense, dense_many, fuse
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
@@ -51,7 +58,8 @@ def param(
 # projection called with copy=(module, names) reads its copy from there when the trainer made one
 # (model.kernels=pallas); a module that has copies but not the one named is an error. With model.fp8 the
 # groups of FP8_SCALES are copied as the fp8 product reads them (detjax.model.fp8.weight_copy, quantized with
-# the module's scale set of that name), the others (the LM head) in the compute dtype.
+# the module's scale set of that name), the routed experts' stacks likewise (fp8.grouped_weight_copy, under
+# their own names), the others (the LM head) in the compute dtype.
 COMPUTE_COPIES: dict[tuple[str, ...], tuple[int, int]] = {
     ("w_q", "w_k", "w_v"): (1, 3),
     ("w_o",): (2, 3),
@@ -91,6 +99,10 @@ def module_copies(tree: dict, dtype, fp8_scales: dict | None = None) -> dict:
             k = math.prod(ws[0].shape[:contracted])
             fused = fuse([w.reshape(k, -1) for w in ws], padded=False)
             out[copy_key(names)] = weight_copy(fused, fp8_scales[FP8_SCALES[names]], "pallas")
+    experts = [tree.get(n) for n in ("w_gate", "w_up", "w_down")]
+    if fp8_scales is not None and all(isinstance(w, jax.Array) and w.ndim == 3 for w in experts):
+        for n, w in zip(("w_gate", "w_up", "w_down"), experts, strict=True):  # the routed experts' stacks
+            out[n] = grouped_weight_copy(w, fp8_scales[n[2:]], "pallas")
     return out
 
 
