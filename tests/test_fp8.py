@@ -178,9 +178,33 @@ def test_fp8_grouped_mosaic_is_row_and_group_invariant_and_replays_on_gpu():
 
 
 def _copies_case(tiny_path, overrides):
+    """A one-microbatch fp8 setup for the compute-copies tests: (trainer, state, scales, copies_of, grads), with
+    copies_of(scales) the step's copies and grads(compute) the microbatch's loss terms, gradients and amaxes
+    (compute None: the weights quantized at each use)."""
     base = ["model.kernels=pallas", "model.fp8.enabled=true", "train.global_batch=2", "train.micro_batch=2"]
     cfg = load_config(tiny_path, [*base, "model.mtp.depth=0", "model.dropout=0", *overrides])
-    return cfg, Trainer(cfg)
+    trainer = Trainer(cfg)
+    state = jax.jit(trainer.init_state)(jax.random.key(0))
+    scales = jax.tree.map(lambda s: s * jnp.asarray([4.0, 16.0, 2.0]), trainer.fp8_scales(state))
+    tokens = jax.random.randint(jax.random.key(1), (2, cfg.train.seq_len + 1), 0, cfg.model.vocab_size)
+
+    @jax.jit
+    def grads(compute):
+        grad = jax.grad(trainer.micro_objective, argnums=(0, 3), has_aux=True)
+        return grad(state.params, tokens, jax.random.key(2), scales, compute=compute)
+
+    def copies_of(scales):
+        return jax.jit(trainer.compute_copies)(state.params, scales)
+
+    return trainer, state, scales, copies_of, grads
+
+
+def _assert_copies_exact(grads, compute):
+    """The loss terms, gradients and amaxes read from the copies, byte-equal to quantizing at each use."""
+    ref, got = jax.device_get(grads(None)), jax.device_get(grads(compute))
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+        assert _same(a, b)
+    return ref
 
 
 def test_fp8_compute_copies_give_the_same_bits(tiny_path):
@@ -189,10 +213,8 @@ def test_fp8_compute_copies_give_the_same_bits(tiny_path):
     stacks by fp8.grouped_weight_copy; the LM head's copy stays in the compute dtype). The loss, every
     gradient and every amax are byte-equal to quantizing at each use, and the products read the copies
     (negative controls: copies made with other scales change the loss, the experts' alone too)."""
-    cfg, trainer = _copies_case(tiny_path, ["model.pattern='M*E'", "train.seq_len=32"])
-    state = jax.jit(trainer.init_state)(jax.random.key(0))
-    scales = jax.tree.map(lambda s: s * jnp.asarray([4.0, 16.0, 2.0]), trainer.fp8_scales(state))
-    compute = jax.jit(trainer.compute_copies)(state.params, scales)
+    _, _, scales, copies_of, grads = _copies_case(tiny_path, ["model.pattern='M*E'", "train.seq_len=32"])
+    compute = copies_of(scales)
     assert compute["w_head"].dtype == jnp.bfloat16
     for group in (
         ["layer_0", "mixer", "w_in_z+w_in_x+w_in_bc+w_in_dt"],
@@ -204,21 +226,12 @@ def test_fp8_compute_copies_give_the_same_bits(tiny_path):
     ):
         copy = functools.reduce(lambda t, k: t[k], group, compute)
         assert copy[0].dtype == fp8.E4M3 and copy[2].shape == (), group
-    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.model.vocab_size)
-
-    @jax.jit
-    def grads(params, scales, compute):
-        grad = jax.grad(trainer.micro_objective, argnums=(0, 3), has_aux=True)
-        return grad(params, tokens, jax.random.key(2), scales, compute=compute)
-
-    ref, got = jax.device_get(grads(state.params, scales, None)), jax.device_get(grads(state.params, scales, compute))
-    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
-        assert _same(a, b)
-    other = jax.jit(trainer.compute_copies)(state.params, jax.tree.map(lambda s: s * 2.0, scales))
-    assert not _same(grads(state.params, scales, other)[1][0], ref[1][0])
+    ref = _assert_copies_exact(grads, compute)
+    other = copies_of(jax.tree.map(lambda s: s * 2.0, scales))
+    assert not _same(grads(other)[1][0], ref[1][0])
     mixer = compute["layer_2"]["mixer"]  # the experts' copies alone from other scales: they are read too
     experts_only = {**compute, "layer_2": {"mixer": {**mixer, "experts": other["layer_2"]["mixer"]["experts"]}}}
-    assert not _same(grads(state.params, scales, experts_only)[1][0], ref[1][0])
+    assert not _same(grads(experts_only)[1][0], ref[1][0])
 
 
 @pytest.mark.gpu
@@ -226,23 +239,12 @@ def test_fp8_mosaic_compute_copies_give_the_same_bits_on_gpu(tiny_path):
     """On Hopper, the Mosaic path's weight copies (padded fp8 copies in both layouts; the fused SwiGLU MLP
     reads two): loss, gradients and amaxes byte-equal to quantizing at each use, at gpu_dense's widths."""
     dims = ["model.d_model=1024", "model.ffn_dim=2048", "model.n_heads=16", "model.n_kv_heads=4", "model.head_dim=64"]
-    cfg, trainer = _copies_case(tiny_path, ["model.pattern='*-'", "train.seq_len=256", *dims])
-    state = jax.jit(trainer.init_state)(jax.random.key(0))
+    _, state, scales, copies_of, grads = _copies_case(tiny_path, ["model.pattern='*-'", "train.seq_len=256", *dims])
     if not fp8._mosaic_path(state.params["layer_1"]["mixer"]["w_down"], "pallas"):
         pytest.skip("the Mosaic fp8 path needs a Hopper GPU")
-    scales = jax.tree.map(lambda s: s * jnp.asarray([4.0, 16.0, 2.0]), trainer.fp8_scales(state))
-    compute = jax.jit(trainer.compute_copies)(state.params, scales)
+    compute = copies_of(scales)
     assert compute["layer_1"]["mixer"]["w_down"][1] is not None  # the transposed copy: the Mosaic path's
-    tokens = jax.random.randint(jax.random.key(1), (2, 257), 0, cfg.model.vocab_size)
-
-    @jax.jit
-    def grads(params, scales, compute):
-        grad = jax.grad(trainer.micro_objective, argnums=(0, 3), has_aux=True)
-        return grad(params, tokens, jax.random.key(2), scales, compute=compute)
-
-    ref, got = jax.device_get(grads(state.params, scales, None)), jax.device_get(grads(state.params, scales, compute))
-    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
-        assert _same(a, b)
+    _assert_copies_exact(grads, compute)
 
 
 def test_delayed_scaling_update_rule():

@@ -351,12 +351,17 @@ def grouped_weight_copy(w_EKN: jax.Array, scale_3: jax.Array, kernels: str) -> t
 def fp8_grouped_matmul_copy(x_RK, w_EKN, gs_E, scale_3, wq, kernels: str, x_dtype):
     """fp8_grouped_matmul reading wq = grouped_weight_copy(w, scale_3, kernels), made beforehand: w's values
     are not read, w only receives dw. The same bytes, so the same bits."""
+    _check_grouped_copy(w_EKN, wq, kernels)
     return _gfwd(x_RK, w_EKN, gs_E, scale_3, kernels, x_dtype, wq)[0]
 
 
-def _gcopy_fwd(x_RK, w_EKN, gs_E, scale_3, wq, kernels, x_dtype):
+def _check_grouped_copy(w_EKN, wq, kernels: str) -> None:
     if (wq[1] is not None) != _grouped_mosaic(w_EKN, kernels) or wq[0].shape != w_EKN.shape:
         raise ValueError(f"fp8 expert weight copy {wq[0].shape} does not fit {w_EKN.shape} (grouped_weight_copy)")
+
+
+def _gcopy_fwd(x_RK, w_EKN, gs_E, scale_3, wq, kernels, x_dtype):
+    _check_grouped_copy(w_EKN, wq, kernels)
     y, res = _gfwd(x_RK, w_EKN, gs_E, scale_3, kernels, x_dtype, wq)
     return y, (res, jax.tree.map(jnp.zeros_like, wq))
 
