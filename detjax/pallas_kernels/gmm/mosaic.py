@@ -47,9 +47,10 @@ def padded_layout(gs_E: jax.Array, rows: int) -> GroupLayout:
     e = gs.shape[0]
     tiles_E = jnp.maximum(1, -(-gs // GROUP_ROWS))
     pstart_E = jnp.cumsum(tiles_E * GROUP_ROWS) - tiles_E * GROUP_ROWS
-    start_E = jnp.cumsum(gs) - gs
+    end_E = jnp.cumsum(gs)
+    start_E = end_E - gs
     r_idx = jnp.arange(rows, dtype=jnp.int32)
-    expert_R = jnp.minimum(jnp.searchsorted(jnp.cumsum(gs), r_idx, side="right"), e - 1).astype(jnp.int32)
+    expert_R = jnp.minimum(jnp.searchsorted(end_E, r_idx, side="right"), e - 1).astype(jnp.int32)
     pos_R = r_idx - start_E[expert_R] + pstart_E[expert_R]
     p = padded_rows(rows, e)
     tile_start = jnp.arange(p // GROUP_ROWS, dtype=jnp.int32) * GROUP_ROWS

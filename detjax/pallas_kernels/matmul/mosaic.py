@@ -209,7 +209,7 @@ def mosaic_matmul(
         def no_op(*_, **__):
             return None
 
-        alloc_steps = max(stages, 2) if group_blocks is not None else chunk // br  # every slot of a dynamic grid
+        alloc_steps = stages if group_blocks is not None else chunk // br  # every slot of a dynamic grid
         b_alloc = b_gmem.at[0] if tile_groups is not None else b_gmem
 
         @functools.partial(
