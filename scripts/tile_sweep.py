@@ -1,8 +1,9 @@
-"""Offline tile sweep for the flash-attention, RMSNorm, SSD and MoE gmm kernels at the gpu_dense / gpu_medium shapes.
+"""Offline tile sweep for the flash-attention, RMSNorm, SSD, MoE gmm and fp8 SwiGLU kernels at the benchmark shapes.
 
     python3 scripts/tile_sweep.py                       # every kernel
     python3 scripts/tile_sweep.py --kernels flash,rmsnorm --reps 20
     python3 scripts/tile_sweep.py --kernels flash-bwd   # flash attention's dQ and dK/dV tiles only
+    python3 scripts/tile_sweep.py --kernels swiglu      # model.fp8's SwiGLU quantization (gpu_dense's MLP)
 
 For each candidate tile set the kernel's TILES entry is replaced, every jit cache is cleared, and the kernel
 (forward, and backward where it has one) is timed: one jitted call runs it on SETS different input sets, the
@@ -83,6 +84,24 @@ GMM = [
     {"block_m": 64, "block_k": 128, "block_n": 256, "num_warps": 8, "num_stages": 3},
     {"block_m": 128, "block_k": 64, "block_n": 256, "num_warps": 8, "num_stages": 3},
     {"block_m": 32, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3},
+]
+
+SWIGLU_FWD = [
+    {"block_m": 128, "block_n": 128, "num_warps": 8},
+    {"block_m": 128, "block_n": 128, "num_warps": 4},
+    {"block_m": 64, "block_n": 128, "num_warps": 4},
+    {"block_m": 256, "block_n": 128, "num_warps": 8},
+    {"block_m": 128, "block_n": 256, "num_warps": 8},
+    {"block_m": 64, "block_n": 64, "num_warps": 4},
+]
+SWIGLU_BWD = [  # "pair": one program writes both halves of dy's tile; else one program per half
+    {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": False},
+    {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": True},
+    {"block_m": 128, "block_n": 128, "num_warps": 4, "pair": True},
+    {"block_m": 64, "block_n": 128, "num_warps": 4, "pair": True},
+    {"block_m": 64, "block_n": 64, "num_warps": 4, "pair": True},
+    {"block_m": 128, "block_n": 64, "num_warps": 4, "pair": True},
+    {"block_m": 256, "block_n": 128, "num_warps": 8, "pair": True},
 ]
 
 
@@ -257,9 +276,30 @@ def sweep_gmm(reps: int) -> None:
     _sweep("gmm", gk.TILES, None, GMM, [("gmm", fwd, (x, w, gs)), ("tgmm", wgrad, (x, dy, gs))], reps)
 
 
+def sweep_swiglu(reps: int) -> None:
+    from detjax.model import fp8
+    from detjax.pallas_kernels.matmul import quantize as qz
+
+    # gpu_dense's MLP at one microbatch: y = [gate | up] (8192 x 8192 bf16), dh (8192 x 4096 bf16); the
+    # forward writes h's two e4m3 copies (64 MiB, reading 128), the backward dy's two e5m2 copies (128 MiB,
+    # reading 192)
+    m, f = 8192, 4096
+    ks = jax.random.split(jax.random.key(3), 2)
+    y, dh = _stack(ks[0], (m, 2 * f), jnp.bfloat16, 2.0), _stack(ks[1], (m, f), jnp.bfloat16, 1e-3)
+
+    def fwd(y):
+        return qz.swiglu_quantize_transposed(y, jnp.float32(64.0), dtype=fp8.E4M3, interpret=False)
+
+    def bwd(y, dh):
+        return qz.swiglu_bwd_quantize_transposed(y, dh, jnp.float32(4096.0), dtype=fp8.E5M2, interpret=False)
+
+    _sweep("swiglu fwd (192 MiB)", qz.TILES, "swiglu_fwd", SWIGLU_FWD, [("fwd", fwd, (y,))], reps)
+    _sweep("swiglu bwd (320 MiB)", qz.TILES, "swiglu_bwd", SWIGLU_BWD, [("bwd", bwd, (y, dh))], reps)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm")
+    ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm,swiglu")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--old-src", default=None, help="an older tree: time and compare its ssd / flash kernels")
     a = ap.parse_args()
@@ -276,6 +316,8 @@ def main() -> int:
         sweep_ssd(a.reps, a.old_src)
     if "gmm" in which:
         sweep_gmm(a.reps)
+    if "swiglu" in which:
+        sweep_swiglu(a.reps)
     return 0
 
 

@@ -312,18 +312,34 @@ def test_fp8_quantize_transposed_matches_the_xla_quantization():
     assert _same(qt.view(jnp.uint8), want.T.view(jnp.uint8)) and _same(amax, fp8._amax(v))
 
 
-def test_fp8_swiglu_quantization_kernels_match_xla():
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        None,  # the pinned TILES
+        {
+            "swiglu_fwd": {"block_m": 256, "block_n": 128, "num_warps": 8},
+            "swiglu_bwd": {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": False},
+        },
+    ],
+    ids=["pinned", "other_tiles"],
+)
+def test_fp8_swiglu_quantization_kernels_match_xla(tiles, monkeypatch):
     """quantize.swiglu_quantize_transposed / swiglu_bwd_quantize_transposed (Triton on the GPU, the interpreter
     on CPU) on general bf16 values: q byte-equal to XLA's quantization of quantize.swiglu(gate, up) and of
-    [dgate | dup] = quantize.swiglu_grads (float32, clipping included), q^T its transpose, amax the exact max.
-    Negative control: a changed up tile changes h's bytes."""
+    [dgate | dup] = quantize.swiglu_grads (float32, clipping included), q^T its transpose, amax the exact max;
+    with the pinned tiles and with others (256-row forward tiles, the backward's one-program-per-half grid),
+    since no tile may change a bit. Negative control: a changed up tile changes h's bytes."""
     from detjax.model import fp8
-    from detjax.pallas_kernels.matmul.quantize import (
-        swiglu,
-        swiglu_bwd_quantize_transposed,
-        swiglu_grads,
-        swiglu_quantize_transposed,
-    )
+    from detjax.pallas_kernels.matmul import quantize as qz
+
+    swiglu, swiglu_grads = qz.swiglu, qz.swiglu_grads
+    swiglu_quantize_transposed = qz.swiglu_quantize_transposed
+    swiglu_bwd_quantize_transposed = qz.swiglu_bwd_quantize_transposed
+    if tiles is not None:  # the traced functions read TILES: run them unjitted under the other tiles
+        for key, value in tiles.items():
+            monkeypatch.setitem(qz.TILES, key, value)
+        swiglu_quantize_transposed = qz.swiglu_quantize_transposed.__wrapped__
+        swiglu_bwd_quantize_transposed = qz.swiglu_bwd_quantize_transposed.__wrapped__
 
     interp = interpret_mode()
     ks = jax.random.split(jax.random.key(9), 2)

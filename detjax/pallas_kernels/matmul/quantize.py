@@ -116,6 +116,24 @@ def swiglu_grads(g: jax.Array, u: jax.Array, dh: jax.Array) -> tuple[jax.Array, 
     return dh * u * (sig * (1.0 + g * (1.0 - sig))), dh * g * sig
 
 
+# A program's tile of h (forward) or of each half of dy (backward): speed only, since every value is
+# elementwise and the amax a maximum, so no tile changes a bit (scripts/tile_sweep.py --kernels quantize).
+# "pair": the backward program computes both halves of its tile, reading y's and dh's tiles once; else two
+# programs, one per half, each read them.
+TILES = {
+    "swiglu_fwd": {"block_m": 128, "block_n": 128, "num_warps": 8},
+    "swiglu_bwd": {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": True},
+}
+
+
+def _swiglu_tile(key: str, m: int, f: int) -> tuple[int, int, int]:
+    """(block_m, block_n, num_warps) of TILES[key], or 128 x 128 where the tile does not divide (m, f)."""
+    t = TILES[key]
+    if m % t["block_m"] or f % t["block_n"]:
+        return BLOCK, BLOCK, NUM_WARPS
+    return t["block_m"], t["block_n"], t["num_warps"]
+
+
 def _swiglu_kernel(g_ref, u_ref, s_ref, q_ref, qt_ref, amax_ref):
     h = swiglu(g_ref[...].astype(jnp.float32), u_ref[...].astype(jnp.float32))
     q = quantize(h, s_ref[0], q_ref.dtype)
@@ -124,7 +142,7 @@ def _swiglu_kernel(g_ref, u_ref, s_ref, q_ref, qt_ref, amax_ref):
     amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(h)), (1, 1))
 
 
-def _swiglu_bwd_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref):
+def _swiglu_bwd_half_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref):
     dgate, dup = swiglu_grads(
         g_ref[...].astype(jnp.float32), u_ref[...].astype(jnp.float32), dh_ref[...].astype(jnp.float32)
     )
@@ -133,6 +151,20 @@ def _swiglu_bwd_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref):
     q_ref[...] = q
     qt_ref[...] = q.T
     amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(d)), (1, 1))
+
+
+def _swiglu_bwd_pair_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref):
+    """Both halves of a tile: q_ref is the (block_m, 2, block_n) block of dy8 seen as (m, 2, f), qt_ref the
+    (2, block_n, block_m) block of dy8^T seen as (2, f, m)."""
+    dgate, dup = swiglu_grads(
+        g_ref[...].astype(jnp.float32), u_ref[...].astype(jnp.float32), dh_ref[...].astype(jnp.float32)
+    )
+    qg, qu = quantize(dgate, s_ref[0], q_ref.dtype), quantize(dup, s_ref[0], q_ref.dtype)
+    q_ref[:, 0, :] = qg
+    q_ref[:, 1, :] = qu
+    qt_ref[0, :, :] = qg.T
+    qt_ref[1, :, :] = qu.T
+    amax_ref[...] = jnp.broadcast_to(jnp.maximum(jnp.max(jnp.abs(dgate)), jnp.max(jnp.abs(dup))), (1, 1))
 
 
 def _check_swiglu(y: jax.Array) -> tuple[int, int]:
@@ -147,37 +179,83 @@ def swiglu_quantize_transposed(y: jax.Array, scale: jax.Array, *, dtype, interpr
     """(q, q^T, amax) of h = swiglu(gate, up) for y = [gate | up] (m, 2f): q = dtype(clip(h * scale)) (m, f),
     its transpose, and max |h| (float32)."""
     m, f = _check_swiglu(y)
-    nf = f // BLOCK
-    in_specs = [
-        pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j)),
-        pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, nf + j)),
-    ]
-    return _tiles_call(_swiglu_kernel, "fp8_swiglu_quantize", in_specs, (m, f), dtype, interpret, y, y, scale=scale)
+    bm, bn, warps = _swiglu_tile("swiglu_fwd", m, f)
+    gm, nf = m // bm, f // bn
+    q, qt, amax = pl.pallas_call(
+        _swiglu_kernel,
+        grid=(gm, nf),
+        in_specs=[
+            pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+            pl.BlockSpec((bm, bn), lambda i, j: (i, nf + j)),
+            pl.BlockSpec((1,), lambda i, j: (0,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+            pl.BlockSpec((bn, bm), lambda i, j: (j, i)),
+            pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((m, f), dtype),
+            jax.ShapeDtypeStruct((f, m), dtype),
+            jax.ShapeDtypeStruct((gm, nf), jnp.float32),
+        ],
+        name="fp8_swiglu_quantize",
+        interpret=interpret,
+        compiler_params=triton_params(warps, 1, interpret),
+    )(y, y, jnp.asarray(scale, jnp.float32).reshape(1))
+    return q, qt, jnp.max(amax)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
 def swiglu_bwd_quantize_transposed(y: jax.Array, dh: jax.Array, scale: jax.Array, *, dtype, interpret: bool):
     """(q, q^T, amax) of dy = [dgate | dup] (m, 2f), the gradient of y = [gate | up] through h = swiglu(gate,
     up) for the cotangent dh (m, f): q = dtype(clip(dy * scale)), its transpose and max |dy| (float32).
-    Grid (half, row tile, column tile): the two programs of one tile are neighbours in launch order, so that
-    the second reads the y and dh tiles the first has just brought into L2 (the intent; not profiled), and
-    they write the gate's and the up's half."""
+    With TILES["swiglu_bwd"]["pair"], one program per tile writes both halves (y's and dh's tiles read
+    once); else grid (half, row tile, column tile), whose two programs of a tile are neighbours in launch
+    order."""
     m, f = _check_swiglu(y)
     if dh.shape != (m, f):
         raise ValueError(f"swiglu backward: dh {dh.shape} does not match y {y.shape}")
-    gm, nf = m // BLOCK, f // BLOCK
+    bm, bn, warps = _swiglu_tile("swiglu_bwd", m, f)
+    gm, nf = m // bm, f // bn
+    s = jnp.asarray(scale, jnp.float32).reshape(1)
+    if TILES["swiglu_bwd"].get("pair", False):
+        q, qt, amax = pl.pallas_call(
+            _swiglu_bwd_pair_kernel,
+            grid=(gm, nf),
+            in_specs=[
+                pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+                pl.BlockSpec((bm, bn), lambda i, j: (i, nf + j)),
+                pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+                pl.BlockSpec((1,), lambda i, j: (0,)),
+            ],
+            out_specs=[
+                pl.BlockSpec((bm, 2, bn), lambda i, j: (i, 0, j)),
+                pl.BlockSpec((2, bn, bm), lambda i, j: (0, j, i)),
+                pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+            ],
+            out_shape=[
+                jax.ShapeDtypeStruct((m, 2, f), dtype),
+                jax.ShapeDtypeStruct((2, f, m), dtype),
+                jax.ShapeDtypeStruct((gm, nf), jnp.float32),
+            ],
+            name="fp8_swiglu_bwd_quantize",
+            interpret=interpret,
+            compiler_params=triton_params(warps, 1, interpret),
+        )(y, y, dh, s)
+        return q.reshape(m, 2 * f), qt.reshape(2 * f, m), jnp.max(amax)
     q, qt, amax = pl.pallas_call(
-        _swiglu_bwd_kernel,
+        _swiglu_bwd_half_kernel,
         grid=(2, gm, nf),
         in_specs=[
-            pl.BlockSpec((BLOCK, BLOCK), lambda c, i, j: (i, j)),
-            pl.BlockSpec((BLOCK, BLOCK), lambda c, i, j: (i, nf + j)),
-            pl.BlockSpec((BLOCK, BLOCK), lambda c, i, j: (i, j)),
+            pl.BlockSpec((bm, bn), lambda c, i, j: (i, j)),
+            pl.BlockSpec((bm, bn), lambda c, i, j: (i, nf + j)),
+            pl.BlockSpec((bm, bn), lambda c, i, j: (i, j)),
             pl.BlockSpec((1,), lambda c, i, j: (0,)),
         ],
         out_specs=[
-            pl.BlockSpec((BLOCK, BLOCK), lambda c, i, j: (i, c * nf + j)),
-            pl.BlockSpec((BLOCK, BLOCK), lambda c, i, j: (c * nf + j, i)),
+            pl.BlockSpec((bm, bn), lambda c, i, j: (i, c * nf + j)),
+            pl.BlockSpec((bn, bm), lambda c, i, j: (c * nf + j, i)),
             pl.BlockSpec((1, 1), lambda c, i, j: (i, c * nf + j)),
         ],
         out_shape=[
@@ -187,6 +265,6 @@ def swiglu_bwd_quantize_transposed(y: jax.Array, dh: jax.Array, scale: jax.Array
         ],
         name="fp8_swiglu_bwd_quantize",
         interpret=interpret,
-        compiler_params=triton_params(NUM_WARPS, 1, interpret),
-    )(y, y, dh, jnp.asarray(scale, jnp.float32).reshape(1))
+        compiler_params=triton_params(warps, 1, interpret),
+    )(y, y, dh, s)
     return q, qt, jnp.max(amax)
