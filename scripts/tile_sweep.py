@@ -1,9 +1,9 @@
-"""Offline tile sweep for the flash-attention, RMSNorm, SSD, MoE gmm and fp8 SwiGLU kernels at the benchmark shapes.
+"""Offline tile sweep of the flash-attention, RMSNorm, SSD, MoE gmm and fp8 quantization kernels (benchmark shapes).
 
     python3 scripts/tile_sweep.py                       # every kernel
     python3 scripts/tile_sweep.py --kernels flash,rmsnorm --reps 20
     python3 scripts/tile_sweep.py --kernels flash-bwd   # flash attention's dQ and dK/dV tiles only
-    python3 scripts/tile_sweep.py --kernels swiglu      # model.fp8's SwiGLU quantization (gpu_dense's MLP)
+    python3 scripts/tile_sweep.py --kernels quantize,swiglu  # model.fp8's quantization kernels (gpu_dense)
 
 For each candidate tile set the kernel's TILES entry is replaced, every jit cache is cleared, and the kernel
 (forward, and backward where it has one) is timed: one jitted call runs it on SETS different input sets, the
@@ -87,21 +87,31 @@ GMM = [
 ]
 
 SWIGLU_FWD = [
-    {"block_m": 128, "block_n": 128, "num_warps": 8},
-    {"block_m": 128, "block_n": 128, "num_warps": 4},
     {"block_m": 64, "block_n": 128, "num_warps": 4},
-    {"block_m": 256, "block_n": 128, "num_warps": 8},
-    {"block_m": 128, "block_n": 256, "num_warps": 8},
-    {"block_m": 64, "block_n": 64, "num_warps": 4},
+    {"block_m": 128, "block_n": 128, "num_warps": 8},
+    {"block_m": 32, "block_n": 128, "num_warps": 4},
+    {"block_m": 64, "block_n": 128, "num_warps": 2},
+    {"block_m": 64, "block_n": 256, "num_warps": 4},
+    {"block_m": 32, "block_n": 256, "num_warps": 4},
+    {"block_m": 64, "block_n": 64, "num_warps": 2},
 ]
 SWIGLU_BWD = [  # "pair": one program writes both halves of dy's tile; else one program per half
-    {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": False},
-    {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": True},
-    {"block_m": 128, "block_n": 128, "num_warps": 4, "pair": True},
-    {"block_m": 64, "block_n": 128, "num_warps": 4, "pair": True},
     {"block_m": 64, "block_n": 64, "num_warps": 4, "pair": True},
-    {"block_m": 128, "block_n": 64, "num_warps": 4, "pair": True},
-    {"block_m": 256, "block_n": 128, "num_warps": 8, "pair": True},
+    {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": False},
+    {"block_m": 64, "block_n": 64, "num_warps": 2, "pair": True},
+    {"block_m": 32, "block_n": 64, "num_warps": 4, "pair": True},
+    {"block_m": 32, "block_n": 128, "num_warps": 4, "pair": True},
+    {"block_m": 64, "block_n": 32, "num_warps": 4, "pair": True},
+    {"block_m": 64, "block_n": 128, "num_warps": 4, "pair": False},
+    {"block_m": 64, "block_n": 64, "num_warps": 4, "pair": False},
+]
+TRANSPOSED = [  # quantize_transposed: the tile must divide 128
+    {"block_m": 128, "block_n": 128, "num_warps": 8},
+    {"block_m": 64, "block_n": 128, "num_warps": 4},
+    {"block_m": 64, "block_n": 64, "num_warps": 4},
+    {"block_m": 32, "block_n": 128, "num_warps": 4},
+    {"block_m": 64, "block_n": 64, "num_warps": 2},
+    {"block_m": 128, "block_n": 64, "num_warps": 4},
 ]
 
 
@@ -276,6 +286,22 @@ def sweep_gmm(reps: int) -> None:
     _sweep("gmm", gk.TILES, None, GMM, [("gmm", fwd, (x, w, gs)), ("tgmm", wgrad, (x, dy, gs))], reps)
 
 
+def sweep_quantize(reps: int) -> None:
+    from detjax.model import fp8
+    from detjax.pallas_kernels.matmul import quantize as qz
+
+    # model.fp8's quantization with the transposed copy at gpu_dense's shapes, one microbatch: a block's
+    # normed input (8192 x 1024 bf16, e4m3) and the attention's q+k+v gradient (8192 x 1536 bf16, e5m2)
+    ks = jax.random.split(jax.random.key(2), 2)
+    x, dy = _stack(ks[0], (8192, 1024), jnp.bfloat16), _stack(ks[1], (8192, 1536), jnp.bfloat16, 1e-3)
+
+    def one(dtype, scale):
+        return lambda v: qz.quantize_transposed(v, jnp.float32(scale), dtype=dtype, interpret=False)
+
+    cases = [("x 8192x1024", one(fp8.E4M3, 64.0), (x,)), ("dy 8192x1536", one(fp8.E5M2, 4096.0), (dy,))]
+    _sweep("quantize_transposed", qz.TILES, "transposed", TRANSPOSED, cases, reps)
+
+
 def sweep_swiglu(reps: int) -> None:
     from detjax.model import fp8
     from detjax.pallas_kernels.matmul import quantize as qz
@@ -299,7 +325,7 @@ def sweep_swiglu(reps: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm,swiglu")
+    ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm,quantize,swiglu")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--old-src", default=None, help="an older tree: time and compare its ssd / flash kernels")
     a = ap.parse_args()
@@ -316,6 +342,8 @@ def main() -> int:
         sweep_ssd(a.reps, a.old_src)
     if "gmm" in which:
         sweep_gmm(a.reps)
+    if "quantize" in which:
+        sweep_quantize(a.reps)
     if "swiglu" in which:
         sweep_swiglu(a.reps)
     return 0

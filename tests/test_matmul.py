@@ -281,13 +281,19 @@ def test_fp8_mosaic_product_replays_bit_exact_on_gpu():
     assert_replays_bit_exact(fn, (x, w, g, v), replays=3, contention=matmul_contention(2048, 5))
 
 
-def test_fp8_quantize_transposed_matches_the_xla_quantization():
+@pytest.mark.parametrize("tile", [None, {"block_m": 64, "block_n": 32, "num_warps": 4}], ids=["pinned", "64x32"])
+def test_fp8_quantize_transposed_matches_the_xla_quantization(tile, monkeypatch):
     """quantize.quantize_transposed (Triton on the GPU, the interpreter on CPU): q byte-equal to
     detjax.model.fp8's XLA quantization (clipping included), q^T its transpose, amax the exact max |v|, for a
-    bf16 activation and a float32 weight. Negative control: another scale gives another q."""
+    bf16 activation and a float32 weight; with the pinned tile and another (no tile may change a bit).
+    Negative control: another scale gives another q."""
     from detjax.model import fp8
-    from detjax.pallas_kernels.matmul.quantize import quantize_transposed
+    from detjax.pallas_kernels.matmul import quantize as qz
 
+    quantize_transposed = qz.quantize_transposed
+    if tile is not None:  # the traced function reads TILES: run it unjitted under the other tile
+        monkeypatch.setitem(qz.TILES, "transposed", tile)
+        quantize_transposed = qz.quantize_transposed.__wrapped__
     interp = interpret_mode()
     ks = jax.random.split(jax.random.key(8), 2)
     cases = (

@@ -23,8 +23,17 @@ from jax.experimental import pallas as pl
 
 from detjax.pallas_kernels.backend import triton_params
 
-BLOCK = 128  # a program's tile is BLOCK x BLOCK (not swept; speed only: the values are elementwise)
+BLOCK = 128  # the padding unit of quantize_transposed's copies (the Mosaic fp8 product's tile)
 NUM_WARPS = 8
+# A program's tile: speed only, since every value is elementwise and the amax a maximum, so no tile changes
+# a bit (`python3 scripts/tile_sweep.py --kernels quantize,swiglu` on the GPU chose them). "transposed":
+# quantize_transposed, whose tile must divide BLOCK. "pair": the SwiGLU backward's program computes both
+# halves of its tile, reading y's and dh's tiles once; else two programs, one per half, each read them.
+TILES = {
+    "transposed": {"block_m": 128, "block_n": 128, "num_warps": 8},
+    "swiglu_fwd": {"block_m": 64, "block_n": 128, "num_warps": 4},
+    "swiglu_bwd": {"block_m": 64, "block_n": 64, "num_warps": 4, "pair": True},
+}
 
 
 def padded(size: int, multiple: int) -> int:
@@ -41,8 +50,9 @@ def quantize(v: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 def _kernel(v_ref, s_ref, q_ref, qt_ref, amax_ref, *, m: int, n: int, padding: bool):
     v = v_ref[...].astype(jnp.float32)
     if padding:  # a tile over v's edge or past it (it loaded v's last tile): what lies outside v becomes 0
-        rows = pl.program_id(0) * BLOCK + jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
-        cols = pl.program_id(1) * BLOCK + jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+        bm, bn = v.shape
+        rows = pl.program_id(0) * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+        cols = pl.program_id(1) * bn + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
         v = jnp.where((rows < m) & (cols < n), v, 0.0)
     q = quantize(v, s_ref[0], q_ref.dtype)
     q_ref[...] = q
@@ -60,25 +70,32 @@ def quantize_transposed(
     m, n = v.shape
     if rows_to % BLOCK or cols_to % BLOCK:
         raise ValueError(f"quantize_transposed: rows_to={rows_to}, cols_to={cols_to} must be multiples of {BLOCK}")
+    t = TILES["transposed"]
+    bm, bn = t["block_m"], t["block_n"]
+    if BLOCK % bm or BLOCK % bn:
+        raise ValueError(f"quantize_transposed: TILES['transposed'] {bm} x {bn} must divide {BLOCK}")
     mp, np_ = padded(m, rows_to), padded(n, cols_to)
-    last_i, last_j = -(-m // BLOCK) - 1, -(-n // BLOCK) - 1  # v's last tile: tiles past v load it, then mask
-    in_specs = [pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (jnp.minimum(i, last_i), jnp.minimum(j, last_j)))]
+    last_i, last_j = -(-m // bm) - 1, -(-n // bn) - 1  # v's last tile: tiles past v load it, then mask
+    in_specs = [pl.BlockSpec((bm, bn), lambda i, j: (jnp.minimum(i, last_i), jnp.minimum(j, last_j)))]
     kernel = functools.partial(_kernel, m=m, n=n, padding=(mp, np_) != (m, n))
-    return _tiles_call(kernel, "fp8_quantize_transposed", in_specs, (mp, np_), dtype, interpret, v, scale=scale)
+    tile = (bm, bn, t["num_warps"])
+    return _tiles_call(kernel, "fp8_quantize_transposed", in_specs, (mp, np_), tile, dtype, interpret, v, scale=scale)
 
 
-def _tiles_call(kernel, name: str, in_specs: list, shape: tuple[int, int], dtype, interpret: bool, *args, scale):
-    """The pallas_call of a kernel over (BLOCK x BLOCK) tiles of a (rows, cols) result: in_specs for args, then
-    the scale; out q (rows, cols), q^T and each tile's amax. Returns (q, q^T, the max of the amaxes)."""
+def _tiles_call(kernel, name: str, in_specs: list, shape, tile, dtype, interpret: bool, *args, scale):
+    """The pallas_call of a kernel over the (block_m x block_n) tiles of a (rows, cols) result (tile =
+    (block_m, block_n, num_warps)): in_specs for args, then the scale; out q (rows, cols), q^T and each
+    tile's amax. Returns (q, q^T, the max of the amaxes)."""
     rows, cols = shape
-    gm, gn = rows // BLOCK, cols // BLOCK
+    bm, bn, warps = tile
+    gm, gn = rows // bm, cols // bn
     q, qt, amax = pl.pallas_call(
         kernel,
         grid=(gm, gn),
         in_specs=[*in_specs, pl.BlockSpec((1,), lambda i, j: (0,))],
         out_specs=[
-            pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j)),
-            pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (j, i)),
+            pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+            pl.BlockSpec((bn, bm), lambda i, j: (j, i)),
             pl.BlockSpec((1, 1), lambda i, j: (i, j)),
         ],
         out_shape=[
@@ -88,7 +105,7 @@ def _tiles_call(kernel, name: str, in_specs: list, shape: tuple[int, int], dtype
         ],
         name=name,
         interpret=interpret,
-        compiler_params=triton_params(NUM_WARPS, 1, interpret),
+        compiler_params=triton_params(warps, 1, interpret),
     )(*args, jnp.asarray(scale, jnp.float32).reshape(1))
     return q, qt, jnp.max(amax)
 
@@ -114,16 +131,6 @@ def swiglu_grads(g: jax.Array, u: jax.Array, dh: jax.Array) -> tuple[jax.Array, 
     """(dgate, dup) of h = swiglu(g, u) for the cotangent dh, in float32."""
     sig = _sigmoid(g)
     return dh * u * (sig * (1.0 + g * (1.0 - sig))), dh * g * sig
-
-
-# A program's tile of h (forward) or of each half of dy (backward): speed only, since every value is
-# elementwise and the amax a maximum, so no tile changes a bit (scripts/tile_sweep.py --kernels quantize).
-# "pair": the backward program computes both halves of its tile, reading y's and dh's tiles once; else two
-# programs, one per half, each read them.
-TILES = {
-    "swiglu_fwd": {"block_m": 128, "block_n": 128, "num_warps": 8},
-    "swiglu_bwd": {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": True},
-}
 
 
 def _swiglu_tile(key: str, m: int, f: int) -> tuple[int, int, int]:
@@ -180,30 +187,12 @@ def swiglu_quantize_transposed(y: jax.Array, scale: jax.Array, *, dtype, interpr
     its transpose, and max |h| (float32)."""
     m, f = _check_swiglu(y)
     bm, bn, warps = _swiglu_tile("swiglu_fwd", m, f)
-    gm, nf = m // bm, f // bn
-    q, qt, amax = pl.pallas_call(
-        _swiglu_kernel,
-        grid=(gm, nf),
-        in_specs=[
-            pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-            pl.BlockSpec((bm, bn), lambda i, j: (i, nf + j)),
-            pl.BlockSpec((1,), lambda i, j: (0,)),
-        ],
-        out_specs=[
-            pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-            pl.BlockSpec((bn, bm), lambda i, j: (j, i)),
-            pl.BlockSpec((1, 1), lambda i, j: (i, j)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((m, f), dtype),
-            jax.ShapeDtypeStruct((f, m), dtype),
-            jax.ShapeDtypeStruct((gm, nf), jnp.float32),
-        ],
-        name="fp8_swiglu_quantize",
-        interpret=interpret,
-        compiler_params=triton_params(warps, 1, interpret),
-    )(y, y, jnp.asarray(scale, jnp.float32).reshape(1))
-    return q, qt, jnp.max(amax)
+    nf = f // bn
+    in_specs = [pl.BlockSpec((bm, bn), lambda i, j: (i, j)), pl.BlockSpec((bm, bn), lambda i, j: (i, nf + j))]
+    tile = (bm, bn, warps)
+    return _tiles_call(
+        _swiglu_kernel, "fp8_swiglu_quantize", in_specs, (m, f), tile, dtype, interpret, y, y, scale=scale
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
