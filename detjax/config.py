@@ -101,17 +101,22 @@ class MTPConfig:
 class Fp8Config:
     """FP8 with delayed scaling (detjax/model/fp8.py): e4m3 activations and weights, e5m2 gradients, for the
     dense projections (attention, MLP, Mamba2 in/out, shared expert, MTP projection) and the routed experts'
-    grouped matmuls. The LM head, the router and the norms stay in bf16 / fp32."""
+    grouped matmuls. The router and the norms stay in bf16 / fp32; the LM head too unless lm_head is set."""
 
     enabled: bool = False
     amax_history_len: int = 16  # steps of amax history behind each scale
     margin: int = 0  # scale = fp8 max / amax / 2^margin
+    # the LM head (and the MTP head, which shares its weight and its scale set) in fp8 too; off: bf16, the
+    # usual recipe (docs/DETERMINISM.md "FP8")
+    lm_head: bool = False
 
     def validate(self) -> None:
         if not 1 <= self.amax_history_len <= 1024:
             _fail("model.fp8.amax_history_len", self.amax_history_len, "must be in 1..1024", "use e.g. 16")
         if not 0 <= self.margin <= 16:
             _fail("model.fp8.margin", self.margin, "must be in 0..16", "use 0")
+        if self.lm_head and not self.enabled:
+            _fail("model.fp8.lm_head", True, "does nothing with model.fp8.enabled=false", "enable fp8 or drop lm_head")
 
 
 def _check_pattern(key: str, pattern: str) -> None:
@@ -632,6 +637,8 @@ class Config:
         if self.determinism.canonical:  # mesh and microbatch size are schedule choices there, not numerics
             d.pop("mesh")
             t.pop("micro_batch")
+        if not self.model.fp8.lm_head:  # added later: absent means off, so older configs keep their hash
+            d["model"]["fp8"].pop("lm_head")
         return d
 
     def hash(self) -> str:
@@ -772,6 +779,15 @@ def fp8_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
     if not cfg.model.fp8.enabled:
         return []
     off = "or set model.fp8.enabled=false"
+    if cfg.model.fp8.lm_head and cfg.determinism.max_tensor > 1:
+        return [
+            (
+                "model.fp8.lm_head",
+                True,
+                "the vocabulary-chunked LM head of determinism.max_tensor > 1 has no fp8 path yet",
+                "set model.fp8.lm_head=false or determinism.max_tensor=1",
+            )
+        ]
     if cfg.trace.level != "none":
         key, value, why, fix = "trace.level", cfg.trace.level, "the tracer's instrumented steps", "trace without fp8"
     elif cfg.debug.inject_nondeterminism.scope:

@@ -210,9 +210,9 @@ def _assert_copies_exact(grads, compute):
 def test_fp8_compute_copies_give_the_same_bits(tiny_path):
     """model.fp8 with model.kernels=pallas: the step quantizes each fp8 projection's weight once, before the
     microbatch loop (Trainer.compute_copies: fp8.weight_copy with the step's scales, the routed experts'
-    stacks by fp8.grouped_weight_copy; the LM head's copy stays in the compute dtype). The loss, every
-    gradient and every amax are byte-equal to quantizing at each use, and the products read the copies
-    (negative controls: copies made with other scales change the loss, the experts' alone too)."""
+    stacks by fp8.grouped_weight_copy; the LM head's copy stays in the compute dtype unless model.fp8.lm_head).
+    The loss, every gradient and every amax are byte-equal to quantizing at each use, and the products read
+    the copies (negative controls: copies made with other scales change the loss, the experts' alone too)."""
     _, _, scales, copies_of, grads = _copies_case(tiny_path, ["model.pattern='M*E'", "train.seq_len=32"])
     compute = copies_of(scales)
     assert compute["w_head"].dtype == jnp.bfloat16
@@ -232,6 +232,43 @@ def test_fp8_compute_copies_give_the_same_bits(tiny_path):
     mixer = compute["layer_2"]["mixer"]  # the experts' copies alone from other scales: they are read too
     experts_only = {**compute, "layer_2": {"mixer": {**mixer, "experts": other["layer_2"]["mixer"]["experts"]}}}
     assert not _same(grads(experts_only)[1][0], ref[1][0])
+
+
+def test_fp8_lm_head_shares_one_scale_set_between_the_lm_and_mtp_heads(tiny_path):
+    """model.fp8.lm_head: the LM head and the MTP head (one weight) run in fp8 with one scale set, "head",
+    whose amaxes are the maximum over the two uses (tensor.max_copies; a sum would give 2 max |w| for the
+    weight's). The step's fp8 copy of w_head is read by both heads: loss, gradients and amaxes byte-equal to
+    quantizing at each use. Negative control: a copy of the head alone made with other scales changes the
+    loss."""
+    over = ["model.pattern='*-'", "train.seq_len=16", "model.mtp.depth=1", "model.fp8.lm_head=true"]
+    trainer, state, scales, copies_of, grads = _copies_case(tiny_path, over)
+    assert "head" in scales and "head" in trainer.fp8_scales(state)
+    compute = copies_of(scales)
+    assert compute["w_head"][0].dtype == fp8.E4M3
+    ref = _assert_copies_exact(grads, compute)
+    amax = ref[0][1]["head"]
+    assert _same(amax[1], jnp.max(jnp.abs(state.params["w_head"]))), "the weight's amax: a max over the uses"
+    head_only = {**compute, "w_head": copies_of(jax.tree.map(lambda s: s * 2.0, scales))["w_head"]}
+    assert not _same(grads(head_only)[1][0], ref[1][0])
+
+
+def test_fp8_lm_head_config(tiny_path):
+    """model.fp8.lm_head: refused without fp8 and with a vocabulary-chunked head (determinism.max_tensor > 1);
+    off, it is left out of the config hash, so configs saved before it existed keep theirs; on, it changes
+    the hash."""
+    from detjax.config import config_from_dict
+
+    with pytest.raises(ConfigError, match=r"'model.fp8.lm_head'.*Fix: enable fp8"):
+        load_config(tiny_path, ["model.fp8.lm_head=true"])
+    canon = ["determinism.numerics=canonical", "determinism.max_tensor=2", "model.fp8.enabled=true"]
+    with pytest.raises(ConfigError, match=r"'model.fp8.lm_head'.*max_tensor > 1.*Fix: set model.fp8.lm_head=false"):
+        load_config(tiny_path, [*canon, "model.fp8.lm_head=true"])
+    load_config(tiny_path, canon)  # control
+    cfg = load_config(tiny_path, ["model.fp8.enabled=true"])
+    older = cfg.to_dict()
+    del older["model"]["fp8"]["lm_head"]
+    assert config_from_dict(older).hash() == cfg.hash()
+    assert load_config(tiny_path, ["model.fp8.enabled=true", "model.fp8.lm_head=true"]).hash() != cfg.hash()
 
 
 @pytest.mark.gpu

@@ -59,7 +59,7 @@ def param(
 # (model.kernels=pallas); a module that has copies but not the one named is an error. With model.fp8 the
 # groups of FP8_SCALES are copied as the fp8 product reads them (detjax.model.fp8.weight_copy, quantized with
 # the module's scale set of that name), the routed experts' stacks likewise (fp8.grouped_weight_copy, under
-# their own names), the others (the LM head) in the compute dtype.
+# their own names), the others (the LM head unless model.fp8.lm_head) in the compute dtype.
 COMPUTE_COPIES: dict[tuple[str, ...], tuple[int, int]] = {
     ("w_q", "w_k", "w_v"): (1, 3),
     ("w_o",): (2, 3),
@@ -78,6 +78,7 @@ FP8_SCALES: dict[tuple[str, ...], str] = {
     ("w_down",): "down",
     ("w_in_z", "w_in_x", "w_in_bc", "w_in_dt"): "in_proj",
     ("w_out",): "out_proj",
+    ("w_head",): "head",  # with model.fp8.lm_head
 }
 
 
@@ -93,12 +94,12 @@ def module_copies(tree: dict, dtype, fp8_scales: dict | None = None) -> dict:
         ws = [tree.get(n) for n in names]
         if not (all(isinstance(w, jax.Array) and w.dtype == jnp.float32 for w in ws) and ws[0].ndim == ndim):
             continue
-        if fp8_scales is None or names not in FP8_SCALES:
-            out[copy_key(names)] = compute_copy(ws, contracted, dtype)
-        elif FP8_SCALES[names] in fp8_scales:  # as fp8_dense_many fuses them: side by side, no padding
+        if fp8_scales is not None and FP8_SCALES.get(names) in fp8_scales:  # fused as fp8_dense_many fuses them
             k = math.prod(ws[0].shape[:contracted])
-            fused = fuse([w.reshape(k, -1) for w in ws], padded=False)
+            fused = fuse([w.reshape(k, -1) for w in ws], padded=False)  # side by side, no padding
             out[copy_key(names)] = weight_copy(fused, fp8_scales[FP8_SCALES[names]], "pallas")
+        else:
+            out[copy_key(names)] = compute_copy(ws, contracted, dtype)
     experts = [tree.get(n) for n in ("w_gate", "w_up", "w_down")]
     if fp8_scales is not None and all(isinstance(w, jax.Array) and w.ndim == 3 for w in experts):
         for n, w in zip(("w_gate", "w_up", "w_down"), experts, strict=True):  # the routed experts' stacks

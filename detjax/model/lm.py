@@ -123,6 +123,7 @@ class HybridLM(nn.Module):
         self.w_head_DV = param(
             self, "w_head", normal_init(c.init_std), (c.d_model, c.vocab_size), (ax.EMBED, ax.VOCAB), tp
         )
+        self.head_fp8 = scale_var(self, "head", c.fp8.enabled and c.fp8.lm_head)
         if c.mtp.depth:
             self.mtp_norm_h = RMSNorm(c.norm_eps, c.kernels, pinned=pinned)
             self.mtp_norm_e = RMSNorm(c.norm_eps, c.kernels, pinned=pinned)
@@ -138,7 +139,8 @@ class HybridLM(nn.Module):
             self.mtp_fp8_h = scale_var(self, "mtp_proj_h", c.fp8.enabled)
             self.mtp_fp8_e = scale_var(self, "mtp_proj_e", c.fp8.enabled)
 
-    def head(self, h_BLD: jax.Array) -> jax.Array:
+    def head(self, h_BLD: jax.Array, fp8_scale: jax.Array | None = None) -> jax.Array:
+        """Logits of the normed stream; fp8_scale: the head's scale set (model.fp8.lm_head), one use's copy."""
         dtype = DTYPES[self.cfg.compute_dtype]
         if self.tp is not None:  # this device's vocabulary chunks, c x B x L x V/M (rounded as below)
             w_cDV = tp_ops.chunked(self.w_head_DV, 1, self.tp.local)
@@ -149,7 +151,8 @@ class HybridLM(nn.Module):
 
             logits_cBLV = tp_ops.per_chunk(chunk, tp_ops.fanout(self.tp, h_BLD), w_cDV)
             return logits_cBLV.astype(dtype).astype(jnp.float32)
-        logits_BLV = proj("bld,dv->blv", h_BLD, self.w_head_DV, dtype, self.cfg.kernels, copy=(self, ("w_head",)))
+        w_DV, kernels = self.w_head_DV, self.cfg.kernels
+        logits_BLV = proj("bld,dv->blv", h_BLD, w_DV, dtype, kernels, fp8_scale, copy=(self, ("w_head",)))
         return constrain(logits_BLV.astype(jnp.float32), self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB), "logits")
 
     def embed_ids(self, ids_BL: jax.Array) -> jax.Array:
@@ -167,7 +170,10 @@ class HybridLM(nn.Module):
         embedding of ids[:, 1:], computed by the caller (a canonical pipeline's first stage takes its gradient)."""
         c = self.cfg
         aux = jnp.zeros((), jnp.float32)
-        logits_BLV = self.head(self.final_norm(h_BLD))
+        head_scales = [None, None]
+        if self.head_fp8 is not None:  # one scale set for both heads: its amaxes the max over the two uses
+            head_scales = list(tp_ops.max_copies(TensorSplit(1), self.head_fp8, 2 if c.mtp.depth else 1))
+        logits_BLV = self.head(self.final_norm(h_BLD), head_scales[0])
         mtp_logits_BLV = None
         if c.mtp.depth:
             # depth-1 MTP: position t combines h_t with the embedding of token t+1 to predict token t+2
@@ -181,7 +187,7 @@ class HybridLM(nn.Module):
             for i, layer in enumerate(self.mtp_layers):
                 m_BLD, a = layer(m_BLD, train, layer_key(key, len(c.pattern) + i))
                 aux = aux + a
-            mtp_logits_BLV = self.head(self.mtp_final_norm(m_BLD))
+            mtp_logits_BLV = self.head(self.mtp_final_norm(m_BLD), head_scales[1])
         return logits_BLV, mtp_logits_BLV, aux
 
     def __call__(self, ids_BL: jax.Array, train: bool = False, key: jax.Array | None = None):
