@@ -5,7 +5,8 @@
 
 Modes (each a separate process, since XLA reads its flags once):
   plain       scripts/plain_step.py: the plain-JAX step a user writes (jnp matmuls, cuDNN attention, optax
-              AdamW, lax.scan over microbatches); dense patterns only
+              AdamW, lax.scan over microbatches); dense patterns only. `plain+model.fp8.enabled=true`: its
+              projections through Flax's fp8 recipe (fp8_ops.fp8_scaled_dot_general, XLA's fp8 GEMMs)
   fastest     per component the fastest nondeterministic option JAX offers: cuDNN attention, autotuned XLA
               GEMMs, scatter-add MoE combine and embedding gradient, the Pallas gmm for the experts; the
               baseline taxes are against
@@ -69,11 +70,11 @@ def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int
     from detjax import determinism
     from detjax.config import load_config
 
-    if mode == "plain":
+    name, *extra = mode.split("+")
+    if name == "plain":
         import plain_step
 
-        return plain_step.measure(load_config(config, overrides + ["determinism.mode=off"]), steps, warmup)
-    name, *extra = mode.split("+")
+        return plain_step.measure(load_config(config, extra + overrides + ["determinism.mode=off"]), steps, warmup)
     overrides = ["run.fingerprints=true"] + MODES[name] + extra + overrides
 
     cfg = load_config(config, overrides)

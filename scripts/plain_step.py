@@ -7,6 +7,13 @@ SwiGLU, `jax.nn.dot_product_attention(implementation="cudnn")` (or "xla"), a log
 take_along_axis, optax AdamW with global-norm clipping and warm-up + cosine, and `lax.scan` over the
 microbatches. Only dense patterns (`*` attention and `-` MLP blocks, MTP off) have a plain version.
 scripts/det_tax.py runs it as its `plain` mode.
+
+With model.fp8.enabled=true the projections (and the LM head with model.fp8.lm_head=true) are the fp8
+recipe a Flax user reaches for: `flax.linen.fp8_ops.fp8_scaled_dot_general` (what Fp8DirectDotGeneralOp
+calls; XLA's fp8 GEMMs, autotuned) with delayed scaling over model.fp8.amax_history_len steps. Its scales and
+amax histories come back as the "gradient" of the fp8 metadata; each step keeps their elementwise maximum
+over the microbatches (every microbatch starts from the same history, so this is the history with the
+step's largest amax). detjax's margin is not applied. det_tax runs it as `plain+model.fp8.enabled=true`.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from pathlib import Path
 
 
 def build(cfg, attention: str = "cudnn"):
-    """(init(key) -> (params, opt_state), step(params, opt_state, batch) -> (params, opt_state, loss))."""
+    """(init(key) -> (params, opt_state[, fp8 meta]), step(params, opt_state, batch[, fp8 meta]) ->
+    (params, opt_state[, fp8 meta], loss)); the fp8 metadata with model.fp8.enabled."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -30,6 +38,29 @@ def build(cfg, attention: str = "cudnn"):
         raise SystemExit("error: the plain step covers dense patterns only ('*' and '-', model.mtp.depth=0)")
     d, h, kv, hd, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.ffn_dim, m.vocab_size
     bf = jnp.bfloat16
+    fp8 = m.fp8.enabled
+
+    def meta_init():
+        """Each fp8 projection's Flax metadata: scales 1, empty amax histories."""
+        one = jnp.ones((1,), jnp.float32)
+        zero = jnp.zeros((m.fp8.amax_history_len,), jnp.float32)
+        proj = {f"{s}_scale": one for s in ("lhs", "rhs", "grad")} | {
+            f"{s}_amax_history": zero for s in ("lhs", "rhs", "grad")
+        }
+        names = {"*": ("q", "kv", "o"), "-": ("gate_up", "down")}
+        out = {"blocks": [{n: proj for n in names[letter]} for letter in m.pattern]}
+        return out | ({"head": proj} if m.fp8.lm_head else {})
+
+    def mm(x, w, meta=None):
+        """x @ w in bf16 with float32 accumulation; in fp8 with this projection's metadata when given."""
+        if meta is None:
+            return x @ w.astype(bf)
+        from flax.linen import fp8_ops
+
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        return fp8_ops.fp8_scaled_dot_general(
+            x, w.astype(bf), dims, preferred_element_type=bf, quantize_compute_type=bf, **meta
+        )
 
     def init(key):
         keys = iter(jax.random.split(key, 4 * len(m.pattern) + 2))
@@ -57,21 +88,23 @@ def build(cfg, attention: str = "cudnn"):
         x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
         return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(bf)
 
-    def loss_fn(params, tokens):
+    def loss_fn(params, tokens, meta=None):
         ids, tgt = tokens[:, :-1], tokens[:, 1:]
         b, length = ids.shape
         x = params["embed"][ids]
-        for letter, p in zip(m.pattern, params["blocks"], strict=True):
+        metas = meta["blocks"] if meta is not None else [{}] * len(m.pattern)
+        for letter, p, mt in zip(m.pattern, params["blocks"], metas, strict=True):
             y = rms(x, p["norm"])
             if letter == "*":
-                q = (y @ p["q"].astype(bf)).reshape(b, length, h, hd)
-                k, vv = jnp.split((y @ p["kv"].astype(bf)).reshape(b, length, 2 * kv, hd), 2, axis=2)
+                q = mm(y, p["q"], mt.get("q")).reshape(b, length, h, hd)
+                k, vv = jnp.split(mm(y, p["kv"], mt.get("kv")).reshape(b, length, 2 * kv, hd), 2, axis=2)
                 o = jax.nn.dot_product_attention(rope(q), rope(k), vv, is_causal=True, implementation=attention)
-                x = x + (o.reshape(b, length, h * hd) @ p["o"].astype(bf)).astype(jnp.float32)
+                x = x + mm(o.reshape(b, length, h * hd), p["o"], mt.get("o")).astype(jnp.float32)
             else:
-                gate, up = jnp.split(y @ p["gate_up"].astype(bf), 2, axis=-1)
-                x = x + ((jax.nn.silu(gate) * up) @ p["down"].astype(bf)).astype(jnp.float32)
-        logits = (rms(x, params["final_norm"]) @ params["head"].astype(bf)).astype(jnp.float32)
+                gate, up = jnp.split(mm(y, p["gate_up"], mt.get("gate_up")), 2, axis=-1)
+                x = x + mm(jax.nn.silu(gate) * up, p["down"], mt.get("down")).astype(jnp.float32)
+        head_meta = meta.get("head") if meta is not None else None
+        logits = mm(rms(x, params["final_norm"]), params["head"], head_meta).astype(jnp.float32)
         lse = jax.nn.logsumexp(logits, -1)
         return jnp.sum(lse - jnp.take_along_axis(logits, tgt[..., None], -1)[..., 0])
 
@@ -82,24 +115,33 @@ def build(cfg, attention: str = "cudnn"):
     )
     n_tok = t.global_batch * t.seq_len
 
-    def step(params, opt_state, batch):
+    def step(params, opt_state, batch, meta=None):
         micro = batch.reshape(t.n_micro, t.micro_batch, -1)
 
         def body(acc, tokens):
-            loss, g = jax.value_and_grad(loss_fn)(params, tokens)
-            return jax.tree.map(jnp.add, acc, (loss, g)), None
+            if meta is None:
+                loss, g = jax.value_and_grad(loss_fn)(params, tokens)
+                return jax.tree.map(jnp.add, acc, (loss, g)), None
+            loss, (g, new_meta) = jax.value_and_grad(loss_fn, argnums=(0, 2))(params, tokens, meta)
+            (acc_loss, acc_g), acc_meta = acc
+            acc_meta = jax.tree.map(jnp.maximum, acc_meta, new_meta)
+            return ((acc_loss + loss, jax.tree.map(jnp.add, acc_g, g)), acc_meta), None
 
         zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-        (loss, g), _ = jax.lax.scan(body, zeros, micro)
+        if meta is not None:  # metadata: maxima over the microbatches (scales and histories are >= 0)
+            zeros = (zeros, jax.tree.map(jnp.zeros_like, meta))
+        acc, _ = jax.lax.scan(body, zeros, micro)
+        (loss, g), meta = (acc, None) if meta is None else acc
         g = jax.tree.map(lambda x: x / n_tok, g)
         updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss / n_tok
+        new = (optax.apply_updates(params, updates), opt_state) + (() if meta is None else (meta,))
+        return (*new, loss / n_tok)
 
     def init_all(key):
         params = init(key)
-        return params, tx.init(params)
+        return (params, tx.init(params)) + ((meta_init(),) if fp8 else ())
 
-    return jax.jit(init_all), jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(init_all), jax.jit(step, donate_argnums=(0, 1, 3) if fp8 else (0, 1))
 
 
 def time_steps(run, state, batches: list, steps: int, warmup: int, windows: int = 3) -> dict:
@@ -166,15 +208,15 @@ def measure(cfg, steps: int, warmup: int, attention: str = "cudnn") -> dict:
     from detjax.data.pipeline import make_dataset
 
     init, step = build(cfg, attention)
-    params, opt_state = init(jax.random.key(cfg.train.seed))
+    state = init(jax.random.key(cfg.train.seed))  # (params, opt_state[, fp8 metadata])
     ds = make_dataset(cfg)
     batches = [jax.device_put(np.asarray(ds[i])) for i in range(8)]
 
     def run(state, batch):
-        p, o, loss = step(*state, batch)
-        return (p, o), loss
+        *new, loss = step(*state[:2], batch, *state[2:])
+        return tuple(new), loss
 
-    timing, loss = time_steps(run, (params, opt_state), batches, steps, warmup)
+    timing, loss = time_steps(run, state, batches, steps, warmup)
     return result(timing, cfg, float(loss))
 
 

@@ -498,3 +498,45 @@ def test_fused_swiglu_mlp_is_exact_and_its_amaxes_are_the_products():
     assert not _same(got2[1][1], got[1][1]) and not _same(got2[1][2], got[1][2]), "negative control"
     assert _same(jnp.delete(got2[1][0], 100, axis=0), jnp.delete(got[1][0], 100, axis=0))
     assert _same(got2[2][0][1], got[2][0][1]) and _same(got2[2][1][1], got[2][1][1])  # the weights' amaxes
+
+
+def test_plain_fp8_baseline_follows_delayed_scaling(tiny_path):
+    """scripts/plain_step.py with model.fp8 (det_tax's `plain+model.fp8.enabled=true`, the Flax fp8 recipe the
+    detjax fp8 step is timed against): its metadata after a step holds, for the first block's q projection,
+    the largest |input| over the WHOLE batch (the maximum over both microbatches: a sum would double it, the
+    last microbatch alone would miss the first's), and after two steps every scale has left 1 (the scales
+    follow the histories). Negative control: the bf16 step's loss differs from the fp8 step's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import plain_step
+
+    with jax.numpy_rank_promotion("allow"):  # the script is plain JAX: it broadcasts ranks
+        _plain_fp8_checks(plain_step, tiny_path)
+
+
+def _plain_fp8_checks(plain_step, tiny_path):
+    over = ["model.pattern='*-'", "model.mtp.depth=0", "model.dropout=0", "train.global_batch=4"]
+    over += ["train.micro_batch=2", "train.seq_len=16", "determinism.mode=off"]
+    cfg = load_config(tiny_path, [*over, "model.fp8.enabled=true", "model.fp8.lm_head=true"])
+    init, step = plain_step.build(cfg, "xla")
+    params, opt, meta = init(jax.random.key(0))
+    # token 0's embedding is one-hot, so its normed row peaks at sqrt(d): the first microbatch's amax is
+    # well above the second's, which has no token 0
+    params["embed"] = params["embed"].at[0].set(jnp.zeros((cfg.model.d_model,)).at[0].set(1.0))
+    batch = jax.random.randint(jax.random.key(1), (4, 17), 1, cfg.model.vocab_size).at[0, 3].set(0)
+    x = params["embed"][batch[:, :-1]].astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + cfg.model.norm_eps) * params["blocks"][0]["norm"]
+    want = jnp.max(jnp.abs(y.astype(jnp.bfloat16).astype(jnp.float32)))
+    halves = [jnp.max(jnp.abs(y[i : i + 2].astype(jnp.bfloat16).astype(jnp.float32))) for i in (0, 2)]
+    params, opt, meta, loss8 = step(params, opt, batch, meta)
+    got = jnp.max(meta["blocks"][0]["q"]["lhs_amax_history"])
+    assert float(halves[0]) == float(want) > 1.5 * float(halves[1])  # the microbatches' amaxes differ
+    assert np.isclose(float(got), float(want), rtol=1e-2), (got, want, halves)
+    params, opt, meta, _ = step(params, opt, batch, meta)
+    scales = [v for k, v in jax.tree_util.tree_leaves_with_path(meta) if "scale" in jax.tree_util.keystr(k)]
+    assert len(scales) == 3 * 6 and all(float(s[0]) != 1.0 for s in scales)
+    cfg16 = load_config(tiny_path, over)
+    init16, step16 = plain_step.build(cfg16, "xla")
+    assert float(step16(*init16(jax.random.key(0)), batch)[-1]) != float(loss8)
