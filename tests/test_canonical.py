@@ -455,6 +455,20 @@ def test_fp8_through_a_canonical_pipeline_is_mesh_invariant():
     assert not _same(bf16[0], ref[0]), "negative control: fp8 off should give other bits"
 
 
+def test_fp8_lm_head_through_a_canonical_pipeline_is_mesh_invariant():
+    """model.fp8.lm_head through the canonical pipeline (pipeline 2 x data 4): the LM and MTP heads' one
+    scale set ("head", outside the stages) takes the maximum over both heads, microbatches, ranks and batch
+    shards, so two steps give one device's parameters, scales and histories, byte for byte. Negative
+    control: the head in bf16 gives other parameters."""
+    canon = ["determinism.numerics=canonical", "train.micro_batch=1", "mesh.devices=1"]
+    model = (*FP8_PIPE_MODEL, "model.fp8.lm_head=true")
+    ref = _state_after(canon, model, 2)
+    got = _state_after([*canon[:2], "mesh.pipeline=2"], model, 2)
+    assert "head" in ref[1]["scale"]
+    assert _same(got[:2], ref[:2]) and _same(got[2]["digest"], ref[2]["digest"])
+    assert not _same(_state_after(canon, FP8_PIPE_MODEL, 2)[0], ref[0]), "negative control: a bf16 head"
+
+
 def test_fp8_through_a_default_pipeline_takes_every_stages_amaxes():
     """Default numerics with model.fp8 through the pipeline (pipeline 2 x data 4, the state stacked by stage):
     after one step every scale set's weight amax is the one-device run's, byte for byte (the same initial
