@@ -7,10 +7,12 @@
 
 For each candidate tile set the kernel's TILES entry is replaced, every jit cache is cleared, and the kernel
 (forward, and backward where it has one) is timed: one jitted call runs it on SETS different input sets, the
-median of --reps calls divided by SETS. The pinned TILES in each kernel.py are chosen from this table and
-never at run time (a tile change changes a kernel's reduction order, hence its bits: it is a new trajectory,
-and is recorded with the table in docs/BENCHMARKS.md). Each row also says whether two calls of the candidate
-gave the same bytes.
+median of --reps calls divided by SETS (host time: per-call overhead included). The fp8 quantization
+kernels, whose calls take microseconds, also print their device time from a profiler trace. The pinned
+TILES in each kernel.py are chosen from this table and never at run time (a tile change changes a kernel's
+reduction order, hence its bits: it is a new trajectory, and is recorded with the table in
+docs/BENCHMARKS.md; the quantization kernels are elementwise, so their tiles change speed only). Each row
+also says whether two calls of the candidate gave the same bytes.
 """
 
 from __future__ import annotations
@@ -131,8 +133,29 @@ def _many(fn):
     return jax.jit(lambda *sets: [fn(*(a[s] for a in sets)) for s in range(SETS)])
 
 
-def _sweep(title, tiles, key, cands, cases, reps):
-    """cases: [(name, fn, args (lists of SETS arrays))]; prints one row per candidate."""
+def _device_ms(fn, args, reps: int, kernel: str) -> float:
+    """ms per input set of the device events whose name contains `kernel`, from a jax.profiler trace of
+    `reps` calls (profile_step's parser): the kernel's own time, without the host's per-call overhead that
+    _time includes (which dominates kernels of a few microseconds)."""
+    import tempfile
+    from pathlib import Path
+
+    from profile_step import device_events  # scripts/ is on sys.path when this file runs as a script
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(reps):
+                jax.block_until_ready(fn(*args))
+        events = [e for e in device_events(Path(d)) if kernel in e.get("name", "")]
+    if not events:
+        raise RuntimeError(f"no device event named like {kernel!r} in the trace")
+    return sum(float(e["dur"]) for e in events) / 1e3 / reps / SETS
+
+
+def _sweep(title, tiles, key, cands, cases, reps, kernel: str | None = None):
+    """cases: [(name, fn, args (lists of SETS arrays))]; prints one row per candidate. kernel: a kernel name
+    (as the profiler shows it) whose device time is printed too."""
     keep = dict(tiles[key]) if key is not None else dict(tiles)
     try:
         for ci, cand in enumerate(cands):
@@ -146,7 +169,8 @@ def _sweep(title, tiles, key, cands, cases, reps):
                 try:
                     f = _many(fn)
                     same = _bytes(f(*args)) == _bytes(f(*args))
-                    cells.append(f"{name} {_time(f, args, reps):.4f} ms{'' if same else ' (REPLAY DIFFERS)'}")
+                    dev = f" (device {_device_ms(f, args, reps, kernel):.4f} ms)" if kernel else ""
+                    cells.append(f"{name} {_time(f, args, reps):.4f} ms{dev}{'' if same else ' (REPLAY DIFFERS)'}")
                 except Exception as e:  # a candidate that does not compile (shared memory, registers) is a row too
                     cells.append(f"{name} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             print(f"  {title} #{ci} {cand}: " + "; ".join(cells), flush=True)
@@ -299,7 +323,7 @@ def sweep_quantize(reps: int) -> None:
         return lambda v: qz.quantize_transposed(v, jnp.float32(scale), dtype=dtype, interpret=False)
 
     cases = [("x 8192x1024", one(fp8.E4M3, 64.0), (x,)), ("dy 8192x1536", one(fp8.E5M2, 4096.0), (dy,))]
-    _sweep("quantize_transposed", qz.TILES, "transposed", TRANSPOSED, cases, reps)
+    _sweep("quantize_transposed", qz.TILES, "transposed", TRANSPOSED, cases, reps, "fp8_quantize_transposed")
 
 
 def sweep_swiglu(reps: int) -> None:
@@ -319,8 +343,10 @@ def sweep_swiglu(reps: int) -> None:
     def bwd(y, dh):
         return qz.swiglu_bwd_quantize_transposed(y, dh, jnp.float32(4096.0), dtype=fp8.E5M2, interpret=False)
 
-    _sweep("swiglu fwd (192 MiB)", qz.TILES, "swiglu_fwd", SWIGLU_FWD, [("fwd", fwd, (y,))], reps)
-    _sweep("swiglu bwd (320 MiB)", qz.TILES, "swiglu_bwd", SWIGLU_BWD, [("bwd", bwd, (y, dh))], reps)
+    _sweep(
+        "swiglu fwd (192 MiB)", qz.TILES, "swiglu_fwd", SWIGLU_FWD, [("fwd", fwd, (y,))], reps, "fp8_swiglu_quantize"
+    )
+    _sweep("swiglu bwd (320 MiB)", qz.TILES, "swiglu_bwd", SWIGLU_BWD, [("bwd", bwd, (y, dh))], reps, "fp8_swiglu_bwd")
 
 
 def main() -> int:
