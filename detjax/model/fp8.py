@@ -430,9 +430,12 @@ def fp8_dense_many(specs: list[str], x: jax.Array, ws: list[jax.Array], dtype, s
     `wq`: the fused weight's weight_copy, made beforehand (the step's compute copies), or None."""
     from detjax.pallas_kernels.matmul.ops import dense_many
 
-    if wq is None:
-        return dense_many(specs, x, ws, dtype, product=lambda x2d, w: fp8_matmul(x2d, w, scale_3, dtype, kernels))
-    return dense_many(specs, x, ws, dtype, product=lambda x2d, w: fp8_matmul_copy(x2d, w, wq, scale_3, dtype, kernels))
+    def product(x2d, w):
+        if wq is None:
+            return fp8_matmul(x2d, w, scale_3, dtype, kernels)
+        return fp8_matmul_copy(x2d, w, wq, scale_3, dtype, kernels)
+
+    return dense_many(specs, x, ws, dtype, product=product)
 
 
 def scale_var(module, name: str, enabled: bool) -> jax.Array | None:
