@@ -89,23 +89,24 @@ GMM = [
 ]
 
 SWIGLU_FWD = [
+    {"block_m": 32, "block_n": 256, "num_warps": 4},
     {"block_m": 64, "block_n": 128, "num_warps": 4},
     {"block_m": 128, "block_n": 128, "num_warps": 8},
     {"block_m": 32, "block_n": 128, "num_warps": 4},
-    {"block_m": 64, "block_n": 128, "num_warps": 2},
     {"block_m": 64, "block_n": 256, "num_warps": 4},
-    {"block_m": 32, "block_n": 256, "num_warps": 4},
-    {"block_m": 64, "block_n": 64, "num_warps": 2},
+    {"block_m": 32, "block_n": 256, "num_warps": 8},
+    {"block_m": 32, "block_n": 512, "num_warps": 4},
+    {"block_m": 16, "block_n": 256, "num_warps": 4},
 ]
 SWIGLU_BWD = [  # "pair": one program writes both halves of dy's tile; else one program per half
+    {"block_m": 32, "block_n": 128, "num_warps": 4, "pair": True},
     {"block_m": 64, "block_n": 64, "num_warps": 4, "pair": True},
     {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": False},
-    {"block_m": 64, "block_n": 64, "num_warps": 2, "pair": True},
     {"block_m": 32, "block_n": 64, "num_warps": 4, "pair": True},
-    {"block_m": 32, "block_n": 128, "num_warps": 4, "pair": True},
-    {"block_m": 64, "block_n": 32, "num_warps": 4, "pair": True},
-    {"block_m": 64, "block_n": 128, "num_warps": 4, "pair": False},
-    {"block_m": 64, "block_n": 64, "num_warps": 4, "pair": False},
+    {"block_m": 32, "block_n": 128, "num_warps": 8, "pair": True},
+    {"block_m": 32, "block_n": 256, "num_warps": 4, "pair": True},
+    {"block_m": 16, "block_n": 128, "num_warps": 4, "pair": True},
+    {"block_m": 16, "block_n": 256, "num_warps": 4, "pair": True},
 ]
 TRANSPOSED = [  # quantize_transposed: the tile must divide 128
     {"block_m": 128, "block_n": 128, "num_warps": 8},
