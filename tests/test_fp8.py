@@ -421,6 +421,63 @@ def test_fp8_matmul_mosaic_path_matches_the_triton_path(monkeypatch):
     assert not _same(grads(x2, w, g, "pallas")[1][1], got[1][1]), "negative control: the input must change dw"
 
 
+@pytest.mark.parametrize("path", ["reference", "mosaic"])
+def test_widened_fp8_products_give_the_bits_of_a_cast_after(path, monkeypatch):
+    """fp8_matmul and fp8_swiglu_mlp with `widen` (a float32 result, its float32 cotangent rounded to the
+    compute dtype inside the backward's quantization): output, every gradient and every amax byte-equal to
+    the unwidened product followed by .astype(float32), on XLA's path and on the Mosaic path (its kernels
+    interpreted on CPU, compiled on a Hopper GPU). The cotangent is general float32, so a backward that
+    skipped the rounding would quantize other values; negative control: its float32 amax is not the
+    rounded one the products report."""
+    from detjax.pallas_kernels.matmul import kernel, mosaic
+
+    if path == "mosaic":
+        if jax.default_backend() == "gpu" and not mosaic.available():
+            pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
+        monkeypatch.setattr(kernel, "use_mosaic_fp8", lambda *a: True)
+    kernels = "pallas" if path == "mosaic" else "reference"
+    bf, f32 = jnp.bfloat16, jnp.float32
+    ks = jax.random.split(jax.random.key(11), 5)
+    m, d, f = 256, 256, 256
+    x = jax.random.normal(ks[0], (m, d)).astype(bf)
+    w = 0.05 * jax.random.normal(ks[1], (d, d))
+    w_gu, w_dn = 0.05 * jax.random.normal(ks[2], (d, 2 * f)), 0.05 * jax.random.normal(ks[3], (f, d))
+    g = 3 * jax.random.normal(ks[4], (m, d))  # float32 values bf16 cannot hold
+    s = jnp.asarray([4.0, 64.0, 8.0], f32)
+
+    def run(fn, *args):
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(g)
+
+    def matmul(widen):
+        def fn(x, w, s):
+            if widen:
+                return fp8.fp8_matmul(x, w, s, bf, kernels, True)
+            return fp8.fp8_matmul(x, w, s, bf, kernels).astype(f32)
+
+        return fn
+
+    def mlp(widen):
+        def fn(x, w_gu, w_dn, s_gu, s_dn):
+            if widen:
+                return fp8.fp8_swiglu_mlp(x, w_gu, w_dn, s_gu, s_dn, None, bf, True)
+            return fp8.fp8_swiglu_mlp(x, w_gu, w_dn, s_gu, s_dn, None, bf).astype(f32)
+
+        return fn
+
+    cases = [(matmul, (x, w, s))]
+    if path == "mosaic":  # fp8_swiglu_mlp is the Mosaic path's MLP
+        cases.append((mlp, (x, w_gu, w_dn, s, s)))
+    for make, args in cases:
+        got, want = run(make(True), *args), run(make(False), *args)
+        assert got[0].dtype == f32
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert a.dtype == b.dtype and _same(a, b), (make.__name__, a.shape)
+        amax_g = got[1][-1][2] if make is matmul else got[1][4][2]
+        assert _same(amax_g, jnp.max(jnp.abs(g.astype(bf).astype(f32))))
+        assert not _same(amax_g, jnp.max(jnp.abs(g))), "negative control: rounding moves the amax"
+
+
 def test_fused_swiglu_mlp_is_exact_and_its_amaxes_are_the_products():
     """fp8_swiglu_mlp (the MLP on the Mosaic path, one device): gate+up product, SwiGLU fused with h's
     quantization, down product, and the backward with dy's quantization fused likewise, against the same

@@ -316,6 +316,20 @@ def test_fp8_quantize_transposed_matches_the_xla_quantization(tile, monkeypatch)
     want = jnp.pad(fp8._quantize(v, jnp.float32(40.0), fp8.E4M3), ((0, 156), (0, 124)))
     assert q.shape == (256, 384) and _same(q.view(jnp.uint8), want.view(jnp.uint8))
     assert _same(qt.view(jnp.uint8), want.T.view(jnp.uint8)) and _same(amax, fp8._amax(v))
+    # round_to: a float32 v rounded to bfloat16 in the kernel gives the bytes of quantizing v.astype(bfloat16)
+    # (model.fp8's float32 cotangents), padding and amax included; without it the float32 values differ
+    v = 3000 * jax.random.normal(ks[1], (100, 260))
+    vb = v.astype(jnp.bfloat16)
+    q, qt, amax = quantize_transposed(
+        v, jnp.float32(1.0), dtype=fp8.E5M2, interpret=interp, rows_to=256, cols_to=384, round_to=jnp.bfloat16
+    )
+    want, want_t, want_amax = quantize_transposed(
+        vb, jnp.float32(1.0), dtype=fp8.E5M2, interpret=interp, rows_to=256, cols_to=384
+    )
+    assert _same(q.view(jnp.uint8), want.view(jnp.uint8)) and _same(qt.view(jnp.uint8), want_t.view(jnp.uint8))
+    assert _same(amax, want_amax) and _same(amax, fp8._amax(vb))
+    unrounded = quantize_transposed(v, jnp.float32(1.0), dtype=fp8.E5M2, interpret=interp, rows_to=256, cols_to=384)
+    assert not _same(unrounded[2], amax), "negative control: the float32 amax differs from the rounded one"
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,7 @@ class Attention(nn.Module):
     layout: ax.Layout | None = None
     fp8: bool = False  # model.fp8.enabled: the projections in fp8 with delayed scaling
     tp: TensorSplit | None = None  # canonical tensor parallelism: heads in fixed chunks (q/k/v column, o row)
+    out_f32: bool = False  # may return the result widened to float32 (layers.proj's out_f32; the same values)
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -118,4 +119,4 @@ class Attention(nn.Module):
             o_BLHQ = attention_reference(q_BLHQ, k_BLKQ, v_BLKQ)
         o_BLHQ = constrain(o_BLHQ, lay, q_names, "attn_out")
         o_fp8 = scale_var(self, "o", self.fp8)
-        return proj("blhq,hqd->bld", o_BLHQ, w_o_HQD, self.dtype, kernels, o_fp8, (self, ("w_o",)))
+        return proj("blhq,hqd->bld", o_BLHQ, w_o_HQD, self.dtype, kernels, o_fp8, (self, ("w_o",)), self.out_f32)

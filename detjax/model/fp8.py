@@ -91,19 +91,27 @@ def _mosaic_pads(m: int, k: int, n: int) -> tuple[int, int, int]:
     return max(cm, r_mult, br), max(cm, cn, br), max(cn, br)
 
 
-def _quantize_padded(v: jax.Array, scale: jax.Array, dtype, rows_to: int, cols_to: int):
+def _quantize_padded(v: jax.Array, scale: jax.Array, dtype, rows_to: int, cols_to: int, round_to=None):
     """(q, q^T, amax) in one pass, q zero-padded to rows_to x cols_to multiples
-    (quantize.quantize_transposed: the same q as XLA's quantization, tests/test_matmul.py)."""
+    (quantize.quantize_transposed: the same q as XLA's quantization, tests/test_matmul.py); `round_to`: v's
+    values rounded to that dtype first, in the kernel."""
     from detjax.pallas_kernels.matmul.quantize import quantize_transposed
 
-    return quantize_transposed(v, scale, dtype=dtype, interpret=_interpret(), rows_to=rows_to, cols_to=cols_to)
+    return quantize_transposed(
+        v, scale, dtype=dtype, interpret=_interpret(), rows_to=rows_to, cols_to=cols_to, round_to=round_to
+    )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def fp8_matmul(x_MK: jax.Array, w_KN: jax.Array, scale_3: jax.Array, out_dtype, kernels: str) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def fp8_matmul(
+    x_MK: jax.Array, w_KN: jax.Array, scale_3: jax.Array, out_dtype, kernels: str, widen: bool = False
+) -> jax.Array:
     """x @ w through fp8 with the given scales (s_x, s_w, s_g); see the module docstring. x comes in
-    out_dtype (the compute dtype), w is the float32 master."""
-    return _fwd(x_MK, w_KN, scale_3, out_dtype, kernels)[0]
+    out_dtype (the compute dtype), w is the float32 master. `widen`: the out_dtype result is returned as
+    float32 (the same values) and its float32 cotangent is rounded to out_dtype where the backward quantizes
+    it -- the bits of `fp8_matmul(...).astype(float32)`, without the cotangent's cast as a pass of its own
+    (a residual stream in float32: detjax.model.lm.Block)."""
+    return _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, widen)[0]
 
 
 def weight_copy(w_KN: jax.Array, scale_3: jax.Array, kernels: str) -> tuple:
@@ -124,30 +132,34 @@ def _check_copy(w_KN, wq, mosaic: bool) -> None:
         raise ValueError(f"fp8 weight copy {wq[0].shape} does not fit the weight {w_KN.shape} (fp8.weight_copy)")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def fp8_matmul_copy(x_MK, w_KN, wq, scale_3, out_dtype, kernels: str) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def fp8_matmul_copy(x_MK, w_KN, wq, scale_3, out_dtype, kernels: str, widen: bool = False) -> jax.Array:
     """fp8_matmul reading wq = weight_copy(w, scale_3, kernels), made beforehand: the products never read
     w's values, w only receives dw. The same bytes as fp8_matmul, so the same bits."""
     _check_copy(w_KN, wq, _mosaic_path(w_KN, kernels))
-    return _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, wq)[0]
+    return _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, widen, wq)[0]
 
 
-def _copy_fwd(x_MK, w_KN, wq, scale_3, out_dtype, kernels):
+def _copy_fwd(x_MK, w_KN, wq, scale_3, out_dtype, kernels, widen):
     _check_copy(w_KN, wq, _mosaic_path(w_KN, kernels))
-    y, res = _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, wq)
+    y, res = _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, widen, wq)
     return y, (res, wq)
 
 
-def _copy_bwd(out_dtype, kernels, res, dy_MN):
+def _copy_bwd(out_dtype, kernels, widen, res, dy_MN):
     res, wq = res
-    dx, dw, amax = _bwd(out_dtype, kernels, res, dy_MN)
+    dx, dw, amax = _bwd(out_dtype, kernels, widen, res, dy_MN)
     return dx, dw, jax.tree.map(jnp.zeros_like, wq), amax  # the copy is a constant of the step
 
 
 fp8_matmul_copy.defvjp(_copy_fwd, _copy_bwd)
 
 
-def _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, wq=None):
+def _widened(y: jax.Array, widen: bool) -> jax.Array:
+    return y.astype(jnp.float32) if widen else y
+
+
+def _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, widen=False, wq=None):
     inv = 1.0 / (scale_3[0] * scale_3[1])
     if _mosaic_path(w_KN, kernels):  # fp8 wgmma: every product as a @ b^T, transposed copies made while quantizing
         from detjax.pallas_kernels.matmul.kernel import fp8_nt
@@ -158,15 +170,17 @@ def _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, wq=None):
         w8, w8_NK, amax_w = wq if wq is not None else _quantize_padded(w_KN, scale_3[1], E4M3, pk, pn)
         y = fp8_nt(x8, w8_NK, inv, out_dtype=out_dtype, r_chunk=0, interpret=_interpret())
         kn = jnp.zeros((k, n, 0), jnp.int8)  # the weight's unpadded shape, for the backward (no data)
-        return y[:m, :n], (x8_KM, w8, scale_3, amax_x, amax_w, kn)
+        return _widened(y[:m, :n], widen), (x8_KM, w8, scale_3, amax_x, amax_w, kn)
     x8 = _quantize(x_MK, scale_3[0], E4M3)
     w8, _, amax_w = wq if wq is not None else (_quantize(w_KN, scale_3[1], E4M3), None, _amax(w_KN))
     y = _qdot(x8, w8, "fwd", kernels, inv, out_dtype)
-    return y, (x8, w8, scale_3, _amax(x_MK), amax_w, None)
+    return _widened(y, widen), (x8, w8, scale_3, _amax(x_MK), amax_w, None)
 
 
-def _bwd(out_dtype, kernels, res, dy_MN):
-    """dx in the compute dtype (x arrives in it, as out_dtype), dw in float32 (the master's dtype)."""
+def _bwd(out_dtype, kernels, widen, res, dy_MN):
+    """dx in the compute dtype (x arrives in it, as out_dtype), dw in float32 (the master's dtype). With
+    `widen` dy comes in float32 and is rounded to out_dtype first (in the quantization kernel on the Mosaic
+    path)."""
     x8, w8, scale_3, amax_x, amax_w, kn = res
     inv_dx, inv_dw = 1.0 / (scale_3[2] * scale_3[1]), 1.0 / (scale_3[0] * scale_3[2])
     if kn is not None:  # the Mosaic path: x8 is x8^T (K, M) and w8 (K, N), both padded; kn has (K, N)
@@ -174,11 +188,13 @@ def _bwd(out_dtype, kernels, res, dy_MN):
 
         (m, n), k = dy_MN.shape, kn.shape[0]
         pm, _, pn = _mosaic_pads(m, k, n)
-        g8, g8_NM, amax_g = _quantize_padded(dy_MN, scale_3[2], E5M2, pm, pn)
+        g8, g8_NM, amax_g = _quantize_padded(dy_MN, scale_3[2], E5M2, pm, pn, out_dtype if widen else None)
         dx = fp8_nt(g8, w8, inv_dx, out_dtype=out_dtype, r_chunk=0, interpret=_interpret())
         chunk = dw_row_chunk(k, n)
         dw = fp8_nt(x8, g8_NM, inv_dw, out_dtype=jnp.float32, r_chunk=chunk, interpret=_interpret())
         return dx[:m, :k], dw[:k, :n], jnp.stack([amax_x, amax_w, amax_g])
+    if widen:
+        dy_MN = dy_MN.astype(out_dtype)
     g8 = _quantize(dy_MN, scale_3[2], E5M2)
     dx = _qdot(g8, w8, "dx", kernels, inv_dx, out_dtype)
     dw = _qdot(x8, g8, "dw", kernels, inv_dw, jnp.float32)
@@ -208,18 +224,18 @@ def _whole_tiles(m: int, d: int, f: int) -> bool:
     return all(a % b == 0 for a, b in ((m, pm), (m, pm2), (d, pd), (d, pd2), (2 * f, pn), (f, pf)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def fp8_swiglu_mlp(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, copies, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def fp8_swiglu_mlp(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, copies, out_dtype, widen: bool = False):
     """down(silu(gate) * up) of x through fp8 on the Mosaic path, with w_gu = [w_gate | w_up] (k, 2f): the
     two products of fp8_matmul with h = silu(gate) * up computed in float32 and quantized in one kernel
     (quantize.swiglu_quantize_transposed), and its backward likewise (swiglu_bwd_quantize_transposed), so
     neither h nor dy is written in the compute dtype. The amaxes are those of fp8_matmul (h's in float32).
     Shapes as fused_swiglu admits them. `copies`: None, or (weight_copy of w_gu, of w_down) made beforehand
-    (then the weights' values are not read; they receive the gradients)."""
-    return _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, copies, out_dtype)[0]
+    (then the weights' values are not read; they receive the gradients). `widen` as in fp8_matmul."""
+    return _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, copies, out_dtype, widen)[0]
 
 
-def _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, copies, out_dtype):
+def _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, copies, out_dtype, widen):
     from detjax.pallas_kernels.matmul.kernel import fp8_nt
     from detjax.pallas_kernels.matmul.quantize import swiglu_quantize_transposed
 
@@ -239,10 +255,10 @@ def _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, copies, out_dtype):
     wd8, wd8_NK, amax_wd = copies[1] if copies is not None else _quantize_padded(w_down_FK, s_down_3[1], E4M3, pf, pd)
     out = fp8_nt(h8, wd8_NK, 1.0 / (s_down_3[0] * s_down_3[1]), out_dtype=out_dtype, r_chunk=0, interpret=interp)
     zero = jax.tree.map(jnp.zeros_like, copies)  # the copies' cotangent: they are constants of the step
-    return out, (x8_KM, w8, y, h8_FM, wd8, s_gu_3, s_down_3, amax_x, amax_w, amax_h, amax_wd, zero)
+    return _widened(out, widen), (x8_KM, w8, y, h8_FM, wd8, s_gu_3, s_down_3, amax_x, amax_w, amax_h, amax_wd, zero)
 
 
-def _swiglu_bwd(out_dtype, res, dout_MK):
+def _swiglu_bwd(out_dtype, widen, res, dout_MK):
     from detjax.pallas_kernels.matmul.kernel import dw_row_chunk, fp8_nt
     from detjax.pallas_kernels.matmul.quantize import swiglu_bwd_quantize_transposed
 
@@ -250,7 +266,7 @@ def _swiglu_bwd(out_dtype, res, dout_MK):
     (m, k), f = dout_MK.shape, y.shape[1] // 2
     interp = _interpret()
     pm, _, pd = _mosaic_pads(m, f, k)
-    g8, g8_KM, amax_g = _quantize_padded(dout_MK, s_dn[2], E5M2, pm, pd)
+    g8, g8_KM, amax_g = _quantize_padded(dout_MK, s_dn[2], E5M2, pm, pd, out_dtype if widen else None)
     dh = fp8_nt(g8, wd8, 1.0 / (s_dn[2] * s_dn[1]), out_dtype=out_dtype, r_chunk=0, interpret=interp)
     dw_down = fp8_nt(
         h8_FM, g8_KM, 1.0 / (s_dn[0] * s_dn[2]), out_dtype=jnp.float32, r_chunk=dw_row_chunk(f, k), interpret=interp
@@ -424,16 +440,19 @@ def _gbwd_mosaic(kernels, x_dtype, res, dy_RN):
 fp8_grouped_matmul.defvjp(_gfwd, _gbwd)
 
 
-def fp8_dense_many(specs: list[str], x: jax.Array, ws: list[jax.Array], dtype, scale_3, kernels: str, wq=None):
+def fp8_dense_many(
+    specs: list[str], x: jax.Array, ws: list[jax.Array], dtype, scale_3, kernels: str, wq=None, widen: bool = False
+):
     """Several projections of one input as one fp8 product over the weights concatenated along N (one
     scale set for the fused weight, as one GEMM), split after (detjax.pallas_kernels.matmul.ops.dense_many).
-    `wq`: the fused weight's weight_copy, made beforehand (the step's compute copies), or None."""
+    `wq`: the fused weight's weight_copy, made beforehand (the step's compute copies), or None. `widen`:
+    float32 outputs, as in fp8_matmul."""
     from detjax.pallas_kernels.matmul.ops import dense_many
 
     def product(x2d, w):
         if wq is None:
-            return fp8_matmul(x2d, w, scale_3, dtype, kernels)
-        return fp8_matmul_copy(x2d, w, wq, scale_3, dtype, kernels)
+            return fp8_matmul(x2d, w, scale_3, dtype, kernels, widen)
+        return fp8_matmul_copy(x2d, w, wq, scale_3, dtype, kernels, widen)
 
     return dense_many(specs, x, ws, dtype, product=product)
 

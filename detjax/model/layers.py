@@ -126,18 +126,23 @@ def proj(
     kernels: str = "reference",
     fp8_scale=None,
     copy: tuple[nn.Module, tuple[str, ...]] | None = None,
+    out_f32: bool = False,
 ) -> jax.Array:
     """Einsum in the compute dtype with fp32 accumulation; fp32 masters are cast at use. With
     kernels=pallas it is detjax's pinned-tile Pallas matmul (forward and both backward products), reading
     the trainer's compute copy of the weight when `copy` = (module, (name,)) finds one (COMPUTE_COPIES). With
-    an fp8 scale vector (model.fp8, detjax.model.fp8.scale_var) it runs in fp8 with delayed scaling."""
+    an fp8 scale vector (model.fp8, detjax.model.fp8.scale_var) it runs in fp8 with delayed scaling.
+    `out_f32`: the compute-dtype result widened to float32 (the same values and gradient bits); in fp8 the
+    widening is inside the product, whose quantization kernel then rounds the float32 cotangent itself
+    (fp8.fp8_matmul's `widen`: no separate cast of the cotangent)."""
     if fp8_scale is not None:  # (the trainer's fp8 copies are made for kernels=pallas)
-        return fp8_dense_many(
-            [spec], x, [w], dtype, fp8_scale, kernels, _copy_of(copy if kernels == "pallas" else None)
-        )[0]
+        wq = _copy_of(copy if kernels == "pallas" else None)
+        return fp8_dense_many([spec], x, [w], dtype, fp8_scale, kernels, wq, widen=out_f32)[0]
     if kernels == "pallas":
-        return dense(spec, x, w, dtype, w_c=_copy_of(copy))
-    return _xla_dense(spec, jnp.dtype(dtype), x.dtype, w.dtype, x, w)
+        y = dense(spec, x, w, dtype, w_c=_copy_of(copy))
+    else:
+        y = _xla_dense(spec, jnp.dtype(dtype), x.dtype, w.dtype, x, w)
+    return y.astype(jnp.float32) if out_f32 else y
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -323,6 +328,7 @@ class MLP(nn.Module):
     kernels: str = "reference"
     fp8: bool = False  # model.fp8.enabled: both products in fp8 with delayed scaling
     tp: TensorSplit | None = None  # canonical tensor parallelism: gate/up column-, down row-parallel in chunks
+    out_f32: bool = False  # may return the result widened to float32 (proj's out_f32; the same values)
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -362,6 +368,7 @@ class MLP(nn.Module):
                 scale_var(self, "down", True),
                 None if copies[0] is None else copies,
                 self.dtype,
+                self.out_f32,
             )
             return out.reshape(x_BLD.shape)
         names = (ax.BATCH, ax.LENGTH, ax.ACT_MLP)
@@ -378,4 +385,4 @@ class MLP(nn.Module):
         up_BLF = constrain(up_BLF, self.layout, names)
         h_BLF = nn.silu(gate_BLF) * up_BLF
         down_fp8 = scale_var(self, "down", self.fp8)
-        return proj("blf,fd->bld", h_BLF, w_down_FD, self.dtype, kern, down_fp8, (self, ("w_down",)))
+        return proj("blf,fd->bld", h_BLF, w_down_FD, self.dtype, kern, down_fp8, (self, ("w_down",)), self.out_f32)

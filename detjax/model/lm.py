@@ -45,6 +45,9 @@ class Block(nn.Module):
         x_BLD = RMSNorm(c.norm_eps, c.kernels, dtype, tp is not None, name="norm")(h_BLD)
         x_BLD = constrain(x_BLD, lay, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED), "block_in")
         aux = jnp.zeros((), jnp.float32)
+        # the mixer may hand y over in float32 (the same values) where nothing rounds it in the compute dtype
+        # before the residual add: with fp8, its last product then takes the stream's float32 gradient
+        widen = tp is None and not (train and c.dropout > 0.0)
         if self.letter == "M":
             y_BLD = Mamba2(
                 c.d_model, c.mamba, c.init_std, c.norm_eps, dtype, lay, c.kernels, c.fp8.enabled, tp, name="mixer"
@@ -62,13 +65,16 @@ class Block(nn.Module):
                 layout=lay,
                 fp8=c.fp8.enabled,
                 tp=tp,
+                out_f32=widen,
                 name="mixer",
             )(x_BLD)
         elif self.letter == "E":
             moe = MoE(c.d_model, c.moe, c.init_std, dtype, lay, c.kernels, c.fp8.enabled, tp, name="mixer")
             y_BLD, aux = moe(x_BLD)
         elif self.letter == "-":
-            y_BLD = MLP(c.d_model, c.ffn_dim, c.init_std, dtype, lay, c.kernels, c.fp8.enabled, tp, name="mixer")(x_BLD)
+            y_BLD = MLP(
+                c.d_model, c.ffn_dim, c.init_std, dtype, lay, c.kernels, c.fp8.enabled, tp, widen, name="mixer"
+            )(x_BLD)
         else:
             raise ValueError(f"unknown block letter {self.letter!r}")
         # sequence parallelism: attention, the MLP and Mamba2 end in tensor.combine_piece (a reduce-scatter), so
@@ -152,8 +158,8 @@ class HybridLM(nn.Module):
             logits_cBLV = tp_ops.per_chunk(chunk, tp_ops.fanout(self.tp, h_BLD), w_cDV)
             return logits_cBLV.astype(dtype).astype(jnp.float32)
         w_DV, kernels = self.w_head_DV, self.cfg.kernels
-        logits_BLV = proj("bld,dv->blv", h_BLD, w_DV, dtype, kernels, fp8_scale, copy=(self, ("w_head",)))
-        return constrain(logits_BLV.astype(jnp.float32), self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB), "logits")
+        logits_BLV = proj("bld,dv->blv", h_BLD, w_DV, dtype, kernels, fp8_scale, (self, ("w_head",)), out_f32=True)
+        return constrain(logits_BLV, self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB), "logits")
 
     def embed_ids(self, ids_BL: jax.Array) -> jax.Array:
         return self.embed(ids_BL)

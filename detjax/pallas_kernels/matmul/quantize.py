@@ -47,8 +47,11 @@ def quantize(v: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return jnp.clip(v.astype(jnp.float32) * scale, -fmax, fmax).astype(dtype)
 
 
-def _kernel(v_ref, s_ref, q_ref, qt_ref, amax_ref, *, m: int, n: int, padding: bool):
-    v = v_ref[...].astype(jnp.float32)
+def _kernel(v_ref, s_ref, q_ref, qt_ref, amax_ref, *, m: int, n: int, padding: bool, round_to):
+    v = v_ref[...]
+    if round_to is not None:  # v's values rounded to round_to first: the bits of quantizing v.astype(round_to)
+        v = v.astype(round_to)
+    v = v.astype(jnp.float32)
     if padding:  # a tile over v's edge or past it (it loaded v's last tile): what lies outside v becomes 0
         bm, bn = v.shape
         rows = pl.program_id(0) * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
@@ -60,13 +63,22 @@ def _kernel(v_ref, s_ref, q_ref, qt_ref, amax_ref, *, m: int, n: int, padding: b
     amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(v)), (1, 1))
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to"))
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to", "round_to"))
 def quantize_transposed(
-    v: jax.Array, scale: jax.Array, *, dtype, interpret: bool, rows_to: int = BLOCK, cols_to: int = BLOCK
+    v: jax.Array,
+    scale: jax.Array,
+    *,
+    dtype,
+    interpret: bool,
+    rows_to: int = BLOCK,
+    cols_to: int = BLOCK,
+    round_to=None,
 ):
     """(q, q^T, amax) of a 2-D v: q = dtype(clip(v * scale, -fmax, fmax)), zero-padded to rows_to x
     cols_to multiples (multiples of BLOCK: the padding the Mosaic fp8 product needs, written here instead
-    of by a copy), its transpose, and max |v| (float32, over v alone)."""
+    of by a copy), its transpose, and max |v| (float32, over v alone). `round_to` (a dtype): v is rounded to
+    it first, so a float32 v gives the bytes of quantize_transposed(v.astype(round_to)) without that cast's
+    pass over memory (model.fp8's float32 cotangents, detjax.model.fp8)."""
     m, n = v.shape
     if rows_to % BLOCK or cols_to % BLOCK:
         raise ValueError(f"quantize_transposed: rows_to={rows_to}, cols_to={cols_to} must be multiples of {BLOCK}")
@@ -77,7 +89,7 @@ def quantize_transposed(
     mp, np_ = padded(m, rows_to), padded(n, cols_to)
     last_i, last_j = -(-m // bm) - 1, -(-n // bn) - 1  # v's last tile: tiles past v load it, then mask
     in_specs = [pl.BlockSpec((bm, bn), lambda i, j: (jnp.minimum(i, last_i), jnp.minimum(j, last_j)))]
-    kernel = functools.partial(_kernel, m=m, n=n, padding=(mp, np_) != (m, n))
+    kernel = functools.partial(_kernel, m=m, n=n, padding=(mp, np_) != (m, n), round_to=round_to)
     tile = (bm, bn, t["num_warps"])
     return _tiles_call(kernel, "fp8_quantize_transposed", in_specs, (mp, np_), tile, dtype, interpret, v, scale=scale)
 
