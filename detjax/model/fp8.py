@@ -26,7 +26,10 @@ quantize.quantize_transposed, which writes the transposed copy (and the amax) in
 zero-padded to the products' tiles (_mosaic_pads), and the dequantizing scale is applied in the kernel's
 epilogue. On one device, an MLP whose two products both take that path runs as fp8_swiglu_mlp: SwiGLU is
 computed in float32 inside the kernels that quantize its output h and its gradient dy, so neither is written
-in the compute dtype. The routed experts' grouped matmuls (fp8_grouped_matmul) take fp8 wgmma on Hopper too,
+in the compute dtype. A product whose result joins the float32 residual stream (a block's last product, the
+LM head) can return it widened to float32 (`widen`), so that its backward's quantization kernel rounds the
+stream's float32 gradient to the compute dtype itself: the same bits as a cast, without the cast's pass
+over memory. The routed experts' grouped matmuls (fp8_grouped_matmul) take fp8 wgmma on Hopper too,
 on rows laid out in groups padded to whole tiles (detjax.pallas_kernels.gmm.mosaic); elsewhere they multiply
 the fp8 values exactly in bf16 (Triton gmm / tgmm) or float32 (XLA's ragged_dot).
 """
