@@ -9,7 +9,7 @@ For each candidate tile set the kernel's TILES entry is replaced, every jit cach
 (forward, and backward where it has one) is timed: one jitted call runs it on SETS different input sets, the
 median of --reps calls divided by SETS (host time: per-call overhead included). The fp8 quantization
 kernels, whose calls take microseconds, also print their device time from a profiler trace. The pinned
-TILES in each kernel.py are chosen from this table and never at run time (a tile change changes a kernel's
+TILES in each kernel module are chosen from this table and never at run time (a tile change changes a kernel's
 reduction order, hence its bits: it is a new trajectory, and is recorded with the table in
 docs/BENCHMARKS.md; the quantization kernels are elementwise, so their tiles change speed only). Each row
 also says whether two calls of the candidate gave the same bytes.
