@@ -339,17 +339,18 @@ def grouped_table(reps: int) -> None:
     )
 
 
-MOSAIC_VARIANTS = {  # (warpgroup tile columns of "nt", pipeline stages, wgmmas left in flight)
-    "fp8": [(128, 4, 0), (128, 4, 1), (256, 3, 0), (256, 3, 1)],
-    "bf16": [(128, 4, 0), (128, 4, 1)],
+MOSAIC_VARIANTS = {  # (warpgroup tile columns of "nt", pipeline stages, wgmmas left in flight, streamed)
+    "fp8": [(128, 4, 1, False), (128, 4, 1, True), (128, 4, 0, True)],
+    "bf16": [(128, 4, 0, False), (128, 4, 0, True), (128, 4, 1, True)],
 }
 
 
 def mosaic_variants(reps: int) -> None:
-    """The Mosaic kernel's speed knobs (mosaic.mosaic_matmul's wg_n, stages, delay) on gpu_dense's shapes at
-    M rows, each variant timed alternately with the first listed (wg_n 128, 4 stages, delay 0: the settings
-    before session 24; the model's fp8 products now run delay 1, mosaic.FP8_DELAY) and its output compared
-    bytewise with the first's. fp8: the three products as the model poses them to kernel.fp8_nt
+    """The Mosaic kernel's speed knobs (mosaic.mosaic_matmul's wg_n, stages, delay, stream) on gpu_dense's
+    shapes at M rows, each variant timed alternately with the first listed (one pipeline per tile, wg_n 128,
+    4 stages; delay 1 for fp8 (mosaic.FP8_DELAY), 0 for bf16: the settings before session 28) and its output
+    compared bytewise with the first's. (Sessions 24's wg_n 256 variants were 2-5 x slower and are no longer
+    listed.) fp8: the three products as the model poses them to kernel.fp8_nt
     (operands laid out with R contiguous, dw in dw_row_chunk's token chunks); bf16: the three kinds of the
     weights that take the Mosaic kernel (kernel.use_mosaic)."""
     from detjax.pallas_kernels.matmul import mosaic
@@ -383,7 +384,7 @@ def mosaic_variants(reps: int) -> None:
                 rows = {"fwd": M, "dx": M, "dw": k}[kind]
                 flops = 2 * M * k * n
                 base = None
-                for wg_n, stages, delay in MOSAIC_VARIANTS[prec]:
+                for wg_n, stages, delay, stream in MOSAIC_VARIANTS[prec]:
                     one = functools.partial(
                         mosaic.mosaic_matmul,
                         kind=mk,
@@ -392,10 +393,12 @@ def mosaic_variants(reps: int) -> None:
                         stages=stages,
                         wg_n=wg_n,
                         delay=delay,
+                        stream=stream,
                     )
                     scale = jnp.ones((1,), jnp.float32) if prec == "fp8" and not chunk else None
                     fn = jax.jit(lambda sets, one=one, scale=scale: [one(a, b, scale) for a, b in sets])
                     tag = f"{prec} {kind} {M}x{k}x{n} ({name}) wg_n={wg_n} stages={stages} delay={delay}"
+                    tag += f" stream={stream}"
                     try:
                         out = np.asarray(fn(sets[:1])[0])
                     except Exception as e:  # a variant this jax or device refuses (shared memory, API)
@@ -409,7 +412,7 @@ def mosaic_variants(reps: int) -> None:
                     else:
                         t0, t = timed_pair(base[0], fn, sets, reps)
                         same = "same bits" if np.array_equal(bits, base[1]) else "DIFFERENT BITS"
-                    tot = totals.setdefault((prec, wg_n, stages, delay), [0.0, 0.0])
+                    tot = totals.setdefault((prec, wg_n, stages, delay, stream), [0.0, 0.0])
                     tot[0] += count * t
                     tot[1] += count * t0
                     print(
@@ -417,9 +420,10 @@ def mosaic_variants(reps: int) -> None:
                         f"{t0 / t:.3f} x; {same}; {rows} output rows",
                         flush=True,
                     )
-    for (prec, wg_n, stages, delay), (t, t0) in totals.items():
+    for (prec, wg_n, stages, delay, stream), (t, t0) in totals.items():
         print(
-            f"variants weighted ({prec}) wg_n={wg_n} stages={stages} delay={delay}: {t:.3f} ms, first {t0:.3f} ms "
+            f"variants weighted ({prec}) wg_n={wg_n} stages={stages} delay={delay} stream={stream}: {t:.3f} ms, "
+            f"first {t0:.3f} ms "
             f"({t0 / t:.3f} x)",
             flush=True,
         )

@@ -173,6 +173,68 @@ def test_mosaic_matmul_matches_reference_interpreted():
     assert not _same(chunked, parts[0] + (parts[1] + parts[2]))
 
 
+def _stream_cases(gpu: bool):
+    """(name, args, kwargs) of mosaic.mosaic_matmul for every mode it has, on operands padded to its tiles:
+    bf16 fwd / dx / dw (chunked and not), fp8 nt with a scale and with chunks, and both grouped nt modes."""
+    e4, e5, bf = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
+    m, k, n = (8192, 1024, 1536) if gpu else (256, 256, 256)
+    ks = iter(jax.random.split(jax.random.key(11), 20))
+
+    def rnd(shape, dtype):
+        return (4 * jax.random.normal(next(ks), shape)).astype(dtype)
+
+    one = jnp.full((1,), 0.37, jnp.float32)
+    chunk = 2048 if gpu else 128
+    blocks = jnp.asarray([[0, 2 if gpu else 1], [2 if gpu else 1, 6 if gpu else 1]], jnp.int32)  # first, count
+    return [
+        ("bf16 fwd", (rnd((m, k), bf), rnd((k, n), bf)), dict(kind="fwd", out_dtype=bf, r_chunk=0)),
+        ("bf16 dx", (rnd((m, n), bf), rnd((k, n), bf)), dict(kind="dx", out_dtype=bf, r_chunk=0)),
+        ("bf16 dw", (rnd((m, k), bf), rnd((m, n), bf)), dict(kind="dw", out_dtype=jnp.float32, r_chunk=chunk)),
+        ("bf16 dw one loop", (rnd((m, k), bf), rnd((m, n), bf)), dict(kind="dw", out_dtype=jnp.float32, r_chunk=0)),
+        ("fp8 nt", (rnd((m, k), e4), rnd((n, k), e4), one), dict(kind="nt", out_dtype=bf, r_chunk=0)),
+        ("fp8 nt chunks", (rnd((k, m), e4), rnd((n, m), e4)), dict(kind="nt", out_dtype=jnp.float32, r_chunk=chunk)),
+        (
+            "fp8 nt tile_groups",
+            (rnd((m, k), e4), rnd((3, n, k), e4), one),
+            dict(kind="nt", out_dtype=bf, r_chunk=0, tile_groups=jnp.arange(m // 256, dtype=jnp.int32) % 3),
+        ),
+        (
+            "fp8 nt group_blocks",
+            (rnd((k, m), e4), rnd((n, m), e5 if gpu else e4)),
+            dict(kind="nt", out_dtype=jnp.float32, r_chunk=0, group_blocks=blocks),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_streamed_mosaic_pipeline_gives_the_tiled_bits(device):
+    """mosaic.mosaic_matmul's streamed pipeline (one pipeline over all of an SM's tiles) against one pipeline
+    per tile: byte-equal outputs in every mode, with one wgmma in flight or none (on the GPU: wgmma on
+    general values at gpu_dense's widths; on CPU: Pallas' Mosaic GPU interpreter, which checks the slots,
+    the barriers' phases and the indexing). Negative control: the same products with two reduction blocks
+    swapped (the same sum in another order) give other bits, so a streamed pipeline that fed a tile's blocks
+    out of order would fail here."""
+    from detjax.pallas_kernels.matmul import mosaic
+
+    gpu = device == "gpu"
+    if gpu and not mosaic.available():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
+    for name, args, kw in _stream_cases(gpu):
+        call = functools.partial(mosaic.mosaic_matmul, *args, interpret=not gpu, **kw)
+        base = call(stream=False, delay=1 if "fp8" in name else 0)
+        for delay in (0, 1):
+            assert _same(call(stream=True, delay=delay), base), (name, delay)
+        if name == "bf16 fwd":  # negative control: reduction blocks 1 and 2 swapped in both operands (not 0 and
+            a, b = args  # 1: (0 + x) + y == (0 + y) + x exactly)
+            br = mosaic.block_r(a.dtype)
+            perm = jnp.concatenate([jnp.arange(br), jnp.arange(2 * br, 3 * br), jnp.arange(br, 2 * br)])
+            perm = jnp.concatenate([perm, jnp.arange(3 * br, a.shape[1])])
+            f32 = dict(kw, out_dtype=jnp.float32)  # float32 sums: a bf16 rounding could hide the order
+            kept = mosaic.mosaic_matmul(a, b, interpret=not gpu, stream=True, **f32)
+            swapped = mosaic.mosaic_matmul(a[:, perm], b[perm], interpret=not gpu, stream=True, **f32)
+            assert not _same(swapped, kept), "negative control: the block order must show in the bits"
+
+
 @pytest.mark.gpu
 def test_tile_sets_give_the_same_bits_on_gpu():
     """The shape classes may pick any tile set: on the GPU every set of one dtype gives the same bits (dw with

@@ -42,6 +42,8 @@ SWIZZLE = 128  # bytes: a 64-element bf16 row, the widest swizzle
 STAGES = 4  # pipeline depth (4 x (128 x 64 + 64 x 256) bf16 = 192 KiB of shared memory)
 FP8_DELAY = 1  # fp8 products keep one wgmma in flight (same bits; 0.98-1.09 x per product of gpu_dense, session 24)
 SNAKE_WIDTH = 8  # tiles per band of the persistent loop's order (L2 locality; no effect on bits)
+STREAM = True  # the streamed pipeline (mosaic_matmul's streamed_body) by default
+MEMORY_REGISTERS = 40  # per-thread registers of the memory warpgroup (the compute ones share the rest)
 
 
 def available() -> bool:
@@ -95,6 +97,13 @@ def mixed_fp8() -> bool:
     return True
 
 
+def _compute_registers() -> int:
+    """Per-thread registers of each of the two compute warpgroups: the SM's 64 Ki shared with the memory
+    warpgroup's MEMORY_REGISTERS, rounded down to a multiple of 8, at most 255 (emit_pipeline_warp_specialized's
+    rule)."""
+    return int(min(256, (512 - MEMORY_REGISTERS) / 2) // 8 * 8)
+
+
 def _num_sms() -> int:
     return jax.devices()[0].core_count
 
@@ -110,6 +119,7 @@ def mosaic_matmul(
     stages: int = STAGES,
     wg_n: int = TILE,
     delay: int = 0,
+    stream: bool | None = None,
     interpret: bool = False,
     tile_groups=None,
     group_blocks=None,
@@ -124,7 +134,9 @@ def mosaic_matmul(
     Speed only (the wgmmas of a tile are issued in the same order into one accumulator): `wg_n`, each
     warpgroup's tile columns for "nt" (TILE or 2 * TILE); `delay` 1 keeps one wgmma in flight while the next
     stage is issued (its shared-memory slot is released one step later; only with two or more reduction
-    steps per tile).
+    steps per tile, except when streaming); `stream` (None: STREAM), the streamed pipeline (_streamed_body):
+    the memory warpgroup loads the next tile's blocks while the compute warpgroups finish a tile and write
+    it, instead of one pipeline per tile that fills and drains.
 
     Grouped "nt" products (the MoE experts' fp8 products, detjax.pallas_kernels.gmm.mosaic), whose rows are laid
     out in groups padded to whole tiles, so no tile mixes groups:
@@ -176,16 +188,75 @@ def mosaic_matmul(
     a_index = (lambda k: (k, 0)) if trans_a else (lambda k: (0, k))
     b_index = (lambda k: (0, k)) if trans_b else (lambda k: (k, 0))
 
-    if chunk // br < 2 and group_blocks is None:  # one reduction step per tile: a delayed release would skip
-        delay = 0  # a barrier phase when the persistent loop runs the next tile (Pallas' interpreter reports it)
+    stream = STREAM if stream is None else stream
+    if chunk // br < 2 and group_blocks is None and not stream:  # one reduction step per tile: a delayed
+        delay = 0  # release would skip a barrier phase when the persistent loop runs the next tile (Pallas'
+        # interpreter reports it); the streamed pipeline releases every slot itself
     release = {"delay_release": delay} if delay else {}
+    n_items = n_chunks * m_tiles * n_tiles
+
+    def item(lin, g_gmem):
+        """Work item lin's operand views (whole reduction), first block, number of blocks and output place."""
+        c = lin // (m_tiles * n_tiles)
+        mi, ni = plgpu.planar_snake(lin % (m_tiles * n_tiles), (m_tiles, n_tiles), 1, SNAKE_WIDTH)
+        rows, cols = pl.ds(mi * cm, cm), pl.ds(ni * cn, cn)
+        if group_blocks is not None:  # item c reduces its own blocks of the whole R
+            views, first, steps = (a_gmem_.at[rows, :], b_gmem_.at[cols, :]), g_gmem[0, c], g_gmem[1, c]
+        else:
+            b_op = b_gmem_.at[g_gmem[mi]] if tile_groups is not None else b_gmem_
+            rs = pl.ds(c * chunk, chunk)
+            a_view = a_gmem_.at[rs, rows] if trans_a else a_gmem_.at[rows, rs]
+            b_view = b_op.at[cols, rs] if trans_b else b_op.at[rs, cols]
+            views, first, steps = (a_view, b_view), 0, chunk // br
+        return views, first, steps, pl.ds(c * m + mi * cm, cm), cols
+
+    def wg_part(wg):
+        """This warpgroup's TILE x TILE part of the CTA tile: (rows, columns, columns' count)."""
+        if split_rows:
+            return pl.ds(wg * TILE, TILE), slice(None), cn
+        return slice(None), pl.ds(wg * TILE, TILE), TILE
+
+    def epilogue(acc, s_gmem, out_smem, out_gmem, wg, out_rows, cols):
+        """Scale, round and write this warpgroup's accumulator in (epi_m x epi_n) pieces through two
+        shared-memory slots."""
+        wrows, wcols, wn = wg_part(wg)
+        val = acc[...] if s_gmem is None else acc[...] * s_gmem[0]
+        val = val.astype(out_dtype)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        piece = 0
+        for pm in range(TILE // epi_m):
+            for pn in range(wn // epi_n):
+                slot = piece % 2
+                piece += 1
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                out_smem[wg, slot] = val[pm * epi_m : (pm + 1) * epi_m, pn * epi_n : (pn + 1) * epi_n]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    out_smem.at[wg, slot],
+                    out_gmem.at[out_rows, cols].at[wrows, wcols].at[pl.ds(pm * epi_m, epi_m), pl.ds(pn * epi_n, epi_n)],
+                )
+
+    def mma(acc, a_smem, b_smem, wg):
+        wrows, wcols, _ = wg_part(wg)
+        lhs = a_smem.transpose((1, 0)) if trans_a else a_smem.at[wrows]
+        rhs = b_smem.transpose((1, 0)) if trans_b else b_smem.at[:, wcols]
+        plgpu.wgmma(acc, lhs, rhs)
+
+    def split_refs(refs):
+        refs = list(refs)
+        s_gmem = refs.pop(0) if scale is not None else None
+        g_gmem = refs.pop(0) if grouped else None
+        (out_gmem,) = refs
+        return s_gmem, g_gmem, out_gmem
+
+    a_gmem_ = b_gmem_ = None  # the kernel's operand refs, set on entry (item() reads them)
 
     def pipeline(body, context, steps=chunk // br, first=0):
         # grouped reductions: a dynamic number of steps from a dynamic first block (whole-R views)
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(steps,),
-            memory_registers=40,
+            memory_registers=MEMORY_REGISTERS,
             in_specs=[
                 plgpu.BlockSpec(
                     a_block, lambda k: a_index(k + first), transforms=tiled, memory_space=plgpu.SMEM, **release
@@ -200,11 +271,11 @@ def mosaic_matmul(
             compute_context=context,
         )
 
-    def body(a_gmem, b_gmem, *refs):
-        refs = list(refs)
-        s_gmem = refs.pop(0) if scale is not None else None
-        g_gmem = refs.pop(0) if grouped else None
-        (out_gmem,) = refs
+    def tiled_body(a_gmem, b_gmem, *refs):
+        """One warp-specialized pipeline per work item (it fills and drains at every tile)."""
+        nonlocal a_gmem_, b_gmem_
+        a_gmem_, b_gmem_ = a_gmem, b_gmem
+        s_gmem, g_gmem, out_gmem = split_refs(refs)
 
         def no_op(*_, **__):
             return None
@@ -221,64 +292,131 @@ def mosaic_matmul(
         def scope(allocs, out_smem):
             wg = lax.axis_index("wg")
 
-            @plgpu.nd_loop((n_chunks * m_tiles * n_tiles,), collective_axes="sm")
+            @plgpu.nd_loop((n_items,), collective_axes="sm")
             def tile_loop(info):
                 (lin,) = info.index
-                c = lin // (m_tiles * n_tiles)
-                mi, ni = plgpu.planar_snake(lin % (m_tiles * n_tiles), (m_tiles, n_tiles), 1, SNAKE_WIDTH)
-                rows = pl.ds(mi * cm, cm)
-                cols = pl.ds(ni * cn, cn)
-                rs = pl.ds(c * chunk, chunk)
-                # this warpgroup's TILE x TILE part of the CTA tile
-                wrows = pl.ds(wg * TILE, TILE) if split_rows else slice(None)
-                wn = cn if split_rows else TILE
-                wcols = slice(None) if split_rows else pl.ds(wg * TILE, TILE)
-                out_rows = pl.ds(c * m + mi * cm, cm)
+                (a_view, b_view), first, steps, out_rows, cols = item(lin, g_gmem)
 
                 def context(run):
-                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE, wn), jnp.float32))
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE, wg_part(0)[2]), jnp.float32))
                     def acc_scope(acc):
                         run(acc)
-                        val = acc[...] if s_gmem is None else acc[...] * s_gmem[0]
-                        val = val.astype(out_dtype)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        piece = 0
-                        for pm in range(TILE // epi_m):
-                            for pn in range(wn // epi_n):
-                                slot = piece % 2
-                                piece += 1
-                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                                out_smem[wg, slot] = val[pm * epi_m : (pm + 1) * epi_m, pn * epi_n : (pn + 1) * epi_n]
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(
-                                    out_smem.at[wg, slot],
-                                    out_gmem.at[out_rows, cols]
-                                    .at[wrows, wcols]
-                                    .at[pl.ds(pm * epi_m, epi_m), pl.ds(pn * epi_n, epi_n)],
-                                )
+                        epilogue(acc, s_gmem, out_smem, out_gmem, wg, out_rows, cols)
 
                 def step(_, a_smem, b_smem, acc):
-                    lhs = a_smem.transpose((1, 0)) if trans_a else a_smem.at[wrows]
-                    rhs = b_smem.transpose((1, 0)) if trans_b else b_smem.at[:, wcols]
-                    plgpu.wgmma(acc, lhs, rhs)
+                    mma(acc, a_smem, b_smem, wg)
                     plgpu.wgmma_wait(delay)
                     return acc
 
-                if group_blocks is not None:  # item c reduces its own blocks of the whole R
-                    a_view, b_view = a_gmem.at[rows, :], b_gmem.at[cols, :]
-                    pipe = pipeline(step, context, g_gmem[1, c], g_gmem[0, c])
+                if group_blocks is not None:
+                    pipe = pipeline(step, context, steps, first)
                 else:
-                    b_op = b_gmem.at[g_gmem[mi]] if tile_groups is not None else b_gmem
-                    a_view = a_gmem.at[rs, rows] if trans_a else a_gmem.at[rows, rs]
-                    b_view = b_op.at[cols, rs] if trans_b else b_op.at[rs, cols]
                     pipe = pipeline(step, context)
                 pipe(a_view, b_view, allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    def streamed_body(a_gmem, b_gmem, *refs):
+        """One pipeline over all of this SM's work items: the memory warpgroup (the last) loads block after
+        block into a ring of `stages` shared-memory slots, running ahead into the next item while the compute
+        warpgroups finish an item and write it; each compute warpgroup waits for a slot's blocks, issues its
+        wgmma and releases the slot once that wgmma is done (`delay` wgmmas later). Slots and barrier phases
+        follow one running block count, carried from item to item by both sides. Each output tile is still
+        one ascending loop of wgmmas into one accumulator that starts at zero: the bits of tiled_body."""
+        nonlocal a_gmem_, b_gmem_
+        a_gmem_, b_gmem_ = a_gmem, b_gmem
+        s_gmem, g_gmem, out_gmem = split_refs(refs)
+        sm, n_sms = lax.axis_index("sm"), lax.axis_size("sm")
+        my_items = (n_items - sm + n_sms - 1) // n_sms  # items sm, sm + n_sms, ...
+
+        @functools.partial(
+            pl.run_scoped,
+            a_smem=plgpu.SMEM((stages, *a_block), a_gmem.dtype, transforms=tiled),
+            b_smem=plgpu.SMEM((stages, *b_block), b_gmem.dtype, transforms=tiled),
+            out_smem=plgpu.SMEM((2, 2, epi_m, epi_n), out_dtype, transforms=out_tiled),
+            ready=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            collective_axes="wg",
+        )
+        def scope(a_smem, b_smem, out_smem, ready, consumed):
+            wg = lax.axis_index("wg")
+
+            @pl.when(wg == 2)
+            def _memory():
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+                def one_item(i, g):
+                    (a_view, b_view), first, steps, _, _ = item(sm + i * n_sms, g_gmem)
+
+                    def load(k, g):
+                        slot = lax.rem(g, stages)
+
+                        @pl.when(g >= stages)
+                        def _():
+                            plgpu.barrier_wait(consumed.at[slot])
+
+                        ar, ac = a_index(k + first)
+                        br_, bc = b_index(k + first)
+                        plgpu.copy_gmem_to_smem(
+                            a_view.at[pl.ds(ar * a_block[0], a_block[0]), pl.ds(ac * a_block[1], a_block[1])],
+                            a_smem.at[slot],
+                            ready.at[slot],
+                        )
+                        plgpu.copy_gmem_to_smem(
+                            b_view.at[pl.ds(br_ * b_block[0], b_block[0]), pl.ds(bc * b_block[1], b_block[1])],
+                            b_smem.at[slot],
+                            ready.at[slot],
+                        )
+                        return g + 1
+
+                    return lax.fori_loop(0, steps, load, g)
+
+                lax.fori_loop(0, my_items, one_item, jnp.int32(0))
+
+            @pl.when(wg < 2)
+            def _compute():
+                plgpu.set_max_registers(_compute_registers(), action="increase")
+
+                def one_item(i, g):
+                    _, _, steps, out_rows, cols = item(sm + i * n_sms, g_gmem)
+
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE, wg_part(0)[2]), jnp.float32))
+                    def acc_scope(acc):
+                        def step(k, g):
+                            slot = lax.rem(g, stages)
+                            plgpu.barrier_wait(ready.at[slot])
+                            mma(acc, a_smem.at[slot], b_smem.at[slot], wg)
+                            plgpu.wgmma_wait(delay)
+                            if delay:  # the wgmma `delay` steps back is done: its slot is free
+
+                                @pl.when(k >= delay)
+                                def _():
+                                    plgpu.barrier_arrive(consumed.at[lax.rem(g - delay, stages)])
+                            else:
+                                plgpu.barrier_arrive(consumed.at[slot])
+                            return g + 1
+
+                        g_end = lax.fori_loop(0, steps, step, g)
+                        if delay:
+                            plgpu.wgmma_wait(0)
+                            for j in range(delay, 0, -1):  # the last `delay` slots of this item
+
+                                @pl.when(steps >= j)
+                                def _(j=j):
+                                    plgpu.barrier_arrive(consumed.at[lax.rem(g_end - j, stages)])
+
+                        epilogue(acc, s_gmem, out_smem, out_gmem, wg, out_rows, cols)
+                        return g_end
+
+                    return acc_scope
+
+                lax.fori_loop(0, my_items, one_item, jnp.int32(0))
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
     out_rows_total = n_chunks * m if (r_chunk or group_blocks is not None) else m
     run = plgpu.kernel(
-        body,
+        streamed_body if stream else tiled_body,
         out_type=jax.ShapeDtypeStruct((out_rows_total, n), out_dtype),
         grid=(min(4 if interpret else _num_sms(), n_chunks * m_tiles * n_tiles),),  # the interpreter: 4 "SMs"
         grid_names=("sm",),
