@@ -455,7 +455,9 @@ def main() -> int:
         "--dw-chunks", default="", help="dw: the pinned set against split sets with these token chunks (e.g. 1024,4096)"
     )
     ap.add_argument("--no-table", action="store_true")
-    ap.add_argument("--mosaic-variants", action="store_true", help="the Mosaic kernel's wg_n / stages / delay knobs")
+    ap.add_argument(
+        "--mosaic-variants", action="store_true", help="the Mosaic kernel's wg_n / stages / delay / stream knobs"
+    )
     ap.add_argument("--fp8", action="store_true", help="model.fp8's products (Mosaic and Triton) against bf16")
     ap.add_argument("--grouped", action="store_true", help="gpu_medium's experts: fp8 Mosaic / Triton against bf16")
     a = ap.parse_args()

@@ -222,7 +222,7 @@ def test_streamed_mosaic_pipeline_gives_the_tiled_bits(device):
     for name, args, kw in _stream_cases(gpu):
         call = functools.partial(mosaic.mosaic_matmul, *args, interpret=not gpu, **kw)
         base = call(stream=False, delay=1 if "fp8" in name else 0)
-        for delay in (0, 1):
+        for delay in (0, 1) if gpu or "fp8" in name else (0,):  # CPU time: the bf16 products once
             assert _same(call(stream=True, delay=delay), base), (name, delay)
         if name == "bf16 fwd":  # negative control: reduction blocks 1 and 2 swapped in both operands (not 0 and
             a, b = args  # 1: (0 + x) + y == (0 + y) + x exactly)

@@ -1,6 +1,10 @@
 """The matmul's three products on Hopper through Pallas' Mosaic GPU backend: TMA loads into swizzled shared
 memory, wgmma from shared memory, a warp-specialized pipeline (one memory warpgroup, two compute
-warpgroups) and a persistent grid of one CTA per SM.
+warpgroups) and a persistent grid of one CTA per SM. The pipeline is streamed (STREAM): one ring of
+shared-memory slots over all of an SM's tiles, so the memory warpgroup loads the next tile's blocks while the
+compute warpgroups write a tile; the older form, one pipeline per tile that fills and drains each time, gives
+the same bits and stays for comparison (stream=False; on the H200 the streamed one made gpu_dense's step
+0.5-1.7 % faster, docs/BENCHMARKS.md session 28).
 
 The reduction rule is the Triton kernel's (kernel.py): every output tile is owned by ONE warpgroup, which
 reduces R by one ascending loop over blocks of BLOCK_R = 64 into a float32 accumulator that starts at zero
@@ -42,7 +46,7 @@ SWIZZLE = 128  # bytes: a 64-element bf16 row, the widest swizzle
 STAGES = 4  # pipeline depth (4 x (128 x 64 + 64 x 256) bf16 = 192 KiB of shared memory)
 FP8_DELAY = 1  # fp8 products keep one wgmma in flight (same bits; 0.98-1.09 x per product of gpu_dense, session 24)
 SNAKE_WIDTH = 8  # tiles per band of the persistent loop's order (L2 locality; no effect on bits)
-STREAM = True  # the streamed pipeline (mosaic_matmul's streamed_body) by default
+STREAM = True  # the streamed pipeline (streamed_body) by default; False: tiled_body, one pipeline per tile
 MEMORY_REGISTERS = 40  # per-thread registers of the memory warpgroup (the compute ones share the rest)
 
 
