@@ -47,6 +47,7 @@ STAGES = 4  # pipeline depth (4 x (128 x 64 + 64 x 256) bf16 = 192 KiB of shared
 FP8_DELAY = 1  # fp8 products keep one wgmma in flight (same bits; 0.98-1.09 x per product of gpu_dense, session 24)
 SNAKE_WIDTH = 8  # tiles per band of the persistent loop's order (L2 locality; no effect on bits)
 STREAM = True  # the streamed pipeline (streamed_body) by default; False: tiled_body, one pipeline per tile
+INTERPRET_SMS = 2  # "SMs" under Pallas' interpreter (CPU): few, so small tests give an SM several tiles
 MEMORY_REGISTERS = 40  # per-thread registers of the memory warpgroup (the compute ones share the rest)
 
 
@@ -422,7 +423,7 @@ def mosaic_matmul(
     run = plgpu.kernel(
         streamed_body if stream else tiled_body,
         out_type=jax.ShapeDtypeStruct((out_rows_total, n), out_dtype),
-        grid=(min(4 if interpret else _num_sms(), n_chunks * m_tiles * n_tiles),),  # the interpreter: 4 "SMs"
+        grid=(min(INTERPRET_SMS if interpret else _num_sms(), n_items),),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
