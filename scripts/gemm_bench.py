@@ -10,6 +10,7 @@ sets and shape classes (detjax/pallas_kernels/matmul/kernel.py: TILE_SETS, tile_
     python3 scripts/gemm_bench.py --sweep --kinds dw --dw-chunks 1024,4096 --no-table   # pinned dw vs other chunks
     python3 scripts/gemm_bench.py --fp8 --no-table  # model.fp8's products (Mosaic fp8 wgmma, Triton) against bf16
     python3 scripts/gemm_bench.py --mosaic-variants --no-table  # the Mosaic kernel's speed knobs: time and bits
+    python3 scripts/gemm_bench.py --mosaic-variants --no-table --only mlp  # the MLP's products only
     python3 scripts/gemm_bench.py --grouped --no-table  # gpu_medium's experts: fp8 Mosaic, fp8 Triton, bf16 gmm
 
 Run with XLA's default flags (autotuning on): the XLA column is the GEMM XLA picks for the shape. Times: one
@@ -148,6 +149,26 @@ def timed_pair(f1, f2, sets, reps: int) -> tuple[float, float]:
             jax.block_until_ready(f(sets))
             acc.append(time.perf_counter() - t)
     return tuple(1e3 * statistics.median(x) / SETS for x in ts)
+
+
+def device_ms(fn, sets, reps: int, kernel: str) -> float:
+    """ms per product of the device events whose name contains `kernel`, from a jax.profiler trace of `reps`
+    calls (profile_step's parser): the kernels' own time, without the host's launch and sync overhead that
+    timed() includes, which dominates products of tens of microseconds."""
+    import tempfile
+    from pathlib import Path
+
+    from profile_step import device_events  # scripts/ is on sys.path when this file runs as a script
+
+    jax.block_until_ready(fn(sets))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(reps):
+                jax.block_until_ready(fn(sets))
+        events = [e for e in device_events(Path(d)) if kernel in e.get("name", "")]
+    if not events:
+        raise RuntimeError(f"no device event named like {kernel!r} in the trace")
+    return sum(float(e["dur"]) for e in events) / 1e3 / reps / SETS
 
 
 def all_shapes():
@@ -345,12 +366,14 @@ MOSAIC_VARIANTS = {  # (warpgroup tile columns of "nt", pipeline stages, wgmmas 
 }
 
 
-def mosaic_variants(reps: int) -> None:
+def mosaic_variants(reps: int, only: str = "") -> None:
     """The Mosaic kernel's speed knobs (mosaic.mosaic_matmul's wg_n, stages, delay, stream) on gpu_dense's
     shapes at M rows, each variant timed alternately with the first listed (one pipeline per tile, wg_n 128,
     4 stages; delay 1 for fp8 (mosaic.FP8_DELAY), 0 for bf16: the settings before session 28) and its output
     compared bytewise with the first's. (Sessions 24's wg_n 256 variants were 2-5 x slower and are no longer
-    listed.) fp8: the three products as the model poses them to kernel.fp8_nt
+    listed.) Each line also gives the Mosaic kernel's device time per product from a profiler trace (the
+    partial sums' XLA adds of a chunked dw not included), which host timing's noise cannot blur; `only`: the
+    shapes whose name contains it. fp8: the three products as the model poses them to kernel.fp8_nt
     (operands laid out with R contiguous, dw in dw_row_chunk's token chunks); bf16: the three kinds of the
     weights that take the Mosaic kernel (kernel.use_mosaic)."""
     from detjax.pallas_kernels.matmul import mosaic
@@ -359,6 +382,8 @@ def mosaic_variants(reps: int) -> None:
     e4, e5, bf = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
     totals = {}  # (precision, knobs) -> [ms of the variant, ms of the first], weighted by use
     for name, k, n, _, count in SHAPES["gpu_dense"]:
+        if only not in name:
+            continue
         for kind in KINDS:
             for prec in ("fp8", "bf16"):
                 if prec == "bf16" and k * n < MOSAIC_MIN_SIZE:
@@ -405,25 +430,27 @@ def mosaic_variants(reps: int) -> None:
                         print(f"{tag}: failed: {type(e).__name__}: {str(e).splitlines()[0][:240]}", flush=True)
                         continue
                     bits = out.view(np.uint32 if out.dtype == np.float32 else np.uint16)
+                    dev = device_ms(fn, sets, reps, "mosaic_gpu_kernel")
                     if base is None:
-                        base = (fn, bits)
+                        base = (fn, bits, dev)
                         t = timed(fn, sets, reps)
                         same, t0 = "(reference)", t
                     else:
                         t0, t = timed_pair(base[0], fn, sets, reps)
                         same = "same bits" if np.array_equal(bits, base[1]) else "DIFFERENT BITS"
-                    tot = totals.setdefault((prec, wg_n, stages, delay, stream), [0.0, 0.0])
-                    tot[0] += count * t
-                    tot[1] += count * t0
+                    tot = totals.setdefault((prec, wg_n, stages, delay, stream), [0.0, 0.0, 0.0, 0.0])
+                    for i, v in enumerate((t, t0, dev, base[2])):
+                        tot[i] += count * v
                     print(
-                        f"{tag}: {t:.4f} ms ({flops / t / 1e9:.0f} TFLOP/s), first {t0:.4f} ms, "
+                        f"{tag}: device {1e3 * dev:.1f} us ({flops / dev / 1e9:.0f} TFLOP/s), first "
+                        f"{1e3 * base[2]:.1f} us, {base[2] / dev:.3f} x; host {t:.4f} ms, first {t0:.4f} ms, "
                         f"{t0 / t:.3f} x; {same}; {rows} output rows",
                         flush=True,
                     )
-    for (prec, wg_n, stages, delay, stream), (t, t0) in totals.items():
+    for (prec, wg_n, stages, delay, stream), (t, t0, dev, dev0) in totals.items():
         print(
-            f"variants weighted ({prec}) wg_n={wg_n} stages={stages} delay={delay} stream={stream}: {t:.3f} ms, "
-            f"first {t0:.3f} ms "
+            f"variants weighted ({prec}) wg_n={wg_n} stages={stages} delay={delay} stream={stream}: device "
+            f"{dev:.3f} ms, first {dev0:.3f} ms ({dev0 / dev:.3f} x); host {t:.3f} ms, first {t0:.3f} ms "
             f"({t0 / t:.3f} x)",
             flush=True,
         )
@@ -458,6 +485,7 @@ def main() -> int:
     ap.add_argument(
         "--mosaic-variants", action="store_true", help="the Mosaic kernel's wg_n / stages / delay / stream knobs"
     )
+    ap.add_argument("--only", default="", help="--mosaic-variants: only the shapes whose name contains this")
     ap.add_argument("--fp8", action="store_true", help="model.fp8's products (Mosaic and Triton) against bf16")
     ap.add_argument("--grouped", action="store_true", help="gpu_medium's experts: fp8 Mosaic / Triton against bf16")
     a = ap.parse_args()
@@ -471,7 +499,7 @@ def main() -> int:
     if a.grouped:
         grouped_table(a.reps)
     if a.mosaic_variants:
-        mosaic_variants(a.reps)
+        mosaic_variants(a.reps, a.only)
     if not a.no_table:
         table(a.reps, a.rounds)
     return 0
