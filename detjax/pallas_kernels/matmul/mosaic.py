@@ -148,8 +148,9 @@ def mosaic_matmul(
     - `tile_groups` (int32, one per row tile of cta_tile("nt")[0] rows): b is (G, n, R), a stack of G
       operands, and row tile i multiplies b[tile_groups[i]]. Out (m, n).
     - `group_blocks` (int32 (2, G): first block and number of blocks, in block_r units of R): item g reduces
-      R's blocks first..first+count-1 of a (m, R) and b (n, R) in ascending order (count >= 1; >= 2 when
-      delay > 0). Out (G * m, n): group g's product in rows g*m..(g+1)*m-1.
+      R's blocks first..first+count-1 of a (m, R) and b (n, R) in ascending order (count 0: the item writes
+      zeros, an empty expert; with stream=False and delay > 0, count must not be 1). Out (G * m, n): group
+      g's product in rows g*m..(g+1)*m-1.
     Either way every output tile is still one ascending loop into one accumulator."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
