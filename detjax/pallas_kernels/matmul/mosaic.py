@@ -201,17 +201,17 @@ def mosaic_matmul(
     release = {"delay_release": delay} if delay else {}
     n_items = n_chunks * m_tiles * n_tiles
 
-    def item(lin, g_gmem):
+    def item(lin, a_gmem, b_gmem, g_gmem):
         """Work item lin's operand views (whole reduction), first block, number of blocks and output place."""
         c = lin // (m_tiles * n_tiles)
         mi, ni = plgpu.planar_snake(lin % (m_tiles * n_tiles), (m_tiles, n_tiles), 1, SNAKE_WIDTH)
         rows, cols = pl.ds(mi * cm, cm), pl.ds(ni * cn, cn)
         if group_blocks is not None:  # item c reduces its own blocks of the whole R
-            views, first, steps = (a_gmem_.at[rows, :], b_gmem_.at[cols, :]), g_gmem[0, c], g_gmem[1, c]
+            views, first, steps = (a_gmem.at[rows, :], b_gmem.at[cols, :]), g_gmem[0, c], g_gmem[1, c]
         else:
-            b_op = b_gmem_.at[g_gmem[mi]] if tile_groups is not None else b_gmem_
+            b_op = b_gmem.at[g_gmem[mi]] if tile_groups is not None else b_gmem
             rs = pl.ds(c * chunk, chunk)
-            a_view = a_gmem_.at[rs, rows] if trans_a else a_gmem_.at[rows, rs]
+            a_view = a_gmem.at[rs, rows] if trans_a else a_gmem.at[rows, rs]
             b_view = b_op.at[cols, rs] if trans_b else b_op.at[rs, cols]
             views, first, steps = (a_view, b_view), 0, chunk // br
         return views, first, steps, pl.ds(c * m + mi * cm, cm), cols
@@ -255,8 +255,6 @@ def mosaic_matmul(
         (out_gmem,) = refs
         return s_gmem, g_gmem, out_gmem
 
-    a_gmem_ = b_gmem_ = None  # the kernel's operand refs, set on entry (item() reads them)
-
     def pipeline(body, context, steps=chunk // br, first=0):
         # grouped reductions: a dynamic number of steps from a dynamic first block (whole-R views)
         return plgpu.emit_pipeline_warp_specialized(
@@ -279,8 +277,6 @@ def mosaic_matmul(
 
     def tiled_body(a_gmem, b_gmem, *refs):
         """One warp-specialized pipeline per work item (it fills and drains at every tile)."""
-        nonlocal a_gmem_, b_gmem_
-        a_gmem_, b_gmem_ = a_gmem, b_gmem
         s_gmem, g_gmem, out_gmem = split_refs(refs)
 
         def no_op(*_, **__):
@@ -301,7 +297,7 @@ def mosaic_matmul(
             @plgpu.nd_loop((n_items,), collective_axes="sm")
             def tile_loop(info):
                 (lin,) = info.index
-                (a_view, b_view), first, steps, out_rows, cols = item(lin, g_gmem)
+                (a_view, b_view), first, steps, out_rows, cols = item(lin, a_gmem, b_gmem, g_gmem)
 
                 def context(run):
                     @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE, wg_part(0)[2]), jnp.float32))
@@ -329,8 +325,6 @@ def mosaic_matmul(
         wgmma and releases the slot once that wgmma is done (`delay` wgmmas later). Slots and barrier phases
         follow one running block count, carried from item to item by both sides. Each output tile is still
         one ascending loop of wgmmas into one accumulator that starts at zero: the bits of tiled_body."""
-        nonlocal a_gmem_, b_gmem_
-        a_gmem_, b_gmem_ = a_gmem, b_gmem
         s_gmem, g_gmem, out_gmem = split_refs(refs)
         sm, n_sms = lax.axis_index("sm"), lax.axis_size("sm")
         my_items = (n_items - sm + n_sms - 1) // n_sms  # items sm, sm + n_sms, ...
@@ -352,7 +346,7 @@ def mosaic_matmul(
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
                 def one_item(i, g):
-                    (a_view, b_view), first, steps, _, _ = item(sm + i * n_sms, g_gmem)
+                    (a_view, b_view), first, steps, _, _ = item(sm + i * n_sms, a_gmem, b_gmem, g_gmem)
 
                     def load(k, g):
                         slot = lax.rem(g, stages)
@@ -361,18 +355,13 @@ def mosaic_matmul(
                         def _():
                             plgpu.barrier_wait(consumed.at[slot])
 
-                        ar, ac = a_index(k + first)
-                        br_, bc = b_index(k + first)
-                        plgpu.copy_gmem_to_smem(
-                            a_view.at[pl.ds(ar * a_block[0], a_block[0]), pl.ds(ac * a_block[1], a_block[1])],
-                            a_smem.at[slot],
-                            ready.at[slot],
-                        )
-                        plgpu.copy_gmem_to_smem(
-                            b_view.at[pl.ds(br_ * b_block[0], b_block[0]), pl.ds(bc * b_block[1], b_block[1])],
-                            b_smem.at[slot],
-                            ready.at[slot],
-                        )
+                        for view, shape, index, smem in (
+                            (a_view, a_block, a_index, a_smem),
+                            (b_view, b_block, b_index, b_smem),
+                        ):
+                            i0, i1 = index(k + first)
+                            block = view.at[pl.ds(i0 * shape[0], shape[0]), pl.ds(i1 * shape[1], shape[1])]
+                            plgpu.copy_gmem_to_smem(block, smem.at[slot], ready.at[slot])
                         return g + 1
 
                     return lax.fori_loop(0, steps, load, g)
@@ -384,7 +373,7 @@ def mosaic_matmul(
                 plgpu.set_max_registers(_compute_registers(), action="increase")
 
                 def one_item(i, g):
-                    _, _, steps, out_rows, cols = item(sm + i * n_sms, g_gmem)
+                    _, _, steps, out_rows, cols = item(sm + i * n_sms, a_gmem, b_gmem, g_gmem)
 
                     @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE, wg_part(0)[2]), jnp.float32))
                     def acc_scope(acc):
