@@ -152,23 +152,11 @@ def timed_pair(f1, f2, sets, reps: int) -> tuple[float, float]:
 
 
 def device_ms(fn, sets, reps: int, kernel: str) -> float:
-    """ms per product of the device events whose name contains `kernel`, from a jax.profiler trace of `reps`
-    calls (profile_step's parser): the kernels' own time, without the host's launch and sync overhead that
-    timed() includes, which dominates products of tens of microseconds."""
-    import tempfile
-    from pathlib import Path
+    """ms per product of `kernel`'s device events (profile_step.device_ms), without timed()'s host overhead,
+    which dominates products of tens of microseconds."""
+    from profile_step import device_ms as traced  # scripts/ is on sys.path when this file runs as a script
 
-    from profile_step import device_events  # scripts/ is on sys.path when this file runs as a script
-
-    jax.block_until_ready(fn(sets))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(reps):
-                jax.block_until_ready(fn(sets))
-        events = [e for e in device_events(Path(d)) if kernel in e.get("name", "")]
-    if not events:
-        raise RuntimeError(f"no device event named like {kernel!r} in the trace")
-    return sum(float(e["dur"]) for e in events) / 1e3 / reps / SETS
+    return traced(lambda: jax.block_until_ready(fn(sets)), reps, kernel) / SETS
 
 
 def all_shapes():

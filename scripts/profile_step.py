@@ -78,6 +78,26 @@ def device_events(trace_dir: Path) -> list[dict]:
     return picked
 
 
+def device_ms(run, reps: int, kernel: str) -> float:
+    """ms per call of run() (it blocks until its results are ready) spent in device events whose name
+    contains `kernel`, from a jax.profiler trace of `reps` calls after one untraced call: a kernel's own time,
+    without the host's launch and sync overhead that wall-clock timing includes (which dominates kernels of
+    a few or a few tens of microseconds). For scripts/tile_sweep.py and scripts/gemm_bench.py."""
+    import tempfile
+
+    import jax
+
+    run()
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(reps):
+                run()
+        events = [e for e in device_events(Path(d)) if kernel in e.get("name", "")]
+    if not events:
+        raise RuntimeError(f"no device event named like {kernel!r} in the trace")
+    return sum(float(e["dur"]) for e in events) / 1e3 / reps
+
+
 def tables(
     events: list[dict], names: dict[str, str], pattern: str, steps: int, top: int, always: tuple[str, ...] = ()
 ) -> str:

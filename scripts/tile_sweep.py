@@ -135,23 +135,10 @@ def _many(fn):
 
 
 def _device_ms(fn, args, reps: int, kernel: str) -> float:
-    """ms per input set of the device events whose name contains `kernel`, from a jax.profiler trace of
-    `reps` calls (profile_step's parser): the kernel's own time, without the host's per-call overhead that
-    _time includes (which dominates kernels of a few microseconds)."""
-    import tempfile
-    from pathlib import Path
+    """ms per input set of `kernel`'s device events (profile_step.device_ms), without _time's host overhead."""
+    from profile_step import device_ms  # scripts/ is on sys.path when this file runs as a script
 
-    from profile_step import device_events  # scripts/ is on sys.path when this file runs as a script
-
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(reps):
-                jax.block_until_ready(fn(*args))
-        events = [e for e in device_events(Path(d)) if kernel in e.get("name", "")]
-    if not events:
-        raise RuntimeError(f"no device event named like {kernel!r} in the trace")
-    return sum(float(e["dur"]) for e in events) / 1e3 / reps / SETS
+    return device_ms(lambda: jax.block_until_ready(fn(*args)), reps, kernel) / SETS
 
 
 def _sweep(title, tiles, key, cands, cases, reps, kernel: str | None = None):
