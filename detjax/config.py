@@ -763,14 +763,31 @@ def canonical_tensor_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
     return []
 
 
+def expert_dispatch(cfg: Config) -> bool:
+    """Whether canonical numerics sends each leaf's rows to the devices owning their experts on this config's
+    mesh (detjax.sharding.expert.canonical_expert_moe) rather than sharding the experts' storage only: an
+    `expert` axis, the Pallas grouped matmuls (a group's weight gradient is the same at any row offset), and
+    neither tensor nor pipeline parallelism (with those, `expert` shards storage only)."""
+    m, mesh = cfg.model, cfg.mesh
+    return (
+        cfg.determinism.canonical
+        and mesh.expert > 1
+        and mesh.tensor == 1
+        and mesh.pipeline == 1
+        and "E" in m.pattern
+        and m.moe.experts_kernels(m.kernels) == "pallas"
+    )
+
+
 def canonical_notes(cfg: Config) -> list[str]:
     """What canonical numerics does differently from default numerics on this mesh (the trainer prints them)."""
-    if not cfg.determinism.canonical or cfg.mesh.expert <= 1:
+    if not cfg.determinism.canonical or cfg.mesh.expert <= 1 or expert_dispatch(cfg):
         return []
     return [
         f"canonical numerics: mesh.expert = {cfg.mesh.expert} shards the expert weights and their optimizer "
         "state and splits the batch like fsdp; each device runs every expert on its own sequences (no "
-        "all-to-all token dispatch: expert-parallel compute is not canonical yet)"
+        "all-to-all token dispatch: canonical expert dispatch needs the Pallas grouped matmuls, "
+        "model.kernels=pallas, and no tensor or pipeline axis)"
     ]
 
 

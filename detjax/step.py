@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from detjax import fingerprint as fp
-from detjax.config import Config, ConfigError
+from detjax.config import Config, ConfigError, expert_dispatch
 from detjax.loss import Objective, token_ce_sum
 from detjax.model import fp8
 from detjax.model.layers import DTYPES, module_copies
@@ -24,6 +24,7 @@ from detjax.model.lm import HybridLM, block_class, layer_key
 from detjax.optim import lr_schedule, make_optimizer
 from detjax.sharding import canonical, pipeline
 from detjax.sharding import rules as ax
+from detjax.sharding.expert import ExpertSplit
 from detjax.sharding.rules import Layout, constrain, tree_shardings
 from detjax.sharding.tensor import TensorSplit
 
@@ -32,6 +33,15 @@ PURPOSE_INIT, PURPOSE_DROPOUT = 0, 1
 # canonical numerics: leaves whose gradients one scan stacks before their pair tree (a power of two; more
 # leaves per device go through a TreeAccumulator in groups of this many)
 STACK = 4
+
+
+ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")  # the routed experts' stacked weights (model.moe.Experts)
+
+
+def is_routed_expert(path: tuple) -> bool:
+    """Whether a parameter path (jax tree path) names a routed expert weight stack."""
+    names = _dict_path(path)
+    return len(names) >= 2 and names[-2] == "experts" and names[-1] in ROUTED_EXPERTS
 
 
 class TrainState(struct.PyTreeNode):
@@ -76,7 +86,9 @@ class Trainer:
         # canonical numerics run the model one leaf at a time inside shard_map: no layout constraints inside;
         # with determinism.max_tensor > 1 each device runs its share of the fixed feature chunks
         self.tensor_split = self._tensor_split()
-        self.leaf_model = HybridLM(cfg.model, None, self.tensor_split) if self.canonical else None
+        # and with an `expert` axis (where expert_dispatch allows it) the leaves' rows travel to their experts
+        self.expert_split = ExpertSplit(cfg.mesh.expert) if layout is not None and expert_dispatch(cfg) else None
+        self.leaf_model = HybridLM(cfg.model, None, self.tensor_split, self.expert_split) if self.canonical else None
         shards = self.batch_shards()
         leaves = cfg.train.global_batch // cfg.determinism.canonical_leaf
         if self.canonical and (not canonical.is_power_of_two(shards) or leaves % shards):
@@ -418,9 +430,18 @@ class Trainer:
         if self.layout is None:
             return unpack(*block_sums(params, leaves_of(batch_GL1), step_key, 0, fp8_scales))
 
+        ep = self.expert_split
+        n_ep = ep.degree if ep is not None else 1
+
+        def source_copies(params):  # expert dispatch: this device's experts, one copy per source device
+            def one(path, w):
+                return jnp.broadcast_to(w[None], (n_ep, *w.shape)) if is_routed_expert(path) else w
+
+            return jax.tree_util.tree_map_with_path(one, params) if ep is not None else params
+
         def local(params, tokens_BL1, key, scales):
             first = jax.lax.axis_index(axes) * per_shard if axes else 0
-            out = block_sums(params, leaves_of(tokens_BL1), key, first, scales)
+            out = block_sums(source_copies(params), leaves_of(tokens_BL1), key, first, scales)
             return jax.tree.map(lambda x: x[None], out)
 
         spec = P(axes) if axes else P()
@@ -430,9 +451,27 @@ class Trainer:
             p_spec = self.tensor_specs()
             g_spec = jax.tree.map(lambda s: P(axes or None, *s), p_spec, is_leaf=lambda s: isinstance(s, P))
             out_spec = ((g_spec, (spec,) * 3), spec)
+        if ep is not None:
+            # a device's experts stay on it (no gather); its expert gradients come out per source device
+            # (1, A, E/A, ...), which lay out globally as (S/A, A, E, ...): row q*A + a is device q*A + a's
+            # subtree, since `expert` is the batch axes' last (fastest) axis
+            if axes[-1] != ep.axis:
+                raise AssertionError(f"canonical expert dispatch: the batch axes {axes} do not end with {ep.axis}")
+            rest = axes[:-1] or None
+            p_spec = jax.tree_util.tree_map_with_path(lambda p, _: P(ep.axis) if is_routed_expert(p) else P(), params)
+            g_spec = jax.tree_util.tree_map_with_path(
+                lambda p, _: P(rest, None, ep.axis) if is_routed_expert(p) else spec, params
+            )
+            out_spec = ((g_spec, (spec,) * 3), spec)
         sums_S, amax_S = jax.shard_map(
             local, mesh=self.layout.mesh, in_specs=(p_spec, spec, P(), P()), out_specs=out_spec, check_vma=False
         )(params, batch_GL1, step_key, fp8_scales if fp8_on else ())
+        if ep is not None:
+            grads, terms = sums_S
+            grads = jax.tree_util.tree_map_with_path(
+                lambda p, g: g.reshape(-1, *g.shape[2:]) if is_routed_expert(p) else g, grads
+            )
+            sums_S = (grads, terms)
         with jax.named_scope("grad_accumulate"):
             return unpack(canonical.tree_pair_sum(sums_S), amax_max(amax_S))
 

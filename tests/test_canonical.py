@@ -12,7 +12,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from detjax.config import ConfigError, canonical_notes, load_config
+from detjax.config import ConfigError, canonical_notes, expert_dispatch, load_config
 from detjax.sharding import canonical
 
 MESH_CFG = "configs/tiny_mesh.yaml"
@@ -140,8 +140,13 @@ def test_config_rules():
     load_config(
         MESH_CFG, canon + ["mesh.pipeline=2", "mesh.expert=2", "train.micro_batch=1", "model.pattern='M*E-M*E-'"]
     )
-    # an expert axis is allowed, as storage sharding with no token dispatch, and the trainer says so
+    # an expert axis is allowed: with the XLA grouped matmuls as storage sharding with no token dispatch, and the
+    # trainer says so; with the Pallas ones the rows travel to their experts (test_expert_dispatch_... below)
     assert "no all-to-all token dispatch" in " ".join(canonical_notes(load_config(MESH_CFG, canon + ["mesh.expert=2"])))
+    pallas_ep = load_config(MESH_CFG, canon + ["mesh.expert=2", "model.moe.experts_impl=pallas"])
+    assert expert_dispatch(pallas_ep) and canonical_notes(pallas_ep) == []
+    pp_ep = ["mesh.expert=2", "mesh.pipeline=2", "train.micro_batch=1", "model.pattern='M*E-M*E-'"]
+    assert not expert_dispatch(load_config(MESH_CFG, [*canon, *pp_ep, "model.moe.experts_impl=pallas"]))
     assert canonical_notes(load_config(MESH_CFG, canon + ["mesh.data=8"])) == []
     assert canonical_notes(load_config(MESH_CFG, ["mesh.expert=2"])) == []
     with pytest.raises(ConfigError, match=r"train\.global_batch.*power of two"):
@@ -212,6 +217,38 @@ def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
     # negative control: default numerics accumulate microbatches in sequence, so their size changes the bits
     mb8, mb2 = _one_step(["mesh.devices=1"]), _one_step(["mesh.devices=1", "train.micro_batch=2"])
     assert not _same(mb8, mb2), "negative control: default numerics should change with the microbatch size"
+
+
+EP = ["determinism.numerics=canonical", "model.moe.experts_impl=pallas", "model.pattern='E-'", "model.mtp.depth=0"]
+
+
+def test_expert_dispatch_is_byte_equal_to_one_device(monkeypatch):
+    """Canonical expert parallelism with token dispatch (the Pallas grouped matmuls; interpret mode here): on
+    expert 4 x data 2 each device keeps its two experts, sends every leaf's rows to their experts' owners by
+    all-to-all and gets one weight gradient per source device, and two steps give the one-device parameters
+    and digests byte for byte. Negative control: the owner files each source's gradient under the next source
+    (a rotation of the per-source copies: the same values, so the forward does not change) and the bits move,
+    so the test sees where each source's subtree enters the tree."""
+    from detjax.sharding import expert
+    from detjax.sharding.mesh import build_layout
+    from detjax.step import Trainer
+
+    mesh = ["mesh.expert=4", "mesh.data=2"]
+    cfg = load_config(MESH_CFG, [*EP, *mesh])
+    tr = Trainer(cfg, build_layout(cfg, jax.devices()))
+    assert tr.expert_split is not None and tr.expert_split.degree == 4
+    ref = _one_step([*EP, "mesh.devices=1"], (), steps=2)
+    _assert_step_equal(_one_step([*EP, *mesh], (), steps=2), ref, mesh)
+
+    local = expert._local
+
+    def misfiled(x, idx, gate, *ws_and_scales, **kw):  # source a's rows read copy a + 1 (mod A)
+        ws = [jnp.roll(w, 1, axis=0) for w in ws_and_scales[:3]]
+        return local(x, idx, gate, *ws, *ws_and_scales[3:], **kw)
+
+    monkeypatch.setattr(expert, "_local", misfiled)
+    bad = _one_step([*EP, *mesh], (), steps=2)
+    assert not _same(bad[1]["digest"], ref[1]["digest"]), "negative control: misfiled gradients should change bits"
 
 
 TP = ["determinism.numerics=canonical", "determinism.max_tensor=8", "model.n_kv_heads=8"]
@@ -316,7 +353,9 @@ def test_feature_chunks_compute_the_same_function():
 
 @pytest.mark.parametrize(
     "pattern",
-    ["E-E-", pytest.param("M*E-M*E-", marks=pytest.mark.extended)],  # the hybrid: ~3 min on 2 cores
+    # both `-m extended` (E-E- ~90 s, the hybrid ~3 min on 2 cores): the default run's fp8 canonical pipeline
+    # test runs the same canonical pipeline (pipeline 2 x data 4 = one device) with fp8 on
+    [pytest.param("E-E-", marks=pytest.mark.extended), pytest.param("M*E-M*E-", marks=pytest.mark.extended)],
 )
 def test_pipeline_is_byte_equal_to_one_device(pattern):
     """Canonical through the pipeline, with MTP and dropout: pp2 x data 4 (1F1B, each data shard pipelining its
@@ -455,6 +494,7 @@ def test_fp8_through_a_canonical_pipeline_is_mesh_invariant():
     assert not _same(bf16[0], ref[0]), "negative control: fp8 off should give other bits"
 
 
+@pytest.mark.extended  # ~35 s on 2 cores; the fp8 canonical pipeline test above covers the pipeline in kind
 def test_fp8_lm_head_through_a_canonical_pipeline_is_mesh_invariant():
     """model.fp8.lm_head through the canonical pipeline (pipeline 2 x data 4): the LM and MTP heads' one
     scale set ("head", outside the stages) takes the maximum over both heads, microbatches, ranks and batch

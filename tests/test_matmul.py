@@ -206,7 +206,10 @@ def _stream_cases(gpu: bool):
     ]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+# cpu: `-m extended` (~30 s on 2 cores); the default run's interpreted Mosaic tests run the streamed pipeline
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=pytest.mark.extended), pytest.param("gpu", marks=pytest.mark.gpu)]
+)
 def test_streamed_mosaic_pipeline_gives_the_tiled_bits(device):
     """mosaic.mosaic_matmul's streamed pipeline (one pipeline over all of an SM's tiles) against one pipeline
     per tile: byte-equal outputs in every mode, with one wgmma in flight or none (on the GPU: wgmma on

@@ -16,6 +16,7 @@ from detjax.model.mamba2 import Mamba2
 from detjax.model.moe import MoE
 from detjax.sharding import rules as ax
 from detjax.sharding import tensor as tp_ops
+from detjax.sharding.expert import ExpertSplit
 from detjax.sharding.rules import constrain
 from detjax.sharding.tensor import TensorSplit
 
@@ -34,6 +35,7 @@ class Block(nn.Module):
     letter: str
     layout: ax.Layout | None = None
     tp: TensorSplit | None = None  # canonical tensor parallelism (detjax.sharding.tensor)
+    ep: ExpertSplit | None = None  # canonical expert dispatch (detjax.sharding.expert)
 
     @nn.compact
     def __call__(self, h_BLD: jax.Array, train: bool, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -69,7 +71,7 @@ class Block(nn.Module):
                 name="mixer",
             )(x_BLD)
         elif self.letter == "E":
-            moe = MoE(c.d_model, c.moe, c.init_std, dtype, lay, c.kernels, c.fp8.enabled, tp, name="mixer")
+            moe = MoE(c.d_model, c.moe, c.init_std, dtype, lay, c.kernels, c.fp8.enabled, tp, self.ep, name="mixer")
             y_BLD, aux = moe(x_BLD)
         elif self.letter == "-":
             y_BLD = MLP(
@@ -109,7 +111,8 @@ def layer_key(key: jax.Array | None, index: int) -> jax.Array | None:
 class HybridLM(nn.Module):
     """Returns (logits B×L×V, MTP logits B×(L-1)×V or None, summed MoE aux loss). With `tp` (canonical tensor
     parallelism: this device's share of every split dimension) the logits are this device's vocabulary chunks,
-    c×B×L×(V/M), for detjax.sharding.tensor.ce_sum.
+    c×B×L×(V/M), for detjax.sharding.tensor.ce_sum. With `ep` (canonical expert dispatch, inside the trainer's
+    shard_map) the routed experts' weights are this device's experts, one copy per source device.
 
     The pieces are also methods so a pipeline can run them apart: `embed_ids` (first stage), the blocks
     (stacked per stage, see detjax.sharding.pipeline), `outputs` (last stage: LM head and MTP head).
@@ -118,12 +121,13 @@ class HybridLM(nn.Module):
     cfg: ModelConfig
     layout: ax.Layout | None = None
     tp: TensorSplit | None = None
+    ep: ExpertSplit | None = None
 
     def setup(self) -> None:
-        c, lay, tp = self.cfg, self.layout, self.tp
+        c, lay, tp, ep = self.cfg, self.layout, self.tp, self.ep
         self.embed = Embed(c.vocab_size, c.d_model, c.init_std, c.kernels, lay, c.embed_grad, tp)
         block = block_class(c)
-        self.layers = [block(c, letter, lay, tp, name=f"layer_{i}") for i, letter in enumerate(c.pattern)]
+        self.layers = [block(c, letter, lay, tp, ep, name=f"layer_{i}") for i, letter in enumerate(c.pattern)]
         pinned = tp is not None
         self.final_norm = RMSNorm(c.norm_eps, c.kernels, pinned=pinned)
         self.w_head_DV = param(
@@ -139,7 +143,7 @@ class HybridLM(nn.Module):
             # the MTP stream (L - 1 positions) stays whole: L - 1 need not split over the tensor degree
             mtp_tp = dataclasses.replace(tp, sequence=False) if tp is not None else None
             self.mtp_layers = [
-                block(c, letter, lay, mtp_tp, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)
+                block(c, letter, lay, mtp_tp, ep, name=f"mtp_layer_{i}") for i, letter in enumerate(c.mtp.pattern)
             ]
             self.mtp_final_norm = RMSNorm(c.norm_eps, c.kernels, pinned=pinned)
             self.mtp_fp8_h = scale_var(self, "mtp_proj_h", c.fp8.enabled)

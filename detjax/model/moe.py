@@ -17,7 +17,7 @@ from detjax.model.dispatch import combine_slots, expert_ffn, expert_ffn_chunked,
 from detjax.model.fp8 import scale_var
 from detjax.model.layers import MLP, normal_init, param, pinned_normalize, pinned_softmax, proj, tree_sum_last
 from detjax.sharding import rules as ax
-from detjax.sharding.expert import expert_parallel_moe
+from detjax.sharding.expert import ExpertSplit, canonical_expert_moe, expert_parallel_moe
 from detjax.sharding.tensor import TensorSplit
 
 
@@ -53,7 +53,9 @@ class Experts(nn.Module):
     """Dispatch, the experts' grouped matmuls and the ordered combine: (T×D tokens, routing) -> T×D.
 
     With `mesh.expert > 1` the experts are split over the `expert` axis and tokens travel to them by
-    all-to-all inside shard_map (detjax.sharding.expert); otherwise every expert is local.
+    all-to-all inside shard_map (detjax.sharding.expert); otherwise every expert is local. With `ep`
+    (canonical numerics' leaf program, already inside shard_map) the weights are this device's experts, one
+    copy per source device (expert.canonical_expert_moe).
     """
 
     n_experts: int
@@ -66,16 +68,23 @@ class Experts(nn.Module):
     kernels: str = "reference"
     fp8: bool = False  # model.fp8.enabled: the grouped matmuls in fp8 with delayed scaling
     tp: TensorSplit | None = None  # canonical tensor parallelism: the experts' width in fixed chunks
+    ep: ExpertSplit | None = None  # canonical expert dispatch
 
     @nn.compact
     def __call__(self, x_TD: jax.Array, idx_TX: jax.Array, gate_TX: jax.Array) -> jax.Array:
         e, d, f, dtype, tp = self.n_experts, self.d_model, self.ffn_dim, self.dtype, self.tp
         init = normal_init(self.init_std)
-        w_gate_EDF = param(self, "w_gate", init, (e, d, f), (ax.EXPERTS, ax.EXPERT_EMBED, ax.EXPERT_MLP), tp)
-        w_up_EDF = param(self, "w_up", init, (e, d, f), (ax.EXPERTS, ax.EXPERT_EMBED, ax.EXPERT_MLP), tp)
-        w_down_EFD = param(self, "w_down", init, (e, f, d), (ax.EXPERTS, ax.EXPERT_MLP, ax.EXPERT_EMBED), tp)
+        # with `ep` the leaf program passes (A, E/A, ...) per-source copies in place of the (E, ...) stacks
+        lead, lead_axes = ((e,), (ax.EXPERTS,))
+        if self.ep is not None:
+            lead, lead_axes = (self.ep.degree, e // self.ep.degree), (None, ax.EXPERTS)
+        w_gate_EDF = param(self, "w_gate", init, (*lead, d, f), (*lead_axes, ax.EXPERT_EMBED, ax.EXPERT_MLP), tp)
+        w_up_EDF = param(self, "w_up", init, (*lead, d, f), (*lead_axes, ax.EXPERT_EMBED, ax.EXPERT_MLP), tp)
+        w_down_EFD = param(self, "w_down", init, (*lead, f, d), (*lead_axes, ax.EXPERT_MLP, ax.EXPERT_EMBED), tp)
         weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
         scales = tuple(scale_var(self, n, True) for n in ("gate", "up", "down")) if self.fp8 else None
+        if self.ep is not None:  # the params are per-source copies: (A, E/A, ...) each
+            return canonical_expert_moe(x_TD, idx_TX, gate_TX, weights, self.ep, dtype, self.kernels, scales)
         if self.layout is not None and self.layout.degrees["expert"] > 1:
             return expert_parallel_moe(x_TD, idx_TX, gate_TX, weights, self.layout, dtype, scales)
 
@@ -109,6 +118,7 @@ class MoE(nn.Module):
     kernels: str = "reference"
     fp8: bool = False  # model.fp8.enabled: the experts and shared expert in fp8 (the router stays float32)
     tp: TensorSplit | None = None  # canonical tensor parallelism (the router stays whole on every device)
+    ep: ExpertSplit | None = None  # canonical expert dispatch (Experts)
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -125,7 +135,7 @@ class MoE(nn.Module):
         self.sow("intermediates", "routing", idx_TX)  # row-wise trace tap: a swapped pair of rows is caught
         gmm = c.experts_kernels(self.kernels)
         experts = Experts(
-            e, d, f, self.init_std, self.dtype, c.combine, self.layout, gmm, self.fp8, self.tp, name="experts"
+            e, d, f, self.init_std, self.dtype, c.combine, self.layout, gmm, self.fp8, self.tp, self.ep, name="experts"
         )
         y_BLD = experts(x_TD, idx_TX, gate_TX).reshape(bsz, length, d)
         if c.shared_expert:

@@ -9,11 +9,21 @@ function of the routing only:
 Packing rows into the send buffer and unpacking them again are gathers whose backward is the other gather
 (each real row has exactly one slot), so neither direction needs a scatter-add.
 Letters beyond the model legend (detjax/model/__init__.py): A expert-parallel peers, U send-buffer slots
-(A x R).
+(A x R), G an owner's (local expert, source) groups.
+
+Canonical numerics (`canonical_expert_moe`, called inside the trainer's leaf program, which already runs in
+shard_map): the same exchange, but the owner multiplies each source's rows with that source's own copy of
+its experts' weights (the leaf program passes A copies, A x E/A x ...), so the backward returns one weight
+gradient per source -- per leaf of the gradient tree, where one tgmm would sum all sources' rows together.
+Each (local expert, source) group holds exactly the rows that the source's own leaf sends its expert, in
+token order, and the fixed-order Pallas gmm/tgmm compute a group's rows and its weight gradient the same at
+any row offset (tiles aligned to the group's first row; tests/test_pallas.py), so every leaf's values are
+the one-device leaf program's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -65,7 +75,33 @@ pack_rows.defvjp(_pack_fwd, _pack_bwd)
 unpack_rows.defvjp(_unpack_fwd, _unpack_bwd)
 
 
-def _local(x_TD, idx_TX, gate_TX, w_gate, w_up, w_down, *scales, n_ep: int, n_experts: int, tensor: bool, dtype):
+@dataclasses.dataclass(frozen=True)
+class ExpertSplit:
+    """Canonical expert parallelism inside the trainer's leaf program (which runs in shard_map over `axis`):
+    `degree` devices exchange their leaves' rows, each owning n_experts / degree experts."""
+
+    degree: int
+    axis: str = "expert"
+
+
+def _local(
+    x_TD,
+    idx_TX,
+    gate_TX,
+    w_gate,
+    w_up,
+    w_down,
+    *scales,
+    n_ep: int,
+    n_experts: int,
+    tensor: bool,
+    dtype,
+    kernels: str = "reference",
+    per_source: bool = False,
+    axis: str = "expert",
+):
+    """One device's expert-parallel MoE. per_source: the weights are n_ep copies (A, E/A, ...), source a's rows
+    multiplied by copy a (canonical numerics: one weight gradient per source)."""
     t, k = idx_TX.shape
     d = x_TD.shape[-1]
     r = t * k
@@ -81,8 +117,8 @@ def _local(x_TD, idx_TX, gate_TX, w_gate, w_up, w_down, *scales, n_ep: int, n_ex
     dest_R = jnp.take(expert_R, order_R) // e_loc
     slot_of_R = dest_R * r + (j_R - jnp.take(start_A, dest_R))
     send_ARD = pack_rows(xs_RD, slot_AR, slot_of_R).reshape(n_ep, r, d)
-    recv_ARD = jax.lax.all_to_all(send_ARD, "expert", 0, 0)
-    recv_cnt_AE = jax.lax.all_to_all(gs_E.reshape(n_ep, e_loc), "expert", 0, 0)
+    recv_ARD = jax.lax.all_to_all(send_ARD, axis, 0, 0)
+    recv_cnt_AE = jax.lax.all_to_all(gs_E.reshape(n_ep, e_loc), axis, 0, 0)
     # ---- owner side: regroup by (local expert, source, position); unused slots go last
     cum_AE = jnp.cumsum(recv_cnt_AE, axis=1)
     e_AR = jnp.sum(j_R[None, :, None] >= cum_AE[:, None, :], axis=-1)  # == e_loc for unused slots
@@ -90,13 +126,18 @@ def _local(x_TD, idx_TX, gate_TX, w_gate, w_up, w_down, *scales, n_ep: int, n_ex
     order_U = jnp.argsort(key_U)
     inv_U = jnp.argsort(order_U)
     xg_UD = permute_rows(recv_ARD.reshape(n_ep * r, d), order_U, inv_U)
-    gs_loc = jnp.sum(recv_cnt_AE, axis=0)
     fp8_scales = tuple(c[0] for c in scales) or None  # this device's copy of each fp8 scale set
-    y_UD = expert_ffn(xg_UD, gs_loc, w_gate, w_up, w_down, dtype, fp8_scales=fp8_scales)
+    if per_source:  # groups (local expert, source), in the rows' order; group (e, a) reads copy a of expert e
+        gs_G = recv_cnt_AE.T.reshape(-1)
+        ws = [w.swapaxes(0, 1).reshape(e_loc * n_ep, *w.shape[2:]) for w in (w_gate, w_up, w_down)]
+        y_UD = expert_ffn(xg_UD, gs_G, *ws, dtype, kernels, fp8_scales)
+    else:
+        gs_loc = jnp.sum(recv_cnt_AE, axis=0)
+        y_UD = expert_ffn(xg_UD, gs_loc, w_gate, w_up, w_down, dtype, fp8_scales=fp8_scales)
     if tensor:  # expert ffn width split over `tensor`: partial sums of the down projection
         y_UD = jax.lax.psum(y_UD, "tensor")
     y_UD = y_UD.astype(dtype)
-    back_ARD = jax.lax.all_to_all(permute_rows(y_UD, inv_U, order_U).reshape(n_ep, r, d), "expert", 0, 0)
+    back_ARD = jax.lax.all_to_all(permute_rows(y_UD, inv_U, order_U).reshape(n_ep, r, d), axis, 0, 0)
     ys_RD = unpack_rows(back_ARD.reshape(n_ep * r, d), slot_of_R, slot_AR)
     y_TXD = permute_rows(ys_RD, inv_R, order_R).reshape(t, k, d)
     return combine_slots(y_TXD, gate_TX.astype(dtype))
@@ -139,3 +180,18 @@ def expert_parallel_moe(
         check_vma=False,
     )
     return fn(x_TD, idx_TX, gate_TX, w_gate, w_up, w_down, *copies)
+
+
+def canonical_expert_moe(
+    x_TD, idx_TX, gate_TX, copies, split: ExpertSplit, dtype, kernels: str, fp8_scales: tuple | None = None
+) -> jax.Array:
+    """The MoE expert computation of canonical numerics' leaf program on an `expert` axis of split.degree
+    devices (module docstring): copies (gate, up, down), each (A, E/A, ...) -- this device's experts, one copy
+    per source device. Called inside the trainer's shard_map (no shard_map of its own). fp8_scales: the
+    (gate, up, down) scale vectors, which every device holds whole there."""
+    if kernels != "pallas":
+        raise ValueError("canonical expert dispatch needs the Pallas grouped matmuls (model.kernels=pallas)")
+    n_ep = split.degree
+    scales = tuple(s[None] for s in fp8_scales) if fp8_scales is not None else ()
+    per_source = dict(n_ep=n_ep, n_experts=n_ep * copies[0].shape[1], tensor=False, dtype=dtype, kernels=kernels)
+    return _local(x_TD, idx_TX, gate_TX, *copies, *scales, **per_source, per_source=True, axis=split.axis)
