@@ -317,11 +317,14 @@ class DeterminismConfig:
     # order (detjax.sharding.canonical), so the data, fsdp, expert and pipeline degrees do not change the bits,
     # and a run may resume on another such mesh. It also turns XLA's excess precision off
     # (determinism.CANONICAL_XLA_FLAGS). Each device runs its leaves one at a time, so train.micro_batch
-    # changes neither the bits nor the schedule there. `expert` then shards the expert weights and their
-    # optimizer state and splits the batch like fsdp: each device runs every expert on its own leaves (no
-    # all-to-all token dispatch). Under pipeline parallelism each microbatch is one leaf (train.micro_batch
-    # must equal canonical_leaf), each batch shard pipelines its own block of leaves, and the state keeps the
-    # one-device layout. Tensor parallelism needs max_tensor below.
+    # changes neither the bits nor the schedule there. With the Pallas grouped matmuls (model.kernels=pallas or
+    # model.moe.experts_impl=pallas) and no tensor or pipeline axis, `expert` splits the experts: each leaf's
+    # rows travel to their experts' devices by all-to-all, and each owner keeps one weight gradient per source
+    # device (expert_dispatch below); otherwise it shards the expert weights and their optimizer state only and
+    # each device runs every expert on its own leaves. Either way it splits the batch like fsdp. Under pipeline
+    # parallelism each microbatch is one leaf (train.micro_batch must equal canonical_leaf), each batch shard
+    # pipelines its own block of leaves, and the state keeps the one-device layout. Tensor parallelism needs
+    # max_tensor below.
     numerics: Literal["default", "canonical"] = "default"
     # Canonical numerics: sequences per leaf of the gradient tree (a power of two dividing train.global_batch).
     # A leaf is one batch-`canonical_leaf` program (its tokens reduced inside the kernels, its aux loss one

@@ -251,6 +251,19 @@ def test_expert_dispatch_is_byte_equal_to_one_device(monkeypatch):
     assert not _same(bad[1]["digest"], ref[1]["digest"]), "negative control: misfiled gradients should change bits"
 
 
+@pytest.mark.extended  # ~65 s on 2 cores: the fp8 grouped products beside the dispatch test above
+def test_expert_dispatch_with_fp8_is_byte_equal_to_one_device():
+    """Canonical expert dispatch with model.fp8 (expert 2 x data 2 x fsdp 2): each owner's amaxes cover the rows
+    it received and its own experts, and the maximum over devices and leaves is one device's: two steps give
+    its parameters, scales and amax histories byte for byte. Negative control: fp8 off gives other bits."""
+    mesh = ["mesh.expert=2", "mesh.data=2", "mesh.fsdp=2"]
+    ref = _state_after([*EP, "model.fp8.enabled=true", "mesh.devices=1"], (), 2)
+    got = _state_after([*EP, "model.fp8.enabled=true", *mesh], (), 2)
+    assert _same(got[:2], ref[:2]) and _same(got[2]["digest"], ref[2]["digest"])
+    bf16 = _one_step([*EP, *mesh], (), steps=2)
+    assert not _same(bf16[0], ref[0]), "negative control: fp8 off should give other bits"
+
+
 TP = ["determinism.numerics=canonical", "determinism.max_tensor=8", "model.n_kv_heads=8"]
 _TP_REF: dict = {}
 
