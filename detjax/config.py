@@ -318,7 +318,7 @@ class DeterminismConfig:
     # and a run may resume on another such mesh. It also turns XLA's excess precision off
     # (determinism.CANONICAL_XLA_FLAGS). Each device runs its leaves one at a time, so train.micro_batch
     # changes neither the bits nor the schedule there. With the Pallas grouped matmuls (model.kernels=pallas or
-    # model.moe.experts_impl=pallas) and no tensor or pipeline axis, `expert` splits the experts: each leaf's
+    # model.moe.experts_impl=pallas) and no pipeline axis, `expert` splits the experts: each leaf's
     # rows travel to their experts' devices by all-to-all, and each owner keeps one weight gradient per source
     # device (expert_dispatch below); otherwise it shards the expert weights and their optimizer state only and
     # each device runs every expert on its own leaves. Either way it splits the batch like fsdp. Under pipeline
@@ -769,13 +769,12 @@ def canonical_tensor_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
 def expert_dispatch(cfg: Config) -> bool:
     """Whether canonical numerics sends each leaf's rows to the devices owning their experts on this config's
     mesh (detjax.sharding.expert.canonical_expert_moe) rather than sharding the experts' storage only: an
-    `expert` axis, the Pallas grouped matmuls (a group's weight gradient is the same at any row offset), and
-    neither tensor nor pipeline parallelism (with those, `expert` shards storage only)."""
+    `expert` axis, the Pallas grouped matmuls (a group's weight gradient is the same at any row offset), and no
+    pipeline parallelism (there `expert` shards storage only)."""
     m, mesh = cfg.model, cfg.mesh
     return (
         cfg.determinism.canonical
         and mesh.expert > 1
-        and mesh.tensor == 1
         and mesh.pipeline == 1
         and "E" in m.pattern
         and m.moe.experts_kernels(m.kernels) == "pallas"
@@ -790,7 +789,7 @@ def canonical_notes(cfg: Config) -> list[str]:
         f"canonical numerics: mesh.expert = {cfg.mesh.expert} shards the expert weights and their optimizer "
         "state and splits the batch like fsdp; each device runs every expert on its own sequences (no "
         "all-to-all token dispatch: canonical expert dispatch needs the Pallas grouped matmuls, "
-        "model.kernels=pallas, and no tensor or pipeline axis)"
+        "model.kernels=pallas, and no pipeline axis)"
     ]
 
 

@@ -458,10 +458,20 @@ class Trainer:
             if axes[-1] != ep.axis:
                 raise AssertionError(f"canonical expert dispatch: the batch axes {axes} do not end with {ep.axis}")
             rest = axes[:-1] or None
-            p_spec = jax.tree_util.tree_map_with_path(lambda p, _: P(ep.axis) if is_routed_expert(p) else P(), params)
-            g_spec = jax.tree_util.tree_map_with_path(
-                lambda p, _: P(rest, None, ep.axis) if is_routed_expert(p) else spec, params
-            )
+            t_specs = jax.tree.leaves(p_spec, is_leaf=lambda x: isinstance(x, P)) if p_spec != P() else None
+            paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+            p_list, g_list = [], []
+            for i, path in enumerate(paths):
+                t = tuple(t_specs[i]) if t_specs is not None else ()  # the leaf's tensor spec (canonical tensor)
+                t = t + (None,) * (jax.tree.leaves(params)[i].ndim - len(t))
+                if is_routed_expert(path):  # (E, ...) stored over `expert`; gradients (1, A, E/A, ...) per device
+                    p_list.append(P(ep.axis, *t[1:]))
+                    g_list.append(P(rest, None, ep.axis, *t[1:]))
+                else:
+                    p_list.append(P(*t))
+                    g_list.append(P(axes or None, *t))
+            treedef = jax.tree.structure(params)
+            p_spec, g_spec = jax.tree.unflatten(treedef, p_list), jax.tree.unflatten(treedef, g_list)
             out_spec = ((g_spec, (spec,) * 3), spec)
         sums_S, amax_S = jax.shard_map(
             local, mesh=self.layout.mesh, in_specs=(p_spec, spec, P(), P()), out_specs=out_spec, check_vma=False

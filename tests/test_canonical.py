@@ -145,6 +145,12 @@ def test_config_rules():
     assert "no all-to-all token dispatch" in " ".join(canonical_notes(load_config(MESH_CFG, canon + ["mesh.expert=2"])))
     pallas_ep = load_config(MESH_CFG, canon + ["mesh.expert=2", "model.moe.experts_impl=pallas"])
     assert expert_dispatch(pallas_ep) and canonical_notes(pallas_ep) == []
+    assert expert_dispatch(
+        load_config(
+            MESH_CFG,
+            [*canon, "mesh.expert=2", "mesh.tensor=2", "determinism.max_tensor=2", "model.moe.experts_impl=pallas"],
+        )
+    )
     pp_ep = ["mesh.expert=2", "mesh.pipeline=2", "train.micro_batch=1", "model.pattern='M*E-M*E-'"]
     assert not expert_dispatch(load_config(MESH_CFG, [*canon, *pp_ep, "model.moe.experts_impl=pallas"]))
     assert canonical_notes(load_config(MESH_CFG, canon + ["mesh.data=8"])) == []
@@ -225,20 +231,24 @@ EP = ["determinism.numerics=canonical", "model.moe.experts_impl=pallas", "model.
 def test_expert_dispatch_is_byte_equal_to_one_device(monkeypatch):
     """Canonical expert parallelism with token dispatch (the Pallas grouped matmuls; interpret mode here): on
     expert 4 x data 2 each device keeps its two experts, sends every leaf's rows to their experts' owners by
-    all-to-all and gets one weight gradient per source device, and two steps give the one-device parameters
-    and digests byte for byte. Negative control: the owner files each source's gradient under the next source
-    (a rotation of the per-source copies: the same values, so the forward does not change) and the bits move,
-    so the test sees where each source's subtree enters the tree."""
+    all-to-all and gets one weight gradient per source device; on tensor 2 x expert 2 x data 2 (sequence
+    parallel) each owner also holds one of the two feature chunks of its experts' width
+    (determinism.max_tensor = 2). Two steps give the one-device parameters and digests byte for byte.
+    Negative control: the owner files each source's gradient under the next source (a rotation of the
+    per-source copies: the same values, so the forward does not change) and the bits move, so the test sees
+    where each source's subtree enters the tree."""
     from detjax.sharding import expert
     from detjax.sharding.mesh import build_layout
     from detjax.step import Trainer
 
-    mesh = ["mesh.expert=4", "mesh.data=2"]
-    cfg = load_config(MESH_CFG, [*EP, *mesh])
+    canon = [*EP, "determinism.max_tensor=2"]
+    ep4 = ["mesh.expert=4", "mesh.data=2"]
+    cfg = load_config(MESH_CFG, [*canon, *ep4])
     tr = Trainer(cfg, build_layout(cfg, jax.devices()))
     assert tr.expert_split is not None and tr.expert_split.degree == 4
-    ref = _one_step([*EP, "mesh.devices=1"], (), steps=2)
-    _assert_step_equal(_one_step([*EP, *mesh], (), steps=2), ref, mesh)
+    ref = _one_step([*canon, "mesh.devices=1"], (), steps=2)
+    for mesh in (ep4, ["mesh.tensor=2", "mesh.expert=2", "mesh.data=2", "mesh.sequence_parallel=true"]):
+        _assert_step_equal(_one_step([*canon, *mesh], (), steps=2), ref, mesh)
 
     local = expert._local
 
@@ -247,7 +257,7 @@ def test_expert_dispatch_is_byte_equal_to_one_device(monkeypatch):
         return local(x, idx, gate, *ws, *ws_and_scales[3:], **kw)
 
     monkeypatch.setattr(expert, "_local", misfiled)
-    bad = _one_step([*EP, *mesh], (), steps=2)
+    bad = _one_step([*canon, *ep4], (), steps=2)
     assert not _same(bad[1]["digest"], ref[1]["digest"]), "negative control: misfiled gradients should change bits"
 
 

@@ -84,7 +84,7 @@ class Experts(nn.Module):
         weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
         scales = tuple(scale_var(self, n, True) for n in ("gate", "up", "down")) if self.fp8 else None
         if self.ep is not None:  # the params are per-source copies: (A, E/A, ...) each
-            return canonical_expert_moe(x_TD, idx_TX, gate_TX, weights, self.ep, dtype, self.kernels, scales)
+            return canonical_expert_moe(x_TD, idx_TX, gate_TX, weights, self.ep, dtype, self.kernels, scales, tp)
         if self.layout is not None and self.layout.degrees["expert"] > 1:
             return expert_parallel_moe(x_TD, idx_TX, gate_TX, weights, self.layout, dtype, scales)
 

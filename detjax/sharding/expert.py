@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from detjax.model.dispatch import combine_slots, expert_ffn, permute_rows, sort_by_expert
+from detjax.model.dispatch import combine_slots, expert_ffn, expert_ffn_chunked, permute_rows, sort_by_expert
 from detjax.sharding import rules as ax
 from detjax.sharding import tensor as tp_ops
 
@@ -99,9 +99,11 @@ def _local(
     kernels: str = "reference",
     per_source: bool = False,
     axis: str = "expert",
+    split: tp_ops.TensorSplit | None = None,
 ):
     """One device's expert-parallel MoE. per_source: the weights are n_ep copies (A, E/A, ...), source a's rows
-    multiplied by copy a (canonical numerics: one weight gradient per source)."""
+    multiplied by copy a (canonical numerics: one weight gradient per source); `split`: canonical tensor
+    parallelism's feature chunks of the experts' width (dispatch.expert_ffn_chunked)."""
     t, k = idx_TX.shape
     d = x_TD.shape[-1]
     r = t * k
@@ -130,7 +132,10 @@ def _local(
     if per_source:  # groups (local expert, source), in the rows' order; group (e, a) reads copy a of expert e
         gs_G = recv_cnt_AE.T.reshape(-1)
         ws = [w.swapaxes(0, 1).reshape(e_loc * n_ep, *w.shape[2:]) for w in (w_gate, w_up, w_down)]
-        y_UD = expert_ffn(xg_UD, gs_G, *ws, dtype, kernels, fp8_scales)
+        if split is not None:
+            y_UD = expert_ffn_chunked(split, xg_UD, gs_G, tuple(ws), dtype, kernels, fp8_scales)
+        else:
+            y_UD = expert_ffn(xg_UD, gs_G, *ws, dtype, kernels, fp8_scales)
     else:
         gs_loc = jnp.sum(recv_cnt_AE, axis=0)
         y_UD = expert_ffn(xg_UD, gs_loc, w_gate, w_up, w_down, dtype, fp8_scales=fp8_scales)
@@ -183,15 +188,24 @@ def expert_parallel_moe(
 
 
 def canonical_expert_moe(
-    x_TD, idx_TX, gate_TX, copies, split: ExpertSplit, dtype, kernels: str, fp8_scales: tuple | None = None
+    x_TD,
+    idx_TX,
+    gate_TX,
+    copies,
+    split: ExpertSplit,
+    dtype,
+    kernels: str,
+    fp8_scales: tuple | None = None,
+    tp: tp_ops.TensorSplit | None = None,
 ) -> jax.Array:
     """The MoE expert computation of canonical numerics' leaf program on an `expert` axis of split.degree
     devices (module docstring): copies (gate, up, down), each (A, E/A, ...) -- this device's experts, one copy
-    per source device. Called inside the trainer's shard_map (no shard_map of its own). fp8_scales: the
-    (gate, up, down) scale vectors, which every device holds whole there."""
+    per source device (with `tp`, this device's chunks of their width). Called inside the trainer's shard_map
+    (no shard_map of its own). fp8_scales: the (gate, up, down) scale vectors, which every device holds whole
+    there."""
     if kernels != "pallas":
         raise ValueError("canonical expert dispatch needs the Pallas grouped matmuls (model.kernels=pallas)")
     n_ep = split.degree
     scales = tuple(s[None] for s in fp8_scales) if fp8_scales is not None else ()
     per_source = dict(n_ep=n_ep, n_experts=n_ep * copies[0].shape[1], tensor=False, dtype=dtype, kernels=kernels)
-    return _local(x_TD, idx_TX, gate_TX, *copies, *scales, **per_source, per_source=True, axis=split.axis)
+    return _local(x_TD, idx_TX, gate_TX, *copies, *scales, **per_source, per_source=True, axis=split.axis, split=tp)
