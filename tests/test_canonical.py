@@ -681,6 +681,18 @@ def test_resume_onto_tensor_parallelism_continues_the_trajectory(tmp_path):
     )
 
 
+@pytest.mark.extended  # ~2 min on 2 cores
+def test_resume_onto_expert_dispatch_continues_the_trajectory(tmp_path):
+    """Canonical with the Pallas grouped matmuls and 2 feature chunks: train on dp8, stop after step 1, resume on
+    tensor 2 x expert 2 x data 2, where the experts' tokens are dispatched (each device restores only its
+    experts' weights and optimizer state) and continue: fingerprints and final parameters byte-equal to the
+    uninterrupted one-device run. Negative control: a restored parameter nudged by one ulp."""
+    canon = [*EP, "determinism.max_tensor=2", "train.steps=3", "ckpt.every=1", "run.save_final_params=true"]
+    _resume_moved(
+        tmp_path, canon, ["mesh.devices=1"], ["mesh.data=8"], ["mesh.tensor=2", "mesh.expert=2", "mesh.data=2"]
+    )
+
+
 def _resume_moved(tmp_path, canon: list[str], ref_mesh: list[str], first_mesh: list[str], then_mesh: list[str]):
     """The uninterrupted run on ref_mesh against one stopped after step 1 on first_mesh and resumed on
     then_mesh: fingerprints and final parameters byte-equal. Negative control: the same resume with one restored
