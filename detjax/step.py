@@ -372,8 +372,11 @@ class Trainer:
         batch-C program whatever the mesh or the microbatch size), each with the dropout key of its global
         leaf index, with the weights whole. Up to STACK leaves' gradients are stacked by the scan and summed
         by their pair tree; longer blocks push those STACK-leaf subtrees into a TreeAccumulator. The S block
-        sums then meet in the top levels of the same tree (pair_sum over S): elementwise adds, the same bits
-        wherever XLA runs them. fp8 amaxes are maxima over the leaves (exact in any order)."""
+        sums then meet in the top levels of the same tree (pair_sum over S), on each device's slice of the
+        elements (canonical.exchange_sum: an all-to-all, the tree's adds, an all-gather): the same adds, so the
+        same bits, for about the bytes of an all-reduce. With expert dispatch (self.expert_split) each device
+        keeps its experts and their gradients come back one per source device, which meet over their owners
+        in the same tree. fp8 amaxes are maxima over the leaves and devices (exact in any order)."""
         g_rows, width = batch_GL1.shape
         leaf = self.cfg.determinism.canonical_leaf
         axes = self.batch_axes()
@@ -439,51 +442,52 @@ class Trainer:
 
             return jax.tree_util.tree_map_with_path(one, params) if ep is not None else params
 
+        if ep is not None and axes[-1] != ep.axis:
+            raise AssertionError(f"canonical expert dispatch: the batch axes {axes} do not end with {ep.axis}")
+        rest = axes[:-1] if ep is not None else axes  # the axes over which an expert's owners meet
+        n_rest = self.batch_shards() // n_ep
+
+        def top_levels(grads, terms):
+            """The device subtrees' top levels of the tree, on this device's slice of every sum (module
+            docstring of detjax.sharding.canonical): the dense gradients and loss terms over all batch
+            devices, the dispatched experts' per-source gradients over their owners."""
+            dense, experts = [], []
+            for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+                (experts if ep is not None and is_routed_expert(path) else dense).append(g)
+            sums = canonical.exchange_sum([x[None] for x in [*dense, *terms]], axes, self.batch_shards())
+            if experts:  # (A, E/A, ...) each: source a's subtree at a, the tree's terms q*A + a over the owners
+                sums = sums[: len(dense)] + canonical.exchange_sum(experts, rest, n_rest) + sums[len(dense) :]
+            out, it_d, it_e = [], iter(sums[: len(dense)]), iter(sums[len(dense) : len(dense) + len(experts)])
+            for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]:
+                out.append(next(it_e) if ep is not None and is_routed_expert(path) else next(it_d))
+            return jax.tree.unflatten(jax.tree.structure(grads), out), tuple(sums[len(dense) + len(experts) :])
+
         def local(params, tokens_BL1, key, scales):
             first = jax.lax.axis_index(axes) * per_shard if axes else 0
-            out = block_sums(source_copies(params), leaves_of(tokens_BL1), key, first, scales)
-            return jax.tree.map(lambda x: x[None], out)
+            (grads, terms), amax = block_sums(source_copies(params), leaves_of(tokens_BL1), key, first, scales)
+            with jax.named_scope("grad_accumulate"):
+                amax = jax.tree.map(lambda a: jax.lax.pmax(a, axes), amax) if axes else amax
+                return top_levels(grads, terms), amax
 
+        # the parameters' specs inside shard_map: whole (P()), or this device's tensor shard, or (dispatched
+        # experts) its experts; the sums leave in the same layout, replicated over the batch axes
+        t_specs = self.tensor_specs() if self.tensor_split is not None and self.tensor_split.degree > 1 else None
+        t_list = jax.tree.leaves(t_specs, is_leaf=lambda x: isinstance(x, P)) if t_specs is not None else None
+        p_list = []
+        for i, (path, w) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
+            t = tuple(t_list[i]) if t_list is not None else ()
+            t = t + (None,) * (w.ndim - len(t))
+            p_list.append(P(ep.axis, *t[1:]) if ep is not None and is_routed_expert(path) else P(*t))
+        p_spec = jax.tree.unflatten(jax.tree.structure(params), p_list)
         spec = P(axes) if axes else P()
-        p_spec: Any = P()
-        out_spec: Any = spec
-        if self.tensor_split is not None and self.tensor_split.degree > 1:  # each device its tensor shard
-            p_spec = self.tensor_specs()
-            g_spec = jax.tree.map(lambda s: P(axes or None, *s), p_spec, is_leaf=lambda s: isinstance(s, P))
-            out_spec = ((g_spec, (spec,) * 3), spec)
-        if ep is not None:
-            # a device's experts stay on it (no gather); its expert gradients come out per source device
-            # (1, A, E/A, ...), which lay out globally as (S/A, A, E, ...): row q*A + a is device q*A + a's
-            # subtree, since `expert` is the batch axes' last (fastest) axis
-            if axes[-1] != ep.axis:
-                raise AssertionError(f"canonical expert dispatch: the batch axes {axes} do not end with {ep.axis}")
-            rest = axes[:-1] or None
-            t_specs = jax.tree.leaves(p_spec, is_leaf=lambda x: isinstance(x, P)) if p_spec != P() else None
-            paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-            p_list, g_list = [], []
-            for i, path in enumerate(paths):
-                t = tuple(t_specs[i]) if t_specs is not None else ()  # the leaf's tensor spec (canonical tensor)
-                t = t + (None,) * (jax.tree.leaves(params)[i].ndim - len(t))
-                if is_routed_expert(path):  # (E, ...) stored over `expert`; gradients (1, A, E/A, ...) per device
-                    p_list.append(P(ep.axis, *t[1:]))
-                    g_list.append(P(rest, None, ep.axis, *t[1:]))
-                else:
-                    p_list.append(P(*t))
-                    g_list.append(P(axes or None, *t))
-            treedef = jax.tree.structure(params)
-            p_spec, g_spec = jax.tree.unflatten(treedef, p_list), jax.tree.unflatten(treedef, g_list)
-            out_spec = ((g_spec, (spec,) * 3), spec)
-        sums_S, amax_S = jax.shard_map(
-            local, mesh=self.layout.mesh, in_specs=(p_spec, spec, P(), P()), out_specs=out_spec, check_vma=False
+        (g_sum, terms), amax = jax.shard_map(
+            local,
+            mesh=self.layout.mesh,
+            in_specs=(p_spec, spec, P(), P()),
+            out_specs=((p_spec, (P(),) * 3), P()),
+            check_vma=False,
         )(params, batch_GL1, step_key, fp8_scales if fp8_on else ())
-        if ep is not None:
-            grads, terms = sums_S
-            grads = jax.tree_util.tree_map_with_path(
-                lambda p, g: g.reshape(-1, *g.shape[2:]) if is_routed_expert(p) else g, grads
-            )
-            sums_S = (grads, terms)
-        with jax.named_scope("grad_accumulate"):
-            return unpack(canonical.tree_pair_sum(sums_S), amax_max(amax_S))
+        return unpack((g_sum, terms), amax)
 
     def canonical_pipeline_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array, fp8_scales=None):
         """Canonical numerics' gradient and loss-term sums through the pipeline (config: microbatches of

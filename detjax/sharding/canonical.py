@@ -7,6 +7,13 @@ where its adds run: a device that holds a contiguous, aligned block of terms com
 and the levels above may run wherever XLA moves the operands. A length that is not a power of two is padded
 with zeros at the end (a fixed structure, a function of the length only).
 
+Across devices (`exchange_sum`, inside shard_map) the top levels of a tree whose terms are spread over n devices
+run as a reduce-scatter and an all-gather, each a pure exchange of values: every device receives all n
+devices' terms for its own 1/n slice of the elements, adds them by the tree, and the slices are gathered. The
+adds and their order per element are the tree's, so the bits are those of summing the stacked terms in one
+place; each device receives about twice the bytes of the result, as in a ring all-reduce (XLA's own lowering
+of a pair tree over a sharded axis moved a whole partial per tree edge: 7 x the result's bytes on 8 devices).
+
 `TreeAccumulator` walks the same tree over a sequence of subtree results pushed in order (the step pushes
 one sequence's gradient at a time): it keeps one pending partial per tree level (a binary counter), so
 pushing aligned power-of-two blocks, of any one size, gives the same tree as summing all leaves at once.
@@ -14,6 +21,7 @@ pushing aligned power-of-two blocks, of any one size, gives the same tree as sum
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -48,6 +56,38 @@ def pair_sum(x: jax.Array, axis: int = 0) -> jax.Array:
             parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
         x = parts[0]
     return jax.lax.index_in_dim(x, 0, axis, keepdims=False)
+
+
+def exchange_sum(xs: list[jax.Array], axes: tuple[str, ...], n: int) -> list[jax.Array]:
+    """Inside shard_map over `axes` (n devices): each x in xs holds this device's K consecutive terms of a pair
+    tree along its leading axis (device d's terms are d*K .. d*K + K - 1 of the n*K, d the linear index of
+    `axes`, first axis major); returns each tree's sum (the leading axis removed), replicated over `axes`.
+    Arrays of one dtype travel as one flat buffer: one all-to-all and one all-gather per dtype."""
+    out: list[Any] = [None] * len(xs)
+    by_dtype: dict[str, list[int]] = {}
+    for i, x in enumerate(xs):
+        by_dtype.setdefault(str(x.dtype), []).append(i)
+    for idx in by_dtype.values():
+        k = xs[idx[0]].shape[0]
+        if any(xs[i].shape[0] != k for i in idx):
+            raise ValueError("exchange_sum: every array needs the same number of terms per device")
+        flat = jnp.concatenate([xs[i].reshape(k, -1) for i in idx], axis=1)  # (K, M)
+        m = flat.shape[1]
+        if n == 1:
+            total = pair_sum(flat, 0)
+        else:
+            per = -(-m // n)
+            flat = jnp.pad(flat, ((0, 0), (0, n * per - m)))
+            parts = flat.reshape(k, n, per).swapaxes(0, 1)  # part j (K terms of slice j) goes to device j
+            got = jax.lax.all_to_all(parts, axes, 0, 0)  # got[i]: device i's K terms of this device's slice
+            mine = pair_sum(got.reshape(n * k, per), 0)  # terms in tree order i*K + k
+            total = jax.lax.all_gather(mine, axes, axis=0, tiled=True)[:m]
+        at = 0
+        for i in idx:
+            size = math.prod(xs[i].shape[1:])
+            out[i] = total[at : at + size].reshape(xs[i].shape[1:])
+            at += size
+    return out
 
 
 def full_sum(x: jax.Array) -> jax.Array:
