@@ -447,20 +447,38 @@ class Trainer:
         rest = axes[:-1] if ep is not None else axes  # the axes over which an expert's owners meet
         n_rest = self.batch_shards() // n_ep
 
+        # How each gradient's device subtrees meet (the top levels of the tree, docs/DETERMINISM.md): "expert",
+        # a dispatched expert stack, over its owners (canonical.exchange_sum); "shard", every other parameter
+        # and the loss terms, by canonical.reduce_to_shards into the shards the parameter is stored in (an
+        # all-to-all and an all-gather: about 2 x the shard's bytes per device); "stacked", a parameter with a
+        # dimension stored over both `tensor` and a batch axis, whose subtrees leave stacked and meet in
+        # pair_sum outside, lowered by XLA (which moved about 15 x the gradient's bytes per device on dp8 and
+        # 9.6 x on fsdp 2 x data 4 for the whole step: scripts/collective_bytes.py, docs/MESHES.md)
+        stored = [sh.spec for sh in jax.tree.leaves(tree_shardings(self.layout, self.param_logical_specs()))]
+        paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+        def batch_only(spec) -> tuple:  # the storage spec's batch axes, per dimension (tensor dims are local)
+            return tuple(tuple(n for n in canonical.spec_axes(e) if n in axes) or None for e in spec)
+
+        def mixed(spec) -> bool:
+            return any("tensor" in canonical.spec_axes(e) and batch_only((e,))[0] for e in spec)
+
+        route = [
+            "expert" if ep is not None and is_routed_expert(path) else "stacked" if mixed(sp) else "shard"
+            for path, sp in zip(paths, stored, strict=True)
+        ]
+        degrees = {a: self.layout.degrees[a] for a in axes}
+
         def top_levels(grads, terms):
-            """The device subtrees' top levels of the tree, on this device's slice of every sum (module
-            docstring of detjax.sharding.canonical): the dense gradients and loss terms over all batch
-            devices, the dispatched experts' per-source gradients over their owners."""
-            dense, experts = [], []
-            for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-                (experts if ep is not None and is_routed_expert(path) else dense).append(g)
-            sums = canonical.exchange_sum([x[None] for x in [*dense, *terms]], axes, self.batch_shards())
-            if experts:  # (A, E/A, ...) each: source a's subtree at a, the tree's terms q*A + a over the owners
-                sums = sums[: len(dense)] + canonical.exchange_sum(experts, rest, n_rest) + sums[len(dense) :]
-            out, it_d, it_e = [], iter(sums[: len(dense)]), iter(sums[len(dense) : len(dense) + len(experts)])
-            for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]:
-                out.append(next(it_e) if ep is not None and is_routed_expert(path) else next(it_d))
-            return jax.tree.unflatten(jax.tree.structure(grads), out), tuple(sums[len(dense) + len(experts) :])
+            flat = jax.tree.leaves(grads)
+            picked = {r: [i for i, rr in enumerate(route) if rr == r] for r in ("shard", "expert")}
+            sh_specs = [batch_only(stored[i]) for i in picked["shard"]] + [()] * len(terms)
+            sums = canonical.reduce_to_shards([*[flat[i] for i in picked["shard"]], *terms], sh_specs, axes, degrees)
+            exp = canonical.exchange_sum([flat[i] for i in picked["expert"]], rest, n_rest)  # terms q*A + a
+            out = [g[None] for g in flat]
+            for i, v in [*zip(picked["shard"], sums, strict=False), *zip(picked["expert"], exp, strict=True)]:
+                out[i] = v
+            return jax.tree.unflatten(jax.tree.structure(grads), out), tuple(sums[len(picked["shard"]) :])
 
         def local(params, tokens_BL1, key, scales):
             first = jax.lax.axis_index(axes) * per_shard if axes else 0
@@ -470,24 +488,32 @@ class Trainer:
                 return top_levels(grads, terms), amax
 
         # the parameters' specs inside shard_map: whole (P()), or this device's tensor shard, or (dispatched
-        # experts) its experts; the sums leave in the same layout, replicated over the batch axes
+        # experts) its experts; the sums leave as the parameters are stored, except the "stacked" ones (one
+        # subtree per device)
         t_specs = self.tensor_specs() if self.tensor_split is not None and self.tensor_split.degree > 1 else None
         t_list = jax.tree.leaves(t_specs, is_leaf=lambda x: isinstance(x, P)) if t_specs is not None else None
-        p_list = []
-        for i, (path, w) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
+        p_list, g_list = [], []
+        for i, (w, r) in enumerate(zip(jax.tree.leaves(params), route, strict=True)):
             t = tuple(t_list[i]) if t_list is not None else ()
             t = t + (None,) * (w.ndim - len(t))
-            p_list.append(P(ep.axis, *t[1:]) if ep is not None and is_routed_expert(path) else P(*t))
-        p_spec = jax.tree.unflatten(jax.tree.structure(params), p_list)
+            p_list.append(P(ep.axis, *t[1:]) if r == "expert" else P(*t))
+            g_list.append({"stacked": P(axes or None, *t), "shard": stored[i], "expert": p_list[-1]}[r])
+        treedef = jax.tree.structure(params)
+        p_spec, g_spec = jax.tree.unflatten(treedef, p_list), jax.tree.unflatten(treedef, g_list)
         spec = P(axes) if axes else P()
         (g_sum, terms), amax = jax.shard_map(
             local,
             mesh=self.layout.mesh,
             in_specs=(p_spec, spec, P(), P()),
-            out_specs=((p_spec, (P(),) * 3), P()),
+            out_specs=((g_spec, (P(),) * 3), P()),
             check_vma=False,
         )(params, batch_GL1, step_key, fp8_scales if fp8_on else ())
-        return unpack((g_sum, terms), amax)
+        with jax.named_scope("grad_accumulate"):
+            flat = [
+                canonical.pair_sum(g, 0) if r == "stacked" else g
+                for g, r in zip(jax.tree.leaves(g_sum), route, strict=True)
+            ]
+        return unpack((jax.tree.unflatten(treedef, flat), terms), amax)
 
     def canonical_pipeline_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array, fp8_scales=None):
         """Canonical numerics' gradient and loss-term sums through the pipeline (config: microbatches of

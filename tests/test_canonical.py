@@ -129,6 +129,41 @@ def test_exchange_sum_is_the_pair_tree_of_the_stacked_terms(k):
     assert not np.array_equal(u32(left), u32(canonical.pair_sum(terms[0], 0))), "negative control: another order"
 
 
+def test_reduce_to_shards_is_the_pair_tree_stored_as_sharded():
+    """reduce_to_shards over data 2 x fsdp 2 x expert 2: every device's term of each tree summed by the pair tree
+    and left as the storage sharding says -- whole, one dimension over fsdp, one over (fsdp, expert), two
+    dimensions over data and expert, a scalar -- gives pair_sum over the 8 stacked terms, byte for byte, with
+    one all-to-all. Negative control: a left-to-right sum of the terms gives other bits."""
+    from detjax.jaxprs import iter_eqns
+
+    axes = ("data", "fsdp", "expert")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), axes)
+    degrees = {"data": 2, "fsdp": 2, "expert": 2}
+    cases = [
+        ((6, 5), P()),
+        ((4, 3), P("fsdp")),
+        ((3, 8, 2), P(None, ("fsdp", "expert"))),
+        ((4, 6), P("data", "expert")),
+        ((), P()),
+    ]
+    terms = [jax.random.normal(jax.random.key(i), (8, *sh), jnp.float32) for i, (sh, _) in enumerate(cases)]
+    specs = [sp for _, sp in cases]
+
+    def local(*xs):
+        return tuple(canonical.reduce_to_shards([x[0] for x in xs], specs, axes, degrees))
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(axes),) * len(cases), out_specs=tuple(specs), check_vma=False)
+    got = jax.jit(fn)(*terms)
+    for x, out in zip(terms, got, strict=True):
+        np.testing.assert_array_equal(u32(out), u32(canonical.pair_sum(x, 0)))
+    eqns = [e.primitive.name for e in iter_eqns(jax.make_jaxpr(fn)(*terms).jaxpr)]
+    assert eqns.count("all_to_all") == 1, eqns
+    left = terms[0][0]
+    for i in range(1, 8):
+        left = left + terms[0][i]
+    assert not np.array_equal(u32(left), u32(canonical.pair_sum(terms[0], 0))), "negative control: another order"
+
+
 def test_config_rules():
     canon = ["determinism.numerics=canonical"]
     # tensor parallelism needs the fixed chunk count, and every split dimension must divide into it

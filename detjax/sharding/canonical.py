@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def is_power_of_two(n: int) -> bool:
@@ -87,6 +88,78 @@ def exchange_sum(xs: list[jax.Array], axes: tuple[str, ...], n: int) -> list[jax
             size = math.prod(xs[i].shape[1:])
             out[i] = total[at : at + size].reshape(xs[i].shape[1:])
             at += size
+    return out
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one PartitionSpec entry names (None: none; a name; a tuple of names, major first)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def reduce_to_shards(xs: list[jax.Array], specs: list, axes: tuple[str, ...], degrees: dict[str, int]) -> list:
+    """Inside shard_map over the batch `axes` (their `degrees`; device s the linear index, first axis major):
+    each x in xs is this device's term of a pair tree over the S devices (device s's term is term s); returns
+    each tree's sum as this device stores it: specs[i] names, per dimension of x, the batch axes that shard it
+    (the parameter's storage sharding; None: whole), and the devices that share a shard get the same values.
+
+    The reduce-scatter and all-gather of exchange_sum, cut along the shards: every device receives the S terms
+    of a 1/R piece of its own shard (R devices share each shard), adds them by the tree, and the R pieces are
+    gathered. One all-to-all for all arrays and one all-gather per set of sharing axes; each device receives
+    about the shard's bytes twice."""
+    n = math.prod(degrees[a] for a in axes)
+    stride = {a: math.prod(degrees[b] for b in axes[i + 1 :]) for i, a in enumerate(axes)}
+    coord = {a: np.arange(n) // stride[a] % degrees[a] for a in axes}  # device -> its index along axis a
+    parts, plans = [], []
+    for x, spec in zip(xs, specs, strict=True):
+        entries = [spec_axes(e) for e in spec] + [()] * (x.ndim - len(spec))
+        dims = [(d, e) for d, e in enumerate(entries) if e]
+        shared = tuple(a for a in axes if not any(a in e for _, e in dims))  # the axes whose devices share a shard
+        counts = [math.prod(degrees[a] for a in e) for _, e in dims]
+        # device -> its shard: per sharded dimension the linear index over that dimension's axes, then row-major
+        block = np.zeros(n, np.int64)
+        for (_, e), c in zip(dims, counts, strict=True):
+            idx = np.zeros(n, np.int64)
+            for a in e:
+                idx = idx * degrees[a] + coord[a]
+            block = block * c + idx
+        piece = np.zeros(n, np.int64)
+        for a in shared:
+            piece = piece * degrees[a] + coord[a]
+        r = math.prod(degrees[a] for a in shared)
+        # x as (shards, shard elements): each sharded dimension split into (count, size / count), counts first
+        split_shape, perm_front, perm_back = [], [], []
+        for d in range(x.ndim):
+            c = dict(zip([d for d, _ in dims], counts, strict=True)).get(d)
+            if c is None:
+                perm_back.append(len(split_shape))
+                split_shape.append(x.shape[d])
+            else:
+                perm_front.append(len(split_shape))
+                perm_back.append(len(split_shape) + 1)
+                split_shape += [c, x.shape[d] // c]
+        shard_shape = tuple(split_shape[i] for i in perm_back)
+        blocks = x.reshape(split_shape).transpose(perm_front + perm_back).reshape(math.prod(counts), -1)
+        size = blocks.shape[1]
+        per = -(-size // r)
+        blocks = jnp.pad(blocks, ((0, 0), (0, r * per - size))).reshape(-1, r, per)
+        parts.append(blocks[block, piece])  # (S, per): device j's piece of its shard
+        plans.append((shared, r, per, size, shard_shape))
+    got = jax.lax.all_to_all(jnp.concatenate(parts, axis=1), axes, 0, 0)  # got[i]: device i's term of my pieces
+    mine = pair_sum(got, 0)
+    pieces, at = [], 0
+    for _, _, per, _, _ in plans:
+        pieces.append(mine[at : at + per])
+        at += per
+    out: list = [None] * len(xs)
+    for shared in dict.fromkeys(p[0] for p in plans):  # one all-gather per set of sharing axes
+        idx = [i for i, p in enumerate(plans) if p[0] == shared]
+        cat = jnp.concatenate([pieces[i] for i in idx])
+        whole = jax.lax.all_gather(cat, shared, axis=0, tiled=False) if shared else cat[None]  # (R, sum per)
+        at = 0
+        for i in idx:
+            _, r, per, size, shard_shape = plans[i]
+            out[i] = whole[:, at : at + per].reshape(-1)[:size].reshape(shard_shape)
+            at += per
     return out
 
 
