@@ -470,6 +470,8 @@ class Trainer:
         degrees = {a: self.layout.degrees[a] for a in axes}
 
         def top_levels(grads, terms):
+            if not axes:  # one batch shard: its subtree is the sum
+                return grads, terms
             flat = jax.tree.leaves(grads)
             picked = {r: [i for i, rr in enumerate(route) if rr == r] for r in ("shard", "expert")}
             sh_specs = [batch_only(stored[i]) for i in picked["shard"]] + [()] * len(terms)

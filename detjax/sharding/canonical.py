@@ -7,12 +7,14 @@ where its adds run: a device that holds a contiguous, aligned block of terms com
 and the levels above may run wherever XLA moves the operands. A length that is not a power of two is padded
 with zeros at the end (a fixed structure, a function of the length only).
 
-Across devices (`exchange_sum`, inside shard_map) the top levels of a tree whose terms are spread over n devices
-run as a reduce-scatter and an all-gather, each a pure exchange of values: every device receives all n
-devices' terms for its own 1/n slice of the elements, adds them by the tree, and the slices are gathered. The
-adds and their order per element are the tree's, so the bits are those of summing the stacked terms in one
-place; each device receives about twice the bytes of the result, as in a ring all-reduce (XLA's own lowering
-of a pair tree over a sharded axis moved a whole partial per tree edge: 7 x the result's bytes on 8 devices).
+Across devices (inside shard_map) the top levels of a tree whose terms are spread over n devices run as a
+reduce-scatter and an all-gather, each a pure exchange of values: every device receives all n devices' terms
+for its own piece of the elements, adds them by the tree, and the pieces are gathered -- into whole sums
+(`exchange_sum`) or into the shards a parameter is stored in (`reduce_to_shards`). The adds and their order per
+element are the tree's, so the bits are those of summing the stacked terms in one place; each device receives
+about twice the bytes of its result, as in a ring all-reduce (XLA's own lowering of a pair tree over a sharded
+axis, collective-permutes per tree edge and then all-reduces, moved 15 x the parameters' bytes per device in
+a dp8 step: scripts/collective_bytes.py).
 
 `TreeAccumulator` walks the same tree over a sequence of subtree results pushed in order (the step pushes
 one sequence's gradient at a time): it keeps one pending partial per tree level (a binary counter), so
