@@ -372,11 +372,12 @@ class Trainer:
         batch-C program whatever the mesh or the microbatch size), each with the dropout key of its global
         leaf index, with the weights whole. Up to STACK leaves' gradients are stacked by the scan and summed
         by their pair tree; longer blocks push those STACK-leaf subtrees into a TreeAccumulator. The S block
-        sums then meet in the top levels of the same tree (pair_sum over S), on each device's slice of the
-        elements (canonical.exchange_sum: an all-to-all, the tree's adds, an all-gather): the same adds, so the
-        same bits, for about the bytes of an all-reduce. With expert dispatch (self.expert_split) each device
-        keeps its experts and their gradients come back one per source device, which meet over their owners
-        in the same tree. fp8 amaxes are maxima over the leaves and devices (exact in any order)."""
+        sums then meet in the top levels of the same tree (pair_sum over S), on each device's piece of the
+        elements (canonical.reduce_to_shards: an all-to-all, the tree's adds, an all-gather into the stored
+        shards): the same adds, so the same bits, for about the bytes of an all-reduce. With expert dispatch
+        (self.expert_split) each device keeps its experts and their gradients come back one per source
+        device, which meet over their owners in the same tree. fp8 amaxes are maxima over the leaves and
+        devices (exact in any order)."""
         g_rows, width = batch_GL1.shape
         leaf = self.cfg.determinism.canonical_leaf
         axes = self.batch_axes()
@@ -445,20 +446,21 @@ class Trainer:
         if ep is not None and axes[-1] != ep.axis:
             raise AssertionError(f"canonical expert dispatch: the batch axes {axes} do not end with {ep.axis}")
         rest = axes[:-1] if ep is not None else axes  # the axes over which an expert's owners meet
-        n_rest = self.batch_shards() // n_ep
 
-        # How each gradient's device subtrees meet (the top levels of the tree, docs/DETERMINISM.md): "expert",
-        # a dispatched expert stack, over its owners (canonical.exchange_sum); "shard", every other parameter
-        # and the loss terms, by canonical.reduce_to_shards into the shards the parameter is stored in (an
-        # all-to-all and an all-gather: about 2 x the shard's bytes per device); "stacked", a parameter with a
-        # dimension stored over both `tensor` and a batch axis, whose subtrees leave stacked and meet in
-        # pair_sum outside, lowered by XLA (which moved about 15 x the gradient's bytes per device on dp8 and
-        # 9.6 x on fsdp 2 x data 4 for the whole step: scripts/collective_bytes.py, docs/MESHES.md)
+        # How each gradient's device subtrees meet (the top levels of the tree, docs/DETERMINISM.md), by
+        # canonical.reduce_to_shards into the shards the parameter is stored in (an all-to-all and an
+        # all-gather: about 2 x the shard's bytes per device): "shard", every parameter and the loss terms, over
+        # all batch devices; "expert", a dispatched expert stack, its A per-source subtrees over the owners of
+        # its experts (the tree's terms q*A + a); "stacked", a parameter with a dimension stored over both
+        # `tensor` and a batch axis, whose subtrees leave stacked and meet in pair_sum outside, lowered by XLA
+        # (which moved about 15 x the parameters' bytes per device on dp8 and 9.6 x on fsdp 2 x data 4 for the
+        # whole step: scripts/collective_bytes.py, docs/BENCHMARKS.md session 29). A dispatched expert stack
+        # with such a dimension leaves replicated over the owners.
         stored = [sh.spec for sh in jax.tree.leaves(tree_shardings(self.layout, self.param_logical_specs()))]
         paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
-        def batch_only(spec) -> tuple:  # the storage spec's batch axes, per dimension (tensor dims are local)
-            return tuple(tuple(n for n in canonical.spec_axes(e) if n in axes) or None for e in spec)
+        def batch_only(spec, over=axes) -> tuple:  # the storage spec's axes among `over`, per dimension
+            return tuple(tuple(n for n in canonical.spec_axes(e) if n in over) or None for e in spec)
 
         def mixed(spec) -> bool:
             return any("tensor" in canonical.spec_axes(e) and batch_only((e,))[0] for e in spec)
@@ -476,7 +478,10 @@ class Trainer:
             picked = {r: [i for i, rr in enumerate(route) if rr == r] for r in ("shard", "expert")}
             sh_specs = [batch_only(stored[i]) for i in picked["shard"]] + [()] * len(terms)
             sums = canonical.reduce_to_shards([*[flat[i] for i in picked["shard"]], *terms], sh_specs, axes, degrees)
-            exp = canonical.exchange_sum([flat[i] for i in picked["expert"]], rest, n_rest)  # terms q*A + a
+            e_specs = [() if mixed(stored[i]) else batch_only(stored[i], rest)[1:] for i in picked["expert"]]
+            e_specs = [(None, *sp) for sp in e_specs]  # the local experts' dimension stays as it is
+            rest_degrees = {a: degrees[a] for a in rest}
+            exp = canonical.reduce_to_shards([flat[i] for i in picked["expert"]], e_specs, rest, rest_degrees, n_ep)
             out = [g[None] for g in flat]
             for i, v in [*zip(picked["shard"], sums, strict=False), *zip(picked["expert"], exp, strict=True)]:
                 out[i] = v
@@ -499,7 +504,9 @@ class Trainer:
             t = tuple(t_list[i]) if t_list is not None else ()
             t = t + (None,) * (w.ndim - len(t))
             p_list.append(P(ep.axis, *t[1:]) if r == "expert" else P(*t))
-            g_list.append({"stacked": P(axes or None, *t), "shard": stored[i], "expert": p_list[-1]}[r])
+            if r == "expert" and mixed(stored[i]):
+                r = "expert, replicated"
+            g_list.append({"stacked": P(axes or None, *t), "expert, replicated": p_list[-1]}.get(r, stored[i]))
         treedef = jax.tree.structure(params)
         p_spec, g_spec = jax.tree.unflatten(treedef, p_list), jax.tree.unflatten(treedef, g_list)
         spec = P(axes) if axes else P()

@@ -99,41 +99,12 @@ def test_square_sums_do_not_depend_on_the_sharding():
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_exchange_sum_is_the_pair_tree_of_the_stacked_terms(k):
-    """exchange_sum over data 2 x fsdp 2 x expert 2: each device's K terms (device d holds terms d*K ..), summed
-    by an all-to-all, the pair tree on this device's slice and an all-gather, give pair_sum over all 8*K terms
-    stacked in one place, byte for byte, for arrays of two shapes and a float32 scalar, replicated on every
-    device; one all-to-all and one all-gather move them all. Negative control: a left-to-right sum of the same
-    terms gives other bits."""
-    from detjax.jaxprs import iter_eqns
-
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "expert"))
-    axes = ("data", "fsdp", "expert")
-    shapes = [(k, 33, 7), (k, 5), (k,)]
-    terms = [jax.random.normal(jax.random.key(i), (8 * sh[0], *sh[1:]), jnp.float32) for i, sh in enumerate(shapes)]
-
-    def local(*xs):
-        return tuple(y[None] for y in canonical.exchange_sum(list(xs), axes, 8))
-
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(axes),) * 3, out_specs=(P(axes),) * 3, check_vma=False)
-    got = jax.jit(fn)(*terms)
-    for x, out in zip(terms, got, strict=True):
-        want = u32(canonical.pair_sum(x, 0))
-        for d in range(8):  # every device holds the whole sum
-            np.testing.assert_array_equal(u32(out[d]), want)
-    eqns = [e.primitive.name for e in iter_eqns(jax.make_jaxpr(fn)(*terms).jaxpr)]
-    assert eqns.count("all_to_all") == 1 and eqns.count("all_gather") == 1, eqns
-    left = terms[0][0]
-    for i in range(1, terms[0].shape[0]):
-        left = left + terms[0][i]
-    assert not np.array_equal(u32(left), u32(canonical.pair_sum(terms[0], 0))), "negative control: another order"
-
-
-def test_reduce_to_shards_is_the_pair_tree_stored_as_sharded():
-    """reduce_to_shards over data 2 x fsdp 2 x expert 2: every device's term of each tree summed by the pair tree
-    and left as the storage sharding says -- whole, one dimension over fsdp, one over (fsdp, expert), two
-    dimensions over data and expert, a scalar -- gives pair_sum over the 8 stacked terms, byte for byte, with
-    one all-to-all. Negative control: a left-to-right sum of the terms gives other bits."""
+def test_reduce_to_shards_is_the_pair_tree_stored_as_sharded(k):
+    """reduce_to_shards over data 2 x fsdp 2 x expert 2, each device holding K consecutive terms of every tree
+    (device d: terms d*K ..): the sums, left as the storage sharding says -- whole, one dimension over fsdp, one
+    over (fsdp, expert), two dimensions over data and expert, a scalar -- are pair_sum over the 8*K stacked
+    terms, byte for byte, with one all-to-all. Negative control: a left-to-right sum of the terms gives other
+    bits."""
     from detjax.jaxprs import iter_eqns
 
     axes = ("data", "fsdp", "expert")
@@ -146,11 +117,12 @@ def test_reduce_to_shards_is_the_pair_tree_stored_as_sharded():
         ((4, 6), P("data", "expert")),
         ((), P()),
     ]
-    terms = [jax.random.normal(jax.random.key(i), (8, *sh), jnp.float32) for i, (sh, _) in enumerate(cases)]
+    terms = [jax.random.normal(jax.random.key(i), (8 * k, *sh), jnp.float32) for i, (sh, _) in enumerate(cases)]
     specs = [sp for _, sp in cases]
 
     def local(*xs):
-        return tuple(canonical.reduce_to_shards([x[0] for x in xs], specs, axes, degrees))
+        mine = [x if k > 1 else x[0] for x in xs]  # this device's K terms (one: no leading axis)
+        return tuple(canonical.reduce_to_shards(mine, specs, axes, degrees, k))
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(axes),) * len(cases), out_specs=tuple(specs), check_vma=False)
     got = jax.jit(fn)(*terms)
@@ -159,7 +131,7 @@ def test_reduce_to_shards_is_the_pair_tree_stored_as_sharded():
     eqns = [e.primitive.name for e in iter_eqns(jax.make_jaxpr(fn)(*terms).jaxpr)]
     assert eqns.count("all_to_all") == 1, eqns
     left = terms[0][0]
-    for i in range(1, 8):
+    for i in range(1, 8 * k):
         left = left + terms[0][i]
     assert not np.array_equal(u32(left), u32(canonical.pair_sum(terms[0], 0))), "negative control: another order"
 
@@ -381,7 +353,7 @@ def test_sequence_parallel_mixers_end_in_a_reduce_scatter():
         batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32)
         jaxpr = jax.make_jaxpr(tr.train_step)(tr.abstract_state(), batch)
         eqns = [e for e in iter_eqns(jaxpr.jaxpr) if e.primitive.name == "all_to_all"]
-        # over `tensor` only: the gradient tree's top levels exchange over the batch axes (exchange_sum)
+        # over `tensor` only: the gradient tree's top levels exchange over the batch axes (reduce_to_shards)
         return [e for e in eqns if "tensor" in str(e.params["axis_name"])]
 
     got = all_to_alls(["mesh.tensor=2", "mesh.sequence_parallel=true"])

@@ -9,8 +9,8 @@ with zeros at the end (a fixed structure, a function of the length only).
 
 Across devices (inside shard_map) the top levels of a tree whose terms are spread over n devices run as a
 reduce-scatter and an all-gather, each a pure exchange of values: every device receives all n devices' terms
-for its own piece of the elements, adds them by the tree, and the pieces are gathered -- into whole sums
-(`exchange_sum`) or into the shards a parameter is stored in (`reduce_to_shards`). The adds and their order per
+for its own piece of the elements, adds them by the tree, and the pieces are gathered into the shards the
+sum is stored in (`reduce_to_shards`). The adds and their order per
 element are the tree's, so the bits are those of summing the stacked terms in one place; each device receives
 about twice the bytes of its result, as in a ring all-reduce (XLA's own lowering of a pair tree over a sharded
 axis, collective-permutes per tree edge and then all-reduces, moved 15 x the parameters' bytes per device in
@@ -61,59 +61,33 @@ def pair_sum(x: jax.Array, axis: int = 0) -> jax.Array:
     return jax.lax.index_in_dim(x, 0, axis, keepdims=False)
 
 
-def exchange_sum(xs: list[jax.Array], axes: tuple[str, ...], n: int) -> list[jax.Array]:
-    """Inside shard_map over `axes` (n devices): each x in xs holds this device's K consecutive terms of a pair
-    tree along its leading axis (device d's terms are d*K .. d*K + K - 1 of the n*K, d the linear index of
-    `axes`, first axis major); returns each tree's sum (the leading axis removed), replicated over `axes`.
-    Arrays of one dtype travel as one flat buffer: one all-to-all and one all-gather per dtype."""
-    out: list[Any] = [None] * len(xs)
-    by_dtype: dict[str, list[int]] = {}
-    for i, x in enumerate(xs):
-        by_dtype.setdefault(str(x.dtype), []).append(i)
-    for idx in by_dtype.values():
-        k = xs[idx[0]].shape[0]
-        if any(xs[i].shape[0] != k for i in idx):
-            raise ValueError("exchange_sum: every array needs the same number of terms per device")
-        flat = jnp.concatenate([xs[i].reshape(k, -1) for i in idx], axis=1)  # (K, M)
-        m = flat.shape[1]
-        if n == 1:
-            total = pair_sum(flat, 0)
-        else:
-            per = -(-m // n)
-            flat = jnp.pad(flat, ((0, 0), (0, n * per - m)))
-            parts = flat.reshape(k, n, per).swapaxes(0, 1)  # part j (K terms of slice j) goes to device j
-            got = jax.lax.all_to_all(parts, axes, 0, 0)  # got[i]: device i's K terms of this device's slice
-            mine = pair_sum(got.reshape(n * k, per), 0)  # terms in tree order i*K + k
-            total = jax.lax.all_gather(mine, axes, axis=0, tiled=True)[:m]
-        at = 0
-        for i in idx:
-            size = math.prod(xs[i].shape[1:])
-            out[i] = total[at : at + size].reshape(xs[i].shape[1:])
-            at += size
-    return out
-
-
 def spec_axes(entry) -> tuple[str, ...]:
     """The mesh axes one PartitionSpec entry names (None: none; a name; a tuple of names, major first)."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def reduce_to_shards(xs: list[jax.Array], specs: list, axes: tuple[str, ...], degrees: dict[str, int]) -> list:
+def reduce_to_shards(
+    xs: list[jax.Array], specs: list, axes: tuple[str, ...], degrees: dict[str, int], terms: int = 1
+) -> list:
     """Inside shard_map over the batch `axes` (their `degrees`; device s the linear index, first axis major):
-    each x in xs is this device's term of a pair tree over the S devices (device s's term is term s); returns
-    each tree's sum as this device stores it: specs[i] names, per dimension of x, the batch axes that shard it
+    each x in xs holds this device's `terms` consecutive terms of a pair tree over the S devices (device s's
+    are terms s*K .. s*K + K - 1; with K > 1 along a leading axis of x, else x is the term); returns each
+    tree's sum as this device stores it: specs[i] names, per dimension of the sum, the batch axes that shard it
     (the parameter's storage sharding; None: whole), and the devices that share a shard get the same values.
 
-    The reduce-scatter and all-gather of exchange_sum, cut along the shards: every device receives the S terms
-    of a 1/R piece of its own shard (R devices share each shard), adds them by the tree, and the R pieces are
-    gathered. One all-to-all for all arrays and one all-gather per set of sharing axes; each device receives
-    about the shard's bytes twice."""
+    Every device receives all devices' terms for a 1/R piece of its own shard (R devices share each shard: one
+    all-to-all for all arrays), adds them by the tree, and the R pieces are gathered (one all-gather per set
+    of sharing axes): each device receives about the shard's bytes twice, as in a ring all-reduce."""
+    if not xs:
+        return []
     n = math.prod(degrees[a] for a in axes)
     stride = {a: math.prod(degrees[b] for b in axes[i + 1 :]) for i, a in enumerate(axes)}
     coord = {a: np.arange(n) // stride[a] % degrees[a] for a in axes}  # device -> its index along axis a
     parts, plans = [], []
     for x, spec in zip(xs, specs, strict=True):
-        entries = [spec_axes(e) for e in spec] + [()] * (x.ndim - len(spec))
+        x = x if terms > 1 else x[None]  # (K, ...)
+        ndim = x.ndim - 1
+        entries = [spec_axes(e) for e in spec] + [()] * (ndim - len(spec))
         dims = [(d, e) for d, e in enumerate(entries) if e]
         shared = tuple(a for a in axes if not any(a in e for _, e in dims))  # the axes whose devices share a shard
         counts = [math.prod(degrees[a] for a in e) for _, e in dims]
@@ -128,26 +102,30 @@ def reduce_to_shards(xs: list[jax.Array], specs: list, axes: tuple[str, ...], de
         for a in shared:
             piece = piece * degrees[a] + coord[a]
         r = math.prod(degrees[a] for a in shared)
-        # x as (shards, shard elements): each sharded dimension split into (count, size / count), counts first
+        # each term as (shards, shard elements): each sharded dimension split into (count, size / count), the
+        # counts first
         split_shape, perm_front, perm_back = [], [], []
-        for d in range(x.ndim):
-            c = dict(zip([d for d, _ in dims], counts, strict=True)).get(d)
+        count_of = dict(zip([d for d, _ in dims], counts, strict=True))
+        for d in range(ndim):
+            c = count_of.get(d)
             if c is None:
-                perm_back.append(len(split_shape))
-                split_shape.append(x.shape[d])
+                perm_back.append(1 + len(split_shape))
+                split_shape.append(x.shape[1 + d])
             else:
-                perm_front.append(len(split_shape))
-                perm_back.append(len(split_shape) + 1)
-                split_shape += [c, x.shape[d] // c]
-        shard_shape = tuple(split_shape[i] for i in perm_back)
-        blocks = x.reshape(split_shape).transpose(perm_front + perm_back).reshape(math.prod(counts), -1)
-        size = blocks.shape[1]
+                perm_front.append(1 + len(split_shape))
+                perm_back.append(2 + len(split_shape))
+                split_shape += [c, x.shape[1 + d] // c]
+        shard_shape = tuple(split_shape[i - 1] for i in perm_back)
+        blocks = x.reshape(terms, *split_shape).transpose([0, *perm_front, *perm_back])
+        blocks = blocks.reshape(terms, math.prod(counts), -1)
+        size = blocks.shape[2]
         per = -(-size // r)
-        blocks = jnp.pad(blocks, ((0, 0), (0, r * per - size))).reshape(-1, r, per)
-        parts.append(blocks[block, piece])  # (S, per): device j's piece of its shard
+        blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, r * per - size))).reshape(terms, -1, r, per)
+        parts.append(blocks[:, block, piece].swapaxes(0, 1))  # (S, K, per): device j's piece of its shard
         plans.append((shared, r, per, size, shard_shape))
-    got = jax.lax.all_to_all(jnp.concatenate(parts, axis=1), axes, 0, 0)  # got[i]: device i's term of my pieces
-    mine = pair_sum(got, 0)
+    cat = jnp.concatenate(parts, axis=2)
+    got = jax.lax.all_to_all(cat, axes, 0, 0) if axes else cat  # got[i]: device i's terms of my pieces
+    mine = pair_sum(got.reshape(n * terms, -1), 0)  # the terms in tree order i*K + k
     pieces, at = [], 0
     for _, _, per, _, _ in plans:
         pieces.append(mine[at : at + per])
