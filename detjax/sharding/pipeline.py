@@ -178,8 +178,8 @@ def pipeline_grads(
       (never a float psum with zeros).
     batch_axes: the mesh axes the batch is split over. Canonical: shard k of S runs its own pipeline over the
     contiguous block of leaves [k N/S, (k+1) N/S) (each with the dropout key of its global index), and the S
-    block sums meet in the top levels of the same pair tree, as in Trainer.canonical_grad_sums. Default
-    numerics: below.
+    block sums meet in the top levels of the same pair tree inside the shard_map (canonical.reduce_to_shards,
+    whole on every batch shard), as in Trainer.canonical_grad_sums. Default numerics: below.
     tensor_specs (canonical only): each parameter's PartitionSpec over `tensor` in the pipeline layout
     (stacked leaves' specs start with their virtual and stage dims): the stages run canonical tensor
     parallelism's chunks (detjax.sharding.tensor) on their tensor shards, manual over `tensor` too.
@@ -369,7 +369,12 @@ def pipeline_grads(
             }
             sums = _from_rank(carry["sums"]["total"], n_stages - 1, s)
             g_stages = jax.tree.map(lambda x: x[:, None], carry["g_stages"]["total"])
-            return (*jax.tree.map(lambda x: x[None], (g_outer, g_stages, sums)), amax)  # leading axis: batch shards
+            if batch_axes:  # the batch shards' subtrees: the top of the pair tree (canonical.reduce_to_shards)
+                leaves, tdef = jax.tree.flatten((g_outer, g_stages, sums))
+                degrees = {a: layout.degrees[a] for a in batch_axes}
+                leaves = canon.reduce_to_shards(leaves, [()] * len(leaves), batch_axes, degrees)
+                g_outer, g_stages, sums = jax.tree.unflatten(tdef, leaves)
+            return g_outer, g_stages, sums, amax
         # Partial gradients of the replicated parameters and the loss sums: summed over the pipeline ranks, then
         # over each batch axis; the stages' gradients over each batch axis. One axis per psum keeps each sum
         # to that axis's degree of operands (two on dp2-tp2-pp2: a + b == b + a, so a multi-process run's
@@ -389,16 +394,9 @@ def pipeline_grads(
     t_outer = {k: v for k, v in tensor_specs.items() if k != "stages"}
     stage_spec = jax.tree.map(lambda t: P(None, "pipeline", *tuple(t)[2:]), tensor_specs["stages"], **is_p)
     outer_spec = jax.tree.map(lambda t: P(*t), t_outer, **is_p)
-    if canonical:  # per batch shard (k), summed below by the top of the pair tree
-        k = batch_axes or None
-        out_specs = (
-            jax.tree.map(lambda t: P(k, *t), t_outer, **is_p),
-            jax.tree.map(lambda t: P(k, None, "pipeline", *tuple(t)[2:]), tensor_specs["stages"], **is_p),
-            P(k),
-        )
-        tok_spec = P(k)
-    else:  # rows of every microbatch split over the batch axes
-        out_specs, tok_spec = (outer_spec, stage_spec, P()), P(None, batch_axes or None)
+    out_specs = (outer_spec, stage_spec, P())  # canonical: the sums whole on every batch shard
+    # canonical: each batch shard (k) its own block of microbatches; default: rows of every microbatch split
+    tok_spec = P(batch_axes or None) if canonical else P(None, batch_axes or None)
     # fp8 scale sets: replicated except the stages' split over `pipeline`; their amaxes come out the same way
     s_outer_spec = jax.tree.map(lambda x: P(), s_outer0)
     s_stage_spec = jax.tree.map(lambda x: P(None, "pipeline"), s_stages0)
@@ -412,8 +410,6 @@ def pipeline_grads(
         check_vma=False,
     )
     g_outer, g_stages, sums, amax = fn(outer0, params["stages"], micro_tokens, step_key, s_outer0, s_stages0)
-    if canonical:
-        g_outer, g_stages, sums = canon.tree_pair_sum((g_outer, g_stages, sums))
     grads = dict(g_outer, stages=g_stages)
     amax = dict(amax[0], stages=amax[1]) if fp8_on else None
     return grads, (sums[0], sums[1], sums[2]), amax
