@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from detjax.config import Config
+from detjax.model.fp8 import TokenCE
 from detjax.sharding import canonical, tensor
 
 
@@ -69,10 +70,13 @@ class Objective:
         self, logits_BLV, mtp_logits_BLV, aux, tokens_BL1, split: tensor.TensorSplit | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(LM CE sum, MTP CE sum, aux loss) of one aux group of (ids + next token) rows. `split`: the logits
-        are vocabulary chunks of canonical tensor parallelism (detjax.sharding.tensor.ce_sum)."""
+        are vocabulary chunks of canonical tensor parallelism (detjax.sharding.tensor.ce_sum). Either logits
+        may be a TokenCE, the per-token losses a fused head computed from the same targets."""
         targets_BL = tokens_BL1[:, 1:]
 
         def ce(logits, targets):
+            if isinstance(logits, TokenCE):  # the head computed the per-token losses (detjax.model.fp8.fp8_head_ce)
+                return canonical.full_sum(logits.ce_BL) if self.canonical else jnp.sum(logits.ce_BL)
             return (
                 token_ce_sum(logits, targets, self.canonical)
                 if split is None

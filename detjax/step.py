@@ -258,14 +258,22 @@ class Trainer:
             return walk(params, fp8_scales if self.fp8 else None)
 
     def apply_model(
-        self, params: Any, ids_BL: jax.Array, key: jax.Array, fp8_scales: Any = None, model=None, compute=None
+        self,
+        params: Any,
+        ids_BL: jax.Array,
+        key: jax.Array,
+        fp8_scales: Any = None,
+        model=None,
+        compute=None,
+        targets_BL: jax.Array | None = None,
     ):
         """The training forward of `model` (default: the step's model; canonical numerics: the leaf model),
-        reading `compute` (compute_copies of params) where given."""
+        reading `compute` (compute_copies of params) where given. `targets_BL`: a fused fp8 head may return
+        the per-token losses instead of logits (detjax.model.fp8.TokenCE)."""
         variables = {"params": params} if fp8_scales is None else {"params": params, "fp8": fp8_scales}
         if compute:
             variables["compute"] = compute
-        return (model or self.model).apply(variables, ids_BL, train=True, key=key)
+        return (model or self.model).apply(variables, ids_BL, train=True, key=key, targets_BL=targets_BL)
 
     def fp8_scales(self, state: TrainState) -> Any:
         """The scales this step's fp8 projections use (computed at the end of the step before), or None."""
@@ -276,7 +284,7 @@ class Trainer:
     ):
         """(j, (lm sum, MTP sum, aux)) of one microbatch (with model=self.leaf_model: one leaf of canonical
         numerics' gradient tree); the gradient is taken of j, not of the compute copies."""
-        outs = self.apply_model(params, tokens_BL1[:, :-1], key, fp8_scales, model, compute)
+        outs = self.apply_model(params, tokens_BL1[:, :-1], key, fp8_scales, model, compute, tokens_BL1[:, 1:])
         with jax.named_scope("loss"):
             terms = self.objective.terms(*outs, tokens_BL1, split=getattr(model, "tp", None))
         return self.objective.total(terms), terms

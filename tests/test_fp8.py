@@ -597,3 +597,112 @@ def _plain_fp8_checks(plain_step, tiny_path):
     cfg16 = load_config(tiny_path, over)
     init16, step16 = plain_step.build(cfg16, "xla")
     assert float(step16(*init16(jax.random.key(0)), batch)[-1]) != float(loss8)
+
+
+def _head_ce_case(m, k, n, seed=5):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(jnp.bfloat16)  # the products take the compute dtype
+    w = 0.05 * jax.random.normal(ks[1], (k, n), jnp.float32)
+    t = jax.random.randint(ks[2], (m,), 0, n)
+    return x, w, t, jnp.asarray([4.0, 64.0, 4096.0], jnp.float32)
+
+
+def test_fused_fp8_head_ce_is_its_composed_math(monkeypatch):
+    """fp8_head_ce (the fp8 LM head and its cross-entropy as one operation, on the Mosaic path): its
+    per-token losses, dx, dw and amaxes against the same math composed from its parts -- fp8_nt products,
+    XLA's quantization, logsumexp and quantize.ce_grad's formula. A shape of partial tiles in every dimension
+    (the gradient kernel pads its copies). On CPU (kernels interpreted) byte-equal throughout; on a Hopper
+    GPU the losses byte-equal, the gradients within the e5m2 rounding of the kernel's exp against XLA's, and
+    two calls byte-equal. Against the unfused head (fp8_matmul widened + token_ce): the same losses; the
+    gradients close (the fused kernel quantizes the float32 gradient once, the unfused path rounds it to bf16
+    first). Negative control: one changed target changes dw and that token's dx row only."""
+    from detjax.pallas_kernels.backend import interpret_mode
+    from detjax.pallas_kernels.matmul import kernel, mosaic
+    from detjax.pallas_kernels.matmul.kernel import fp8_nt
+    from detjax.pallas_kernels.matmul.quantize import ce_grad, quantize
+
+    if jax.default_backend() == "gpu" and not mosaic.available():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
+    monkeypatch.setattr(kernel, "use_mosaic_fp8", lambda *a: True)
+    bf, f32, e4, e5 = jnp.bfloat16, jnp.float32, fp8.E4M3, fp8.E5M2
+    m, k, n = 300, 256, 400
+    x, w, t, s = _head_ce_case(m, k, n)
+    dce = jnp.ones((m,), f32) * 0.5
+
+    # (each forward finishes before its backward starts: two interpreted Mosaic programs in flight at once can
+    # stall the CPU interpreter's threads)
+    def fused(x, w, s, t):
+        ce, vjp = jax.vjp(lambda x, w, s: fp8.fp8_head_ce(x, w, None, s, t, bf, "pallas"), x, w, s)
+        return jax.block_until_ready(ce), jax.block_until_ready(vjp(dce))
+
+    def unfused(x, w, s):
+        ce, vjp = jax.vjp(lambda x, w, s: fp8.token_ce(fp8.fp8_matmul(x, w, s, bf, "pallas", True), t)[0], x, w, s)
+        return jax.block_until_ready(ce), jax.block_until_ready(vjp(dce))
+
+    nt = lambda a, b, inv, out: fp8_nt(a, b, inv, out_dtype=out, r_chunk=0, interpret=interpret_mode())  # noqa: E731
+
+    def composed():
+        x8, w8 = quantize(x, s[0], e4), quantize(w, s[1], e4)
+        logits = nt(x8, w8.T, 1.0 / (s[0] * s[1]), bf)
+        ce, lse = fp8.token_ce(logits.astype(f32), t)
+        d = ce_grad(logits, lse, t, dce)
+        g8 = quantize(d, s[2], e5)
+        dx = nt(g8, w8, 1.0 / (s[2] * s[1]), bf)
+        dw = nt(x8.T, g8.T, 1.0 / (s[0] * s[2]), f32)  # 300 tokens: one dw chunk
+        amax = jnp.stack([jnp.max(jnp.abs(x)), jnp.max(jnp.abs(w)), jnp.max(jnp.abs(d))])
+        return ce, (dx, dw, amax)
+
+    got = fused(x, w, s, t)
+    want = jax.block_until_ready(composed())
+    plain = unfused(x, w, s)
+    assert got[1][0].dtype == bf and got[1][1].dtype == f32 and got[0].shape == (m,)
+    assert _same(got[0], want[0]) and _same(got[0], plain[0]), "the forward is the unfused head's"
+    if jax.default_backend() == "cpu":
+        for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+            assert _same(a, b), a.shape
+    else:
+        again = fused(x, w, s, t)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(again), strict=True):
+            assert _same(a, b), ("repeat", a.shape)
+        for a, b in zip(got[1][:2], want[1][:2], strict=True):
+            assert float(jnp.max(jnp.abs(a.astype(f32) - b.astype(f32)))) <= 0.02 * float(jnp.max(jnp.abs(b)))
+    for a, b in zip(got[1][:2], plain[1][:2], strict=True):  # the unfused head's gradients: close, not equal
+        assert float(jnp.max(jnp.abs(a.astype(f32) - b.astype(f32)))) <= 0.05 * float(jnp.max(jnp.abs(b)))
+    t2 = t.at[17].set((t[17] + 1) % n)
+    other = fused(x, w, s, t2)
+    assert not _same(other[1][1], got[1][1]), "negative control: a changed target changes dw"
+    assert not _same(other[1][0][17], got[1][0][17])
+    assert _same(jnp.delete(other[1][0], 17, axis=0), jnp.delete(got[1][0], 17, axis=0))
+
+
+def test_fused_fp8_head_in_the_model(tiny_path, monkeypatch):
+    """model.fp8.lm_head on the Mosaic path (forced here for the head alone): the trainer's microbatch
+    objective passes the targets, the LM and MTP heads return their per-token losses (fp8.TokenCE, the
+    fused gradient kernel in the program), and the loss terms are byte-equal to the unfused heads' (the
+    same logits and formulas) while every gradient and amax stays within 10 % of theirs (relative error of
+    each leaf: the e5m2 gradients round differently); the step's fp8 copy of w_head is read: byte-equal to
+    quantizing at each use. Negative control of that: _assert_copies_exact's copies made with other scales
+    (test_fp8_lm_head_shares_one_scale_set...) change the loss."""
+    from detjax.model import lm
+    from detjax.pallas_kernels.matmul import kernel, mosaic
+
+    if jax.default_backend() == "gpu" and not mosaic.available():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
+    over = ["model.pattern='*-'", "train.seq_len=16", "model.mtp.depth=1", "model.fp8.lm_head=true"]
+    vocab = load_config(tiny_path).model.vocab_size
+    monkeypatch.setattr(kernel, "use_mosaic_fp8", lambda a, b, k, n, interp: n == vocab)
+    _, _, scales, copies_of, grads = _copies_case(tiny_path, over)
+    compute = copies_of(scales)
+    assert "fp8_ce_grad_quantize" in str(jax.make_jaxpr(grads)(compute))
+    fused = _assert_copies_exact(grads, compute)
+    head_only = {**compute, "w_head": copies_of(jax.tree.map(lambda s: s * 2.0, scales))["w_head"]}
+    assert not _same(grads(head_only)[1][0], fused[1][0])
+    monkeypatch.setattr(lm, "fused_head_ce", lambda *a: False)
+    plain = jax.device_get(_copies_case(tiny_path, over)[4](compute))
+    (g_f, a_f), terms_f = fused
+    (g_p, a_p), terms_p = plain
+    assert _same(terms_f[0], terms_p[0]) and _same(terms_f[1], terms_p[1]), "LM and MTP sums"
+    for a, b in zip(jax.tree.leaves((g_f, a_f)), jax.tree.leaves((g_p, a_p)), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)  # each leaf's relative error as a whole: the
+        # e5m2 gradients' roundings differ (2 mantissa bits), CPU run: 0 to 6.5 %
+        assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b)

@@ -449,3 +449,45 @@ def test_fp8_swiglu_quantization_kernels_match_xla(tiles, monkeypatch):
         other.view(jnp.uint8),
         swiglu_quantize_transposed(y, jnp.float32(30.0), dtype=fp8.E4M3, interpret=interp)[0].view(jnp.uint8),
     )
+
+
+def test_fp8_ce_grad_kernel_matches_its_formula_and_replays():
+    """quantize.ce_grad_quantize_transposed (the fp8 LM head's cross-entropy gradient, quantized in one pass;
+    Triton on the GPU, the interpreter on CPU), on a shape of partial tiles padded to 384 x 512: q is the
+    e5m2 quantization of quantize.ce_grad (dce * (softmax - onehot)) padded with zeros, q^T its transpose,
+    amax max |ce_grad|. On CPU byte-equal to that XLA formula; on the GPU the kernel's exp is Triton's, so
+    at most 1 % of the bytes may differ, each by one e5m2 step (adjacent codes). On every platform 20
+    replays under matmul contention give the same bytes. Negative control: other row cotangents give
+    another q."""
+    from detjax.model import fp8
+    from detjax.pallas_kernels.matmul import quantize as qz
+
+    interp = interpret_mode()
+    m, n = 300, 400
+    ks = jax.random.split(jax.random.key(9), 3)
+    logits = (4 * jax.random.normal(ks[0], (m, n))).astype(jnp.bfloat16)
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    t = jax.random.randint(ks[1], (m,), 0, n)
+    dce = jax.random.normal(ks[2], (m,))
+
+    def run(dce):
+        return qz.ce_grad_quantize_transposed(
+            logits, lse, t, dce, jnp.float32(3000.0), dtype=fp8.E5M2, interpret=interp, rows_to=384, cols_to=512
+        )
+
+    q, qt, amax = run(dce)
+    d = qz.ce_grad(logits, lse, t, dce)
+    want = jnp.pad(fp8._quantize(d, jnp.float32(3000.0), fp8.E5M2), ((0, 84), (0, 112)))
+    assert q.shape == (384, 512) and _same(qt.view(jnp.uint8), q.T.view(jnp.uint8))
+    got_u8, want_u8 = np.asarray(q.view(jnp.uint8)).astype(int), np.asarray(want.view(jnp.uint8)).astype(int)
+    if jax.default_backend() == "cpu":
+        assert np.array_equal(got_u8, want_u8) and _same(amax, fp8._amax(d))
+    else:
+        differ = got_u8 != want_u8
+        assert differ.mean() <= 0.01 and np.abs(got_u8 - want_u8).max() <= 1, (
+            differ.mean(),
+            np.abs(got_u8 - want_u8).max(),
+        )
+        assert abs(float(amax) - float(fp8._amax(d))) <= 1e-5 * float(fp8._amax(d))
+    assert_replays_bit_exact(jax.jit(run), (dce,), replays=20, contention=matmul_contention)
+    assert not _same(run(dce * 1.5)[0].view(jnp.uint8), q.view(jnp.uint8)), "negative control: dce is used"

@@ -37,6 +37,7 @@ the fp8 values exactly in bf16 (Triton gmm / tgmm) or float32 (XLA's ragged_dot)
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -187,15 +188,11 @@ def _bwd(out_dtype, kernels, widen, res, dy_MN):
     x8, w8, scale_3, amax_x, amax_w, kn = res
     inv_dx, inv_dw = 1.0 / (scale_3[2] * scale_3[1]), 1.0 / (scale_3[0] * scale_3[2])
     if kn is not None:  # the Mosaic path: x8 is x8^T (K, M) and w8 (K, N), both padded; kn has (K, N)
-        from detjax.pallas_kernels.matmul.kernel import dw_row_chunk, fp8_nt
-
         (m, n), k = dy_MN.shape, kn.shape[0]
         pm, _, pn = _mosaic_pads(m, k, n)
         g8, g8_NM, amax_g = _quantize_padded(dy_MN, scale_3[2], E5M2, pm, pn, out_dtype if widen else None)
-        dx = fp8_nt(g8, w8, inv_dx, out_dtype=out_dtype, r_chunk=0, interpret=_interpret())
-        chunk = dw_row_chunk(k, n)
-        dw = fp8_nt(x8, g8_NM, inv_dw, out_dtype=jnp.float32, r_chunk=chunk, interpret=_interpret())
-        return dx[:m, :k], dw[:k, :n], jnp.stack([amax_x, amax_w, amax_g])
+        dx, dw = _mosaic_grads(g8, g8_NM, x8, w8, (m, k, n), inv_dx, inv_dw, out_dtype)
+        return dx, dw, jnp.stack([amax_x, amax_w, amax_g])
     if widen:
         dy_MN = dy_MN.astype(out_dtype)
     g8 = _quantize(dy_MN, scale_3[2], E5M2)
@@ -205,6 +202,89 @@ def _bwd(out_dtype, kernels, widen, res, dy_MN):
 
 
 fp8_matmul.defvjp(_fwd, _bwd)
+
+
+def _mosaic_grads(g8, g8_NM, x8_KM, w8, mkn: tuple[int, int, int], inv_dx, inv_dw, out_dtype):
+    """The Mosaic path's backward products from the quantized gradient (both layouts, padded): dx = g8 @ w8^T
+    in out_dtype and dw = x8^T @ g8 in float32 with the dw token chunks, sliced to (m, k) and (k, n)."""
+    from detjax.pallas_kernels.matmul.kernel import dw_row_chunk, fp8_nt
+
+    m, k, n = mkn
+    dx = fp8_nt(g8, w8, inv_dx, out_dtype=out_dtype, r_chunk=0, interpret=_interpret())
+    dw = fp8_nt(x8_KM, g8_NM, inv_dw, out_dtype=jnp.float32, r_chunk=dw_row_chunk(k, n), interpret=_interpret())
+    return dx[:m, :k], dw[:k, :n]
+
+
+# ------------------------------------------------------------------ the LM head fused with its cross-entropy
+class TokenCE(NamedTuple):
+    """What the model returns in place of logits when its LM head computed the loss itself (fp8_head_ce): the
+    per-token cross-entropy (B, L), float32. detjax.loss sums it as it sums logsumexp - label."""
+
+    ce_BL: jax.Array
+
+
+def fused_head_ce(w_KN: jax.Array, kernels: str) -> bool:
+    """Whether an fp8 LM head runs as fp8_head_ce (its products on the Mosaic path)."""
+    return _mosaic_path(w_KN, kernels)
+
+
+def token_ce(logits_MN: jax.Array, targets_M: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(ce, lse) per row of float32 logits: ce = logsumexp - the target's logit, by detjax.loss.token_ce_sum's
+    formulas (a masked sum picks the target's logit), so the two give the same bits."""
+    lse = jax.nn.logsumexp(logits_MN, axis=-1)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, (1, logits_MN.shape[-1]), 1)
+    label = jnp.sum(jnp.where(vocab == targets_M[:, None], logits_MN, 0.0), axis=-1)
+    return lse - label, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def fp8_head_ce(x_MK, w_KN, wq, scale_3, targets_M, out_dtype, kernels: str) -> jax.Array:
+    """Per-token cross-entropy (float32, (m,)) of the fp8 LM head's logits x @ w for the targets (model.fp8
+    with lm_head, on the Mosaic path: fused_head_ce). The forward is fp8_matmul's (logits rounded to
+    out_dtype, then widened to float32) followed by token_ce. The backward never stores the logits' float32
+    gradient: one kernel (quantize.ce_grad_quantize_transposed) computes dce * (softmax - onehot) from the
+    out_dtype logits and the rows' logsumexp in float32 and writes its e5m2 copies and amax, which the dx and
+    dw products read as fp8_matmul's backward reads the quantized dy. `wq`: the weight's copy
+    (weight_copy) or None. Against fp8_matmul(widen=True) + token_ce: the same ce; the gradients differ only
+    in that the logits' gradient is quantized from float32 directly, where that path rounds it to out_dtype
+    first, and in the exp's implementation (XLA's or the kernel's)."""
+    return _head_ce_fwd(x_MK, w_KN, wq, scale_3, targets_M, out_dtype, kernels)[0]
+
+
+def _head_ce_fwd(x_MK, w_KN, wq, scale_3, targets_M, out_dtype, kernels):
+    from detjax.pallas_kernels.matmul.kernel import fp8_nt
+
+    if not _mosaic_path(w_KN, kernels):
+        raise ValueError("fp8_head_ce needs the Mosaic fp8 path (fp8.fused_head_ce); use fp8_matmul and token_ce")
+    (m, k), n = x_MK.shape, w_KN.shape[1]
+    pm, pk, pn = _mosaic_pads(m, k, n)
+    x8, x8_KM, amax_x = _quantize_padded(x_MK, scale_3[0], E4M3, pm, pk)
+    if wq is not None:
+        _check_copy(w_KN, wq, True)
+    w8, w8_NK, amax_w = wq if wq is not None else _quantize_padded(w_KN, scale_3[1], E4M3, pk, pn)
+    inv = 1.0 / (scale_3[0] * scale_3[1])
+    logits = fp8_nt(x8, w8_NK, inv, out_dtype=out_dtype, r_chunk=0, interpret=_interpret())[:m, :n]
+    ce, lse = token_ce(logits.astype(jnp.float32), targets_M)
+    kn = jnp.zeros((k, n, 0), jnp.int8)  # the weight's unpadded shape, for the backward (no data)
+    return ce, (x8_KM, w8, scale_3, amax_x, amax_w, logits, lse, targets_M, kn, wq)
+
+
+def _head_ce_bwd(out_dtype, kernels, res, dce_M):
+    from detjax.pallas_kernels.matmul.quantize import ce_grad_quantize_transposed
+
+    x8_KM, w8, scale_3, amax_x, amax_w, logits, lse, targets_M, kn, wq = res
+    (m, n), k = logits.shape, kn.shape[0]
+    pm, _, pn = _mosaic_pads(m, k, n)
+    g8, g8_NM, amax_g = ce_grad_quantize_transposed(
+        logits, lse, targets_M, dce_M, scale_3[2], dtype=E5M2, interpret=_interpret(), rows_to=pm, cols_to=pn
+    )
+    inv_dx, inv_dw = 1.0 / (scale_3[2] * scale_3[1]), 1.0 / (scale_3[0] * scale_3[2])
+    dx, dw = _mosaic_grads(g8, g8_NM, x8_KM, w8, (m, k, n), inv_dx, inv_dw, out_dtype)
+    d_wq = None if wq is None else jax.tree.map(jnp.zeros_like, wq)  # the copy is a constant of the step
+    return dx, dw, d_wq, jnp.stack([amax_x, amax_w, amax_g]), None
+
+
+fp8_head_ce.defvjp(_head_ce_fwd, _head_ce_bwd)
 
 
 def fused_swiglu(m: int, d: int, f: int, kernels: str) -> bool:

@@ -107,7 +107,7 @@ def module_copies(tree: dict, dtype, fp8_scales: dict | None = None) -> dict:
     return out
 
 
-def _copy_of(copy: tuple[nn.Module, tuple[str, ...]] | None) -> jax.Array | None:
+def copy_of(copy: tuple[nn.Module, tuple[str, ...]] | None) -> jax.Array | None:
     if copy is None:
         return None
     module, names = copy
@@ -136,10 +136,10 @@ def proj(
     widening is inside the product, whose quantization kernel then rounds the float32 cotangent itself
     (fp8.fp8_matmul's `widen`: no separate cast of the cotangent)."""
     if fp8_scale is not None:  # (the trainer's fp8 copies are made for kernels=pallas)
-        wq = _copy_of(copy if kernels == "pallas" else None)
+        wq = copy_of(copy if kernels == "pallas" else None)
         return fp8_dense_many([spec], x, [w], dtype, fp8_scale, kernels, wq, widen=out_f32)[0]
     if kernels == "pallas":
-        y = dense(spec, x, w, dtype, w_c=_copy_of(copy))
+        y = dense(spec, x, w, dtype, w_c=copy_of(copy))
     else:
         y = _xla_dense(spec, jnp.dtype(dtype), x.dtype, w.dtype, x, w)
     return y.astype(jnp.float32) if out_f32 else y
@@ -186,9 +186,9 @@ def proj_many(
     `copy` as in proj: the fused compute copy); in fp8 one product with one scale set (either kernels
     setting)."""
     if fp8_scale is not None:  # (the trainer's fp8 copies are made for kernels=pallas)
-        return fp8_dense_many(specs, x, ws, dtype, fp8_scale, kernels, _copy_of(copy if kernels == "pallas" else None))
+        return fp8_dense_many(specs, x, ws, dtype, fp8_scale, kernels, copy_of(copy if kernels == "pallas" else None))
     if kernels == "pallas":
-        return dense_many(specs, x, ws, dtype, w_cat_c=_copy_of(copy))
+        return dense_many(specs, x, ws, dtype, w_cat_c=copy_of(copy))
     return [proj(s, x, w, dtype) for s, w in zip(specs, ws, strict=True)]
 
 
@@ -359,7 +359,7 @@ class MLP(nn.Module):
         m = x_BLD.shape[0] * x_BLD.shape[1]
         if self.fp8 and (self.layout is None or self.layout.trivial) and fused_swiglu(m, d, f, kern):
             # one device, the Mosaic fp8 path: h and dy go straight to fp8 (detjax.model.fp8.fp8_swiglu_mlp)
-            copies = _copy_of((self, ("w_gate", "w_up"))), _copy_of((self, ("w_down",)))
+            copies = copy_of((self, ("w_gate", "w_up"))), copy_of((self, ("w_down",)))
             out = fp8_swiglu_mlp(
                 x_BLD.astype(self.dtype).reshape(m, d),
                 jnp.concatenate([w_gate_DF, w_up_DF], axis=1),  # with copies: only carries dw to the masters

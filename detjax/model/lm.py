@@ -10,8 +10,8 @@ from flax import linen as nn
 
 from detjax.config import ModelConfig
 from detjax.model.attention import Attention
-from detjax.model.fp8 import scale_var
-from detjax.model.layers import DTYPES, MLP, Embed, RMSNorm, normal_init, param, proj
+from detjax.model.fp8 import TokenCE, fp8_head_ce, fused_head_ce, scale_var
+from detjax.model.layers import DTYPES, MLP, Embed, RMSNorm, copy_of, normal_init, param, proj
 from detjax.model.mamba2 import Mamba2
 from detjax.model.moe import MoE
 from detjax.sharding import rules as ax
@@ -149,9 +149,19 @@ class HybridLM(nn.Module):
             self.mtp_fp8_h = scale_var(self, "mtp_proj_h", c.fp8.enabled)
             self.mtp_fp8_e = scale_var(self, "mtp_proj_e", c.fp8.enabled)
 
-    def head(self, h_BLD: jax.Array, fp8_scale: jax.Array | None = None) -> jax.Array:
-        """Logits of the normed stream; fp8_scale: the head's scale set (model.fp8.lm_head), one use's copy."""
+    def head(
+        self, h_BLD: jax.Array, fp8_scale: jax.Array | None = None, targets_BL: jax.Array | None = None
+    ) -> jax.Array | TokenCE:
+        """Logits of the normed stream; fp8_scale: the head's scale set (model.fp8.lm_head), one use's copy.
+        With `targets_BL` and an fp8 head on the Mosaic path (fp8.fused_head_ce), the per-token loss instead
+        (TokenCE: the head and its cross-entropy as one fp8 operation, fp8.fp8_head_ce)."""
         dtype = DTYPES[self.cfg.compute_dtype]
+        w_DV, kernels = self.w_head_DV, self.cfg.kernels
+        if targets_BL is not None and fp8_scale is not None and self.tp is None and fused_head_ce(w_DV, kernels):
+            (b, length, d), wq = h_BLD.shape, copy_of((self, ("w_head",)))
+            x_MD = h_BLD.astype(dtype).reshape(b * length, d)  # as the unfused product takes it (ops.dense_many)
+            ce = fp8_head_ce(x_MD, w_DV, wq, fp8_scale, targets_BL.reshape(-1), dtype, kernels)
+            return TokenCE(ce.reshape(b, length))
         if self.tp is not None:  # this device's vocabulary chunks, c x B x L x V/M (rounded as below)
             w_cDV = tp_ops.chunked(self.w_head_DV, 1, self.tp.local)
             kernels = self.cfg.kernels
@@ -161,7 +171,6 @@ class HybridLM(nn.Module):
 
             logits_cBLV = tp_ops.per_chunk(chunk, tp_ops.fanout(self.tp, h_BLD), w_cDV)
             return logits_cBLV.astype(dtype).astype(jnp.float32)
-        w_DV, kernels = self.w_head_DV, self.cfg.kernels
         logits_BLV = proj("bld,dv->blv", h_BLD, w_DV, dtype, kernels, fp8_scale, (self, ("w_head",)), out_f32=True)
         return constrain(logits_BLV, self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB), "logits")
 
@@ -175,15 +184,17 @@ class HybridLM(nn.Module):
         train: bool = False,
         key: jax.Array | None = None,
         e_BLD: jax.Array | None = None,
+        targets_BL: jax.Array | None = None,
     ):
         """Final hidden state -> (logits, MTP logits or None, MTP blocks' aux loss). `e_BLD`: the MTP's
-        embedding of ids[:, 1:], computed by the caller (a canonical pipeline's first stage takes its gradient)."""
+        embedding of ids[:, 1:], computed by the caller (a canonical pipeline's first stage takes its gradient).
+        `targets_BL` (ids shifted by one): lets a fused head return TokenCE in place of logits (`head`)."""
         c = self.cfg
         aux = jnp.zeros((), jnp.float32)
         head_scales = [None, None]
         if self.head_fp8 is not None:  # one scale set for both heads: its amaxes the max over the two uses
             head_scales = list(tp_ops.max_copies(TensorSplit(1), self.head_fp8, 2 if c.mtp.depth else 1))
-        logits_BLV = self.head(self.final_norm(h_BLD), head_scales[0])
+        logits_BLV = self.head(self.final_norm(h_BLD), head_scales[0], targets_BL)
         mtp_logits_BLV = None
         if c.mtp.depth:
             # depth-1 MTP: position t combines h_t with the embedding of token t+1 to predict token t+2
@@ -197,10 +208,13 @@ class HybridLM(nn.Module):
             for i, layer in enumerate(self.mtp_layers):
                 m_BLD, a = layer(m_BLD, train, layer_key(key, len(c.pattern) + i))
                 aux = aux + a
-            mtp_logits_BLV = self.head(self.mtp_final_norm(m_BLD), head_scales[1])
+            mtp_targets = None if targets_BL is None else targets_BL[:, 1:]
+            mtp_logits_BLV = self.head(self.mtp_final_norm(m_BLD), head_scales[1], mtp_targets)
         return logits_BLV, mtp_logits_BLV, aux
 
-    def __call__(self, ids_BL: jax.Array, train: bool = False, key: jax.Array | None = None):
+    def __call__(
+        self, ids_BL: jax.Array, train: bool = False, key: jax.Array | None = None, targets_BL: jax.Array | None = None
+    ):
         h_BLD = self.embed(ids_BL)
         sequence = self.tp is not None and self.tp.sequence
         if sequence:  # the stream between blocks: this device's piece of the sequence
@@ -211,5 +225,5 @@ class HybridLM(nn.Module):
             aux = aux + a
         if sequence:
             h_BLD = tp_ops.gather_sequence(self.tp, h_BLD)
-        logits_BLV, mtp_logits_BLV, mtp_aux = self.outputs(h_BLD, ids_BL, train, key)
+        logits_BLV, mtp_logits_BLV, mtp_aux = self.outputs(h_BLD, ids_BL, train, key, targets_BL=targets_BL)
         return logits_BLV, mtp_logits_BLV, aux + mtp_aux

@@ -33,6 +33,7 @@ TILES = {
     "transposed": {"block_m": 128, "block_n": 128, "num_warps": 8},
     "swiglu_fwd": {"block_m": 32, "block_n": 256, "num_warps": 4},
     "swiglu_bwd": {"block_m": 32, "block_n": 128, "num_warps": 4, "pair": True},
+    "ce_grad": {"block_m": 128, "block_n": 128, "num_warps": 8},  # must divide BLOCK, as "transposed"
 }
 
 
@@ -269,3 +270,68 @@ def swiglu_bwd_quantize_transposed(y: jax.Array, dh: jax.Array, scale: jax.Array
         compiler_params=triton_params(warps, 1, interpret),
     )(y, y, dh, s)
     return q, qt, jnp.max(amax)
+
+
+# ------------------------------------------------------------ the cross-entropy's gradient, quantized
+# model.fp8.lm_head on the Mosaic path (detjax.model.fp8.fp8_head_ce): the LM head's logits go straight into
+# the token cross-entropy, whose gradient for the logits is dce * (softmax - onehot). This kernel computes it
+# from the bf16 logits and the rows' logsumexp and writes its e5m2 copies (both layouts) and its amax, so the
+# gradient is never stored in float32 nor read back to be quantized.
+
+
+def ce_grad(logits: jax.Array, lse: jax.Array, targets: jax.Array, dce: jax.Array, col0=0) -> jax.Array:
+    """d ce / d logits for ce = logsumexp(logits) - logits[target] per row, times the rows' cotangents dce:
+    dce * (exp(logits - lse) - onehot(target)), in float32 (logits (m, n); lse, targets, dce (m,); col0: the
+    vocabulary index of logits' first column). The formula of both the kernel and the reference path."""
+    cols = col0 + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    p = jnp.exp(logits.astype(jnp.float32) - lse[:, None])
+    return (p - jnp.where(cols == targets[:, None], 1.0, 0.0)) * dce[:, None]
+
+
+def _ce_kernel(l_ref, lse_ref, t_ref, dce_ref, s_ref, q_ref, qt_ref, amax_ref, *, m: int, n: int, padding: bool):
+    bm, bn = l_ref.shape
+    d = ce_grad(l_ref[...], lse_ref[...], t_ref[...], dce_ref[...], pl.program_id(1) * bn)
+    if padding:  # as in quantize_transposed: what lies outside the logits becomes 0
+        rows = pl.program_id(0) * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+        cols = pl.program_id(1) * bn + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
+        d = jnp.where((rows < m) & (cols < n), d, 0.0)
+    q = quantize(d, s_ref[0], q_ref.dtype)
+    q_ref[...] = q
+    qt_ref[...] = q.T
+    amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(d)), (1, 1))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to"))
+def ce_grad_quantize_transposed(
+    logits: jax.Array,
+    lse: jax.Array,
+    targets: jax.Array,
+    dce: jax.Array,
+    scale: jax.Array,
+    *,
+    dtype,
+    interpret: bool,
+    rows_to: int = BLOCK,
+    cols_to: int = BLOCK,
+):
+    """(q, q^T, amax) of d = ce_grad(logits, lse, targets, dce) (m, n): q = dtype(clip(d * scale)), zero-padded
+    to rows_to x cols_to multiples as in quantize_transposed, its transpose, and max |d| (float32)."""
+    m, n = logits.shape
+    if lse.shape != (m,) or targets.shape != (m,) or dce.shape != (m,):
+        raise ValueError(f"ce_grad_quantize_transposed: lse, targets, dce must be ({m},) for logits {logits.shape}")
+    if rows_to % BLOCK or cols_to % BLOCK:
+        raise ValueError(
+            f"ce_grad_quantize_transposed: rows_to={rows_to}, cols_to={cols_to} must be multiples of {BLOCK}"
+        )
+    t = TILES["ce_grad"]
+    bm, bn = t["block_m"], t["block_n"]
+    if BLOCK % bm or BLOCK % bn:
+        raise ValueError(f"ce_grad_quantize_transposed: TILES['ce_grad'] {bm} x {bn} must divide {BLOCK}")
+    mp, np_ = padded(m, rows_to), padded(n, cols_to)
+    last_i, last_j = -(-m // bm) - 1, -(-n // bn) - 1
+    row = pl.BlockSpec((bm,), lambda i, j: (jnp.minimum(i, last_i),))
+    in_specs = [pl.BlockSpec((bm, bn), lambda i, j: (jnp.minimum(i, last_i), jnp.minimum(j, last_j))), row, row, row]
+    kernel = functools.partial(_ce_kernel, m=m, n=n, padding=(mp, np_) != (m, n))
+    args = (logits, lse.astype(jnp.float32), targets.astype(jnp.int32), dce.astype(jnp.float32))
+    tile = (bm, bn, t["num_warps"])
+    return _tiles_call(kernel, "fp8_ce_grad_quantize", in_specs, (mp, np_), tile, dtype, interpret, *args, scale=scale)
