@@ -48,16 +48,21 @@ def quantize(v: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return jnp.clip(v.astype(jnp.float32) * scale, -fmax, fmax).astype(dtype)
 
 
+def _inside(v: jax.Array, m: int, n: int) -> jax.Array:
+    """This program's (block_m, block_n) tile of an (m, n) array, with 0 where the tile lies outside it."""
+    bm, bn = v.shape
+    rows = pl.program_id(0) * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+    cols = pl.program_id(1) * bn + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
+    return jnp.where((rows < m) & (cols < n), v, 0.0)
+
+
 def _kernel(v_ref, s_ref, q_ref, qt_ref, amax_ref, *, m: int, n: int, padding: bool, round_to):
     v = v_ref[...]
     if round_to is not None:  # v's values rounded to round_to first: the bits of quantizing v.astype(round_to)
         v = v.astype(round_to)
     v = v.astype(jnp.float32)
     if padding:  # a tile over v's edge or past it (it loaded v's last tile): what lies outside v becomes 0
-        bm, bn = v.shape
-        rows = pl.program_id(0) * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
-        cols = pl.program_id(1) * bn + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
-        v = jnp.where((rows < m) & (cols < n), v, 0.0)
+        v = _inside(v, m, n)
     q = quantize(v, s_ref[0], q_ref.dtype)
     q_ref[...] = q
     qt_ref[...] = q.T
@@ -289,12 +294,9 @@ def ce_grad(logits: jax.Array, lse: jax.Array, targets: jax.Array, dce: jax.Arra
 
 
 def _ce_kernel(l_ref, lse_ref, t_ref, dce_ref, s_ref, q_ref, qt_ref, amax_ref, *, m: int, n: int, padding: bool):
-    bm, bn = l_ref.shape
-    d = ce_grad(l_ref[...], lse_ref[...], t_ref[...], dce_ref[...], pl.program_id(1) * bn)
+    d = ce_grad(l_ref[...], lse_ref[...], t_ref[...], dce_ref[...], pl.program_id(1) * l_ref.shape[1])
     if padding:  # as in quantize_transposed: what lies outside the logits becomes 0
-        rows = pl.program_id(0) * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
-        cols = pl.program_id(1) * bn + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
-        d = jnp.where((rows < m) & (cols < n), d, 0.0)
+        d = _inside(d, m, n)
     q = quantize(d, s_ref[0], q_ref.dtype)
     q_ref[...] = q
     qt_ref[...] = q.T
