@@ -16,17 +16,23 @@ from detjax.model.fp8 import TokenCE
 from detjax.sharding import canonical, tensor
 
 
-def token_ce_sum(logits_BLV: jax.Array, targets_BL: jax.Array, canonical_sum: bool = False) -> jax.Array:
-    """Sum of token cross-entropies. The label logit is picked by a masked sum over the vocabulary (no
-    gather, whose transpose would be a scatter-add; no tokens x vocab one-hot: XLA fuses the compare into
-    the reduction, and the backward is one elementwise select). canonical_sum: the sum over tokens is the
-    pair tree of detjax.sharding.canonical (its bits a function of the token count only)."""
+def token_ce(logits_BLV: jax.Array, targets_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cross-entropy, logsumexp) of each token, float32 logits over the last axis. The label logit is picked
+    by a masked sum over the vocabulary (no gather, whose transpose would be a scatter-add; no tokens x vocab
+    one-hot: XLA fuses the compare into the reduction, and the backward is one elementwise select)."""
     logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-    vocab_11V = jax.lax.broadcasted_iota(jnp.int32, (1, 1, logits_BLV.shape[-1]), 2)
-    label_BL = jnp.sum(jnp.where(vocab_11V == targets_BL[..., None], logits_BLV, 0.0), axis=-1)
-    if canonical_sum:
-        return canonical.full_sum(logz_BL - label_BL)
-    return jnp.sum(logz_BL - label_BL)
+    vocab = jax.lax.broadcasted_iota(
+        jnp.int32, (1,) * (logits_BLV.ndim - 1) + logits_BLV.shape[-1:], logits_BLV.ndim - 1
+    )
+    label_BL = jnp.sum(jnp.where(vocab == targets_BL[..., None], logits_BLV, 0.0), axis=-1)
+    return logz_BL - label_BL, logz_BL
+
+
+def token_ce_sum(logits_BLV: jax.Array, targets_BL: jax.Array, canonical_sum: bool = False) -> jax.Array:
+    """Sum of token cross-entropies (token_ce). canonical_sum: the sum over tokens is the pair tree of
+    detjax.sharding.canonical (its bits a function of the token count only)."""
+    ce_BL = token_ce(logits_BLV, targets_BL)[0]
+    return canonical.full_sum(ce_BL) if canonical_sum else jnp.sum(ce_BL)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from detjax import loss
 from detjax.ckpt import Checkpointer, CheckpointError
 from detjax.ckpt.manager import host_bytes
 from detjax.config import ConfigError, load_config
@@ -636,7 +637,7 @@ def test_fused_fp8_head_ce_is_its_composed_math(monkeypatch):
         return jax.block_until_ready(ce), jax.block_until_ready(vjp(dce))
 
     def unfused(x, w, s):
-        ce, vjp = jax.vjp(lambda x, w, s: fp8.token_ce(fp8.fp8_matmul(x, w, s, bf, "pallas", True), t)[0], x, w, s)
+        ce, vjp = jax.vjp(lambda x, w, s: loss.token_ce(fp8.fp8_matmul(x, w, s, bf, "pallas", True), t)[0], x, w, s)
         return jax.block_until_ready(ce), jax.block_until_ready(vjp(dce))
 
     nt = lambda a, b, inv, out: fp8_nt(a, b, inv, out_dtype=out, r_chunk=0, interpret=interpret_mode())  # noqa: E731
@@ -644,7 +645,7 @@ def test_fused_fp8_head_ce_is_its_composed_math(monkeypatch):
     def composed():
         x8, w8 = quantize(x, s[0], e4), quantize(w, s[1], e4)
         logits = nt(x8, w8.T, 1.0 / (s[0] * s[1]), bf)
-        ce, lse = fp8.token_ce(logits.astype(f32), t)
+        ce, lse = loss.token_ce(logits.astype(f32), t)
         d = ce_grad(logits, lse, t, dce)
         g8 = quantize(d, s[2], e5)
         dx = nt(g8, w8, 1.0 / (s[2] * s[1]), bf)

@@ -29,9 +29,11 @@ computed in float32 inside the kernels that quantize its output h and its gradie
 in the compute dtype. A product whose result joins the float32 residual stream (a block's last product, the
 LM head) can return it widened to float32 (`widen`), so that its backward's quantization kernel rounds the
 stream's float32 gradient to the compute dtype itself: the same bits as a cast, without the cast's pass
-over memory. The routed experts' grouped matmuls (fp8_grouped_matmul) take fp8 wgmma on Hopper too,
-on rows laid out in groups padded to whole tiles (detjax.pallas_kernels.gmm.mosaic); elsewhere they multiply
-the fp8 values exactly in bf16 (Triton gmm / tgmm) or float32 (XLA's ragged_dot).
+over memory. In training on that path, the fp8 LM head and its cross-entropy are one operation
+(fp8_head_ce): its backward quantizes the loss's gradient for the logits in one kernel, from the bf16
+logits, without storing it in float32. The routed experts' grouped matmuls (fp8_grouped_matmul) take fp8
+wgmma on Hopper too, on rows laid out in groups padded to whole tiles (detjax.pallas_kernels.gmm.mosaic);
+elsewhere they multiply the fp8 values exactly in bf16 (Triton gmm / tgmm) or float32 (XLA's ragged_dot).
 """
 
 from __future__ import annotations
@@ -228,34 +230,26 @@ def fused_head_ce(w_KN: jax.Array, kernels: str) -> bool:
     return _mosaic_path(w_KN, kernels)
 
 
-def token_ce(logits_MN: jax.Array, targets_M: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(ce, lse) per row of float32 logits: ce = logsumexp - the target's logit, by detjax.loss.token_ce_sum's
-    formulas (a masked sum picks the target's logit), so the two give the same bits."""
-    lse = jax.nn.logsumexp(logits_MN, axis=-1)
-    vocab = jax.lax.broadcasted_iota(jnp.int32, (1, logits_MN.shape[-1]), 1)
-    label = jnp.sum(jnp.where(vocab == targets_M[:, None], logits_MN, 0.0), axis=-1)
-    return lse - label, lse
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def fp8_head_ce(x_MK, w_KN, wq, scale_3, targets_M, out_dtype, kernels: str) -> jax.Array:
     """Per-token cross-entropy (float32, (m,)) of the fp8 LM head's logits x @ w for the targets (model.fp8
     with lm_head, on the Mosaic path: fused_head_ce). The forward is fp8_matmul's (logits rounded to
-    out_dtype, then widened to float32) followed by token_ce. The backward never stores the logits' float32
-    gradient: one kernel (quantize.ce_grad_quantize_transposed) computes dce * (softmax - onehot) from the
-    out_dtype logits and the rows' logsumexp in float32 and writes its e5m2 copies and amax, which the dx and
-    dw products read as fp8_matmul's backward reads the quantized dy. `wq`: the weight's copy
-    (weight_copy) or None. Against fp8_matmul(widen=True) + token_ce: the same ce; the gradients differ only
-    in that the logits' gradient is quantized from float32 directly, where that path rounds it to out_dtype
-    first, and in the exp's implementation (XLA's or the kernel's)."""
+    out_dtype, then widened to float32) followed by detjax.loss.token_ce. The backward never stores the
+    logits' float32 gradient: one kernel (quantize.ce_grad_quantize_transposed) computes dce * (softmax -
+    onehot) from the out_dtype logits and the rows' logsumexp in float32 and writes its e5m2 copies and amax,
+    which the dx and dw products read as fp8_matmul's backward reads the quantized dy. `wq`: the weight's
+    copy (weight_copy) or None. Against fp8_matmul(widen=True) + loss.token_ce: the same ce; the gradients
+    differ only in that the logits' gradient is quantized from float32 directly, where that path rounds it
+    to out_dtype first, and in the exp's implementation (XLA's or the kernel's)."""
     return _head_ce_fwd(x_MK, w_KN, wq, scale_3, targets_M, out_dtype, kernels)[0]
 
 
 def _head_ce_fwd(x_MK, w_KN, wq, scale_3, targets_M, out_dtype, kernels):
+    from detjax.loss import token_ce  # (detjax.loss imports this module)
     from detjax.pallas_kernels.matmul.kernel import fp8_nt
 
     if not _mosaic_path(w_KN, kernels):
-        raise ValueError("fp8_head_ce needs the Mosaic fp8 path (fp8.fused_head_ce); use fp8_matmul and token_ce")
+        raise ValueError("fp8_head_ce needs the Mosaic fp8 path (fp8.fused_head_ce); use fp8_matmul and loss.token_ce")
     (m, k), n = x_MK.shape, w_KN.shape[1]
     pm, pk, pn = _mosaic_pads(m, k, n)
     x8, x8_KM, amax_x = _quantize_padded(x_MK, scale_3[0], E4M3, pm, pk)
