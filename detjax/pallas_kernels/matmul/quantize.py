@@ -56,6 +56,14 @@ def _inside(v: jax.Array, m: int, n: int) -> jax.Array:
     return jnp.where((rows < m) & (cols < n), v, 0.0)
 
 
+def _write_tile(v: jax.Array, s_ref, q_ref, qt_ref, amax_ref) -> None:
+    """A tile's outputs: v quantized with the scale, its transpose, and the tile's max |v|."""
+    q = quantize(v, s_ref[0], q_ref.dtype)
+    q_ref[...] = q
+    qt_ref[...] = q.T
+    amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(v)), (1, 1))
+
+
 def _kernel(v_ref, s_ref, q_ref, qt_ref, amax_ref, *, m: int, n: int, padding: bool, round_to):
     v = v_ref[...]
     if round_to is not None:  # v's values rounded to round_to first: the bits of quantizing v.astype(round_to)
@@ -63,10 +71,7 @@ def _kernel(v_ref, s_ref, q_ref, qt_ref, amax_ref, *, m: int, n: int, padding: b
     v = v.astype(jnp.float32)
     if padding:  # a tile over v's edge or past it (it loaded v's last tile): what lies outside v becomes 0
         v = _inside(v, m, n)
-    q = quantize(v, s_ref[0], q_ref.dtype)
-    q_ref[...] = q
-    qt_ref[...] = q.T
-    amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(v)), (1, 1))
+    _write_tile(v, s_ref, q_ref, qt_ref, amax_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to", "round_to"))
@@ -86,18 +91,25 @@ def quantize_transposed(
     it first, so a float32 v gives the bytes of quantize_transposed(v.astype(round_to)) without that cast's
     pass over memory (model.fp8's float32 cotangents, detjax.model.fp8)."""
     m, n = v.shape
+    shape, tile, spec, _ = _padded_tiles("quantize_transposed", "transposed", m, n, rows_to, cols_to)
+    kernel = functools.partial(_kernel, m=m, n=n, padding=shape != (m, n), round_to=round_to)
+    return _tiles_call(kernel, "fp8_quantize_transposed", [spec], shape, tile, dtype, interpret, v, scale=scale)
+
+
+def _padded_tiles(name: str, key: str, m: int, n: int, rows_to: int, cols_to: int):
+    """The grid of a kernel that reads an (m, n) array and writes copies padded to rows_to x cols_to
+    multiples, in TILES[key]'s tiles: (padded shape, tile, the array's BlockSpec, a row vector's BlockSpec).
+    A tile past the array's edge loads its last tile (the kernel masks it, `_inside`)."""
     if rows_to % BLOCK or cols_to % BLOCK:
-        raise ValueError(f"quantize_transposed: rows_to={rows_to}, cols_to={cols_to} must be multiples of {BLOCK}")
-    t = TILES["transposed"]
+        raise ValueError(f"{name}: rows_to={rows_to}, cols_to={cols_to} must be multiples of {BLOCK}")
+    t = TILES[key]
     bm, bn = t["block_m"], t["block_n"]
     if BLOCK % bm or BLOCK % bn:
-        raise ValueError(f"quantize_transposed: TILES['transposed'] {bm} x {bn} must divide {BLOCK}")
-    mp, np_ = padded(m, rows_to), padded(n, cols_to)
-    last_i, last_j = -(-m // bm) - 1, -(-n // bn) - 1  # v's last tile: tiles past v load it, then mask
-    in_specs = [pl.BlockSpec((bm, bn), lambda i, j: (jnp.minimum(i, last_i), jnp.minimum(j, last_j)))]
-    kernel = functools.partial(_kernel, m=m, n=n, padding=(mp, np_) != (m, n), round_to=round_to)
-    tile = (bm, bn, t["num_warps"])
-    return _tiles_call(kernel, "fp8_quantize_transposed", in_specs, (mp, np_), tile, dtype, interpret, v, scale=scale)
+        raise ValueError(f"{name}: TILES['{key}'] {bm} x {bn} must divide {BLOCK}")
+    last_i, last_j = -(-m // bm) - 1, -(-n // bn) - 1
+    spec = pl.BlockSpec((bm, bn), lambda i, j: (jnp.minimum(i, last_i), jnp.minimum(j, last_j)))
+    row = pl.BlockSpec((bm,), lambda i, j: (jnp.minimum(i, last_i),))
+    return (padded(m, rows_to), padded(n, cols_to)), (bm, bn, t["num_warps"]), spec, row
 
 
 def _tiles_call(kernel, name: str, in_specs: list, shape, tile, dtype, interpret: bool, *args, scale):
@@ -161,10 +173,7 @@ def _swiglu_tile(key: str, m: int, f: int) -> tuple[int, int, int]:
 
 def _swiglu_kernel(g_ref, u_ref, s_ref, q_ref, qt_ref, amax_ref):
     h = swiglu(g_ref[...].astype(jnp.float32), u_ref[...].astype(jnp.float32))
-    q = quantize(h, s_ref[0], q_ref.dtype)
-    q_ref[...] = q
-    qt_ref[...] = q.T
-    amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(h)), (1, 1))
+    _write_tile(h, s_ref, q_ref, qt_ref, amax_ref)
 
 
 def _swiglu_bwd_half_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref):
@@ -172,10 +181,7 @@ def _swiglu_bwd_half_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref
         g_ref[...].astype(jnp.float32), u_ref[...].astype(jnp.float32), dh_ref[...].astype(jnp.float32)
     )
     d = jnp.where(pl.program_id(0) == 0, dgate, dup)  # this program's half of dy: the gate's or the up's
-    q = quantize(d, s_ref[0], q_ref.dtype)
-    q_ref[...] = q
-    qt_ref[...] = q.T
-    amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(d)), (1, 1))
+    _write_tile(d, s_ref, q_ref, qt_ref, amax_ref)
 
 
 def _swiglu_bwd_pair_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref):
@@ -297,10 +303,7 @@ def _ce_kernel(l_ref, lse_ref, t_ref, dce_ref, s_ref, q_ref, qt_ref, amax_ref, *
     d = ce_grad(l_ref[...], lse_ref[...], t_ref[...], dce_ref[...], pl.program_id(1) * l_ref.shape[1])
     if padding:  # as in quantize_transposed: what lies outside the logits becomes 0
         d = _inside(d, m, n)
-    q = quantize(d, s_ref[0], q_ref.dtype)
-    q_ref[...] = q
-    qt_ref[...] = q.T
-    amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(d)), (1, 1))
+    _write_tile(d, s_ref, q_ref, qt_ref, amax_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to"))
@@ -321,19 +324,8 @@ def ce_grad_quantize_transposed(
     m, n = logits.shape
     if lse.shape != (m,) or targets.shape != (m,) or dce.shape != (m,):
         raise ValueError(f"ce_grad_quantize_transposed: lse, targets, dce must be ({m},) for logits {logits.shape}")
-    if rows_to % BLOCK or cols_to % BLOCK:
-        raise ValueError(
-            f"ce_grad_quantize_transposed: rows_to={rows_to}, cols_to={cols_to} must be multiples of {BLOCK}"
-        )
-    t = TILES["ce_grad"]
-    bm, bn = t["block_m"], t["block_n"]
-    if BLOCK % bm or BLOCK % bn:
-        raise ValueError(f"ce_grad_quantize_transposed: TILES['ce_grad'] {bm} x {bn} must divide {BLOCK}")
-    mp, np_ = padded(m, rows_to), padded(n, cols_to)
-    last_i, last_j = -(-m // bm) - 1, -(-n // bn) - 1
-    row = pl.BlockSpec((bm,), lambda i, j: (jnp.minimum(i, last_i),))
-    in_specs = [pl.BlockSpec((bm, bn), lambda i, j: (jnp.minimum(i, last_i), jnp.minimum(j, last_j))), row, row, row]
-    kernel = functools.partial(_ce_kernel, m=m, n=n, padding=(mp, np_) != (m, n))
+    shape, tile, spec, row = _padded_tiles("ce_grad_quantize_transposed", "ce_grad", m, n, rows_to, cols_to)
+    kernel = functools.partial(_ce_kernel, m=m, n=n, padding=shape != (m, n))
     args = (logits, lse.astype(jnp.float32), targets.astype(jnp.int32), dce.astype(jnp.float32))
-    tile = (bm, bn, t["num_warps"])
-    return _tiles_call(kernel, "fp8_ce_grad_quantize", in_specs, (mp, np_), tile, dtype, interpret, *args, scale=scale)
+    in_specs = [spec, row, row, row]
+    return _tiles_call(kernel, "fp8_ce_grad_quantize", in_specs, shape, tile, dtype, interpret, *args, scale=scale)
