@@ -707,3 +707,50 @@ def test_fused_fp8_head_in_the_model(tiny_path, monkeypatch):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)  # each leaf's relative error as a whole: the
         # e5m2 gradients' roundings differ (2 mantissa bits), CPU run: 0 to 6.5 %
         assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b)
+
+
+def test_fp8_qkv_product_with_rope_is_its_composed_math(monkeypatch):
+    """fp8_matmul_rope (the attention block's fp8 q/k/v product with RoPE, on the Mosaic path): its outputs,
+    dx, dw and amaxes byte-equal to fp8_matmul followed by rope.ops.split_rope, whose backward writes dy in
+    bf16 for fp8_matmul's backward to quantize -- the fused backward quantizes it in the RoPE kernel instead.
+    With the step's weight copy the same bytes again, and fp8_dense_many takes the fused path for q/k/v.
+    Negative control: another theta changes dx."""
+    from detjax.pallas_kernels.matmul import kernel, mosaic
+    from detjax.pallas_kernels.rope.ops import split_rope
+
+    if jax.default_backend() == "gpu" and not mosaic.available():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
+    monkeypatch.setattr(kernel, "use_mosaic_fp8", lambda *a: True)
+    bf = jnp.bfloat16
+    shape, theta = (2, 128, 4, 2, 64), 1e4
+    m, k, n = 256, 128, (4 + 2 * 2) * 64
+    assert fp8.fused_rope(m, k, n, "pallas") and not fp8.fused_rope(m, k, n, "reference")
+    ks = jax.random.split(jax.random.key(9), 5)
+    x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(bf)
+    w = 0.05 * jax.random.normal(ks[1], (k, n), jnp.float32)
+    s = jnp.asarray([4.0, 64.0, 2048.0], jnp.float32)
+    cts = tuple(
+        jax.random.normal(ks[2 + i], sh, jnp.float32).astype(bf)
+        for i, sh in enumerate([(2, 128, 4, 64), (2, 128, 2, 64), (2, 128, 2, 64)])
+    )
+
+    # each phase one compiled program, finished before the next starts: eager ops dispatched while an
+    # interpreted Mosaic program runs can stall the CPU interpreter's threads
+    def run(f):
+        outs = jax.block_until_ready(jax.jit(lambda x, w, s: f(x, w, s))(x, w, s))
+        grads = jax.jit(lambda x, w, s, c: jax.vjp(f, x, w, s)[1](c))(x, w, s, cts)
+        return outs, jax.block_until_ready(grads)
+
+    fused = run(lambda x, w, s: fp8.fp8_matmul_rope(x, w, None, s, shape, theta, bf, "pallas"))
+    composed = run(lambda x, w, s: split_rope(fp8.fp8_matmul(x, w, s, bf, "pallas"), shape, theta))
+    wq = fp8.weight_copy(w, s, "pallas")
+    copied = run(lambda x, w, s: fp8.fp8_matmul_rope(x, w, wq, s, shape, theta, bf, "pallas"))
+    for got in (fused, copied):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(composed), strict=True):
+            assert _same(a, b), a.shape
+    other = run(lambda x, w, s: fp8.fp8_matmul_rope(x, w, None, s, shape, 5e5, bf, "pallas"))
+    assert not _same(other[1][0], fused[1][0])  # negative control
+    specs = ["bld,dhq->blhq", "bld,dkq->blkq", "bld,dkq->blkq"]
+    ws = [w[:, :256].reshape(k, 4, 64), w[:, 256:384].reshape(k, 2, 64), w[:, 384:].reshape(k, 2, 64)]
+    many = lambda x: fp8.fp8_dense_many(specs, x.reshape(2, 128, k), ws, bf, s, "pallas", rope=(shape, theta))  # noqa: E731
+    assert "fp8_rope_grad_quantize" in str(jax.make_jaxpr(lambda x: jax.vjp(many, x)[1](list(cts)))(x))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from detjax import determinism
+from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.flash_attention.ops import flash_attention
 from detjax.pallas_kernels.flash_attention.reference import flash_attention_ref
 from detjax.pallas_kernels.gmm.kernel import tgmm
@@ -97,6 +98,103 @@ def test_rmsnorm_multi_block_tiles_pad_rows_and_write_the_compute_dtype(monkeypa
         dw2 = _u32(_rms_grads(lambda x, w: rmsnorm(x, w, 1e-5), xx, w, gg)[1])[0]
         assert np.array_equal(dw, dw2) == (not bool(extra.any()))
     jax.clear_caches()
+
+
+def _rope_case(seed=0, b=2, length=256, h=4, kv=2, q=64, theta=1e4):
+    """XLA's backward of splitting y = [q | k | v] and rotating q and k (reference.rope), and the kernel's
+    inputs: the cotangents flattened to rows, the tables."""
+    from detjax.pallas_kernels.rope import reference as rr
+    from detjax.pallas_kernels.rope.ops import split_rope_forward
+
+    shape = (b, length, h, kv, q)
+    kx, kc = jax.random.split(jax.random.key(seed))
+    y = jax.random.normal(kx, (b * length, (h + 2 * kv) * q), jnp.float32).astype(jnp.bfloat16)
+    outs, vjp = jax.vjp(lambda y: split_rope_forward(y, shape, theta), y)
+    cts = tuple(
+        jax.random.normal(jax.random.fold_in(kc, i), o.shape, jnp.float32).astype(jnp.bfloat16)
+        for i, o in enumerate(outs)
+    )
+    flat = [c.reshape(b * length, -1) for c in cts]
+    return shape, cts, flat, rr.tables(length, q, theta), vjp(cts)[0]
+
+
+def _ulps(a, b):
+    """Per element, how many bf16 steps apart a and b are (same-sign values; 0 for equal bytes)."""
+    ia, ib = (np.asarray(v).view(np.int16).astype(np.int32) for v in (a, b))
+    return np.abs(ia - ib)
+
+
+def test_rope_grad_matches_reference():
+    """RoPE's backward kernel against XLA's autodiff of the split and rope (interpreted on the CPU): within one
+    bf16 step everywhere (XLA contracts some products and sums into an fma where the kernel rounds them
+    apart: 4 of 262144 elements here), byte-equal elsewhere; the fp8 variant byte-equal to quantizing the
+    bf16 variant's output (quantize_transposed), amax included. Negative control: another theta's tables
+    change the bytes."""
+    from detjax.pallas_kernels.matmul.quantize import quantize_transposed
+    from detjax.pallas_kernels.rope import kernel as rk
+    from detjax.pallas_kernels.rope import reference as rr
+
+    (b, length, h, kv, q), _, flat, (cos, sin), want = _rope_case()
+    kw = {"length": length, "head_dim": q, "interpret": interpret_mode()}
+    got = rk.rope_grad_concat(*flat, cos, sin, **kw)
+    assert got.shape == want.shape and got.dtype == jnp.bfloat16
+    ulps = _ulps(got, want)
+    assert ulps.max() <= 1 and (ulps > 0).mean() < 1e-3, (ulps.max(), (ulps > 0).sum())
+    s, e5 = jnp.float32(3.0), jnp.float8_e5m2
+    q8, q8t, amax = rk.rope_grad_quantize_transposed(*flat, cos, sin, s, dtype=e5, **kw)
+    w8, w8t, wamax = quantize_transposed(got, s, dtype=e5, interpret=kw["interpret"])
+    assert np.array_equal(np.asarray(q8).view(np.uint8), np.asarray(w8).view(np.uint8))
+    assert np.array_equal(np.asarray(q8t).view(np.uint8), np.asarray(w8t).view(np.uint8))
+    assert np.asarray(amax).view(np.uint32) == np.asarray(wamax).view(np.uint32)
+    other = rk.rope_grad_concat(*flat, *rr.tables(length, q, 5e5), **kw)
+    assert _ulps(other, got).max() > 1  # negative control
+    with pytest.raises(ValueError, match="do not fit the kernel's tiles"):
+        rk.rope_grad_concat(flat[0][:, :96], *flat[1:], cos, sin, **kw)
+
+
+def test_rope_grad_replays_bit_exact():
+    from detjax.pallas_kernels.rope import kernel as rk
+
+    (b, length, h, kv, q), _, flat, (cos, sin), _ = _rope_case(1)
+    kw = {"length": length, "head_dim": q, "interpret": interpret_mode()}
+
+    def both(dq, dk, dv):
+        e5 = jnp.float8_e5m2
+        return rk.rope_grad_concat(dq, dk, dv, cos, sin, **kw), rk.rope_grad_quantize_transposed(
+            dq, dk, dv, cos, sin, jnp.float32(2.0), dtype=e5, **kw
+        )
+
+    fn = jax.jit(both)
+    assert_replays_bit_exact(fn, tuple(flat), replays=5)
+    assert_replays_bit_exact(fn, tuple(flat), replays=3, contention=matmul_contention(256, 5))
+
+
+def test_attention_takes_the_rope_kernel_where_its_tiles_fit(monkeypatch):
+    """The attention block with model.kernels=pallas runs RoPE's backward in the kernel (its name is in the
+    gradient's program) where the tiles fit, and its gradients stay within bf16 rounding of XLA's backward
+    (the path taken where they do not fit, forced here); the forward is the same bytes."""
+    from detjax.model.attention import Attention
+    from detjax.pallas_kernels.rope import ops as rope_ops
+
+    att = Attention(128, 4, 2, 64, 1e4, 0.02, jnp.bfloat16, impl="pallas")
+    x = jax.random.normal(jax.random.key(3), (2, 128, 128), jnp.float32).astype(jnp.bfloat16)
+    params = jax.jit(att.init)(jax.random.key(4), x)
+    g = jax.random.normal(jax.random.key(5), (2, 128, 128), jnp.float32).astype(jnp.bfloat16)
+
+    def grads(p, x):
+        y, vjp = jax.vjp(lambda p, x: att.apply(p, x), p, x)
+        return y, vjp(g)
+
+    assert rope_ops.fits(256, 128, 4, 2, 64)
+    assert "rope_grad_concat" in str(jax.make_jaxpr(grads)(params, x))
+    fused = jax.jit(grads)(params, x)
+    monkeypatch.setattr(rope_ops, "fits", lambda *a: False)
+    jax.clear_caches()  # (the traces of `grads` above are cached under the same function)
+    assert "rope_grad_concat" not in str(jax.make_jaxpr(grads)(params, x))
+    xla = jax.jit(grads)(params, x)
+    assert np.array_equal(_u32(fused[0])[0], _u32(xla[0])[0])
+    for a, b in zip(jax.tree.leaves(fused[1]), jax.tree.leaves(xla[1]), strict=True):
+        assert _rel(a.astype(jnp.float32), b.astype(jnp.float32)) <= 2e-2, a.shape
 
 
 def _seg_inputs(seed=0, t=200, d=64, v=37):

@@ -9,23 +9,12 @@ from flax import linen as nn
 from detjax.model.fp8 import scale_var
 from detjax.model.layers import normal_init, param, pinned_softmax, proj, proj_many
 from detjax.pallas_kernels.flash_attention.ops import flash_attention, flash_fits
+from detjax.pallas_kernels.rope import ops as rope_ops
+from detjax.pallas_kernels.rope.reference import rope
 from detjax.sharding import rules as ax
 from detjax.sharding import tensor as tp_ops
 from detjax.sharding.rules import constrain
 from detjax.sharding.tensor import TensorSplit
-
-
-def rope(x_BLHQ: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding on the last dim (pairs: first half with second half)."""
-    length, q = x_BLHQ.shape[1], x_BLHQ.shape[-1]
-    freq_Q = 1.0 / (theta ** (jnp.arange(0, q, 2, dtype=jnp.float32) / q))
-    ang_LQ2 = jnp.arange(length, dtype=jnp.float32)[:, None] * freq_Q[None, :]
-    cos_1L1Q2, sin_1L1Q2 = jnp.cos(ang_LQ2)[None, :, None, :], jnp.sin(ang_LQ2)[None, :, None, :]
-    x32_BLHQ = x_BLHQ.astype(jnp.float32)
-    x1_BLHQ2, x2_BLHQ2 = jnp.split(x32_BLHQ, 2, axis=-1)
-    return jnp.concatenate(
-        [x1_BLHQ2 * cos_1L1Q2 - x2_BLHQ2 * sin_1L1Q2, x2_BLHQ2 * cos_1L1Q2 + x1_BLHQ2 * sin_1L1Q2], axis=-1
-    ).astype(x_BLHQ.dtype)
 
 
 def attention_reference(q_BLHQ, k_BSKQ, v_BSKQ) -> jax.Array:
@@ -99,6 +88,9 @@ class Attention(nn.Module):
             (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, None),
             (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, None),
         )
+        bsz, length = x_BLD.shape[:2]
+        # with the Pallas kernels, RoPE's backward runs in one kernel with the q/k/v product's gradient (rope_ops)
+        fused_rope = kernels == "pallas" and rope_ops.fits(bsz * length, length, h, k, q)
         q_BLHQ, k_BLKQ, v_BLKQ = proj_many(
             ["bld,dhq->blhq", "bld,dkq->blkq", "bld,dkq->blkq"],
             x_BLD,
@@ -107,9 +99,12 @@ class Attention(nn.Module):
             kernels,
             scale_var(self, "qkv", self.fp8),
             (self, ("w_q", "w_k", "w_v")),
+            ((bsz, length, h, k, q), self.rope_theta) if fused_rope else None,
         )
-        q_BLHQ = constrain(rope(q_BLHQ, self.rope_theta), lay, q_names, "attn_q")
-        k_BLKQ = constrain(rope(k_BLKQ, self.rope_theta), lay, kv_names, "attn_k")
+        if not fused_rope:
+            q_BLHQ, k_BLKQ = rope(q_BLHQ, self.rope_theta), rope(k_BLKQ, self.rope_theta)
+        q_BLHQ = constrain(q_BLHQ, lay, q_names, "attn_q")
+        k_BLKQ = constrain(k_BLKQ, lay, kv_names, "attn_k")
         v_BLKQ = constrain(v_BLKQ, lay, kv_names)
         if self.impl in ("xla", "cudnn"):
             o_BLHQ = jax.nn.dot_product_attention(q_BLHQ, k_BLKQ, v_BLKQ, is_causal=True, implementation=self.impl)

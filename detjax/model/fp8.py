@@ -518,20 +518,86 @@ fp8_grouped_matmul.defvjp(_gfwd, _gbwd)
 
 
 def fp8_dense_many(
-    specs: list[str], x: jax.Array, ws: list[jax.Array], dtype, scale_3, kernels: str, wq=None, widen: bool = False
+    specs: list[str],
+    x: jax.Array,
+    ws: list[jax.Array],
+    dtype,
+    scale_3,
+    kernels: str,
+    wq=None,
+    widen: bool = False,
+    rope: tuple | None = None,
 ):
     """Several projections of one input as one fp8 product over the weights concatenated along N (one
     scale set for the fused weight, as one GEMM), split after (detjax.pallas_kernels.matmul.ops.dense_many).
     `wq`: the fused weight's weight_copy, made beforehand (the step's compute copies), or None. `widen`:
-    float32 outputs, as in fp8_matmul."""
+    float32 outputs, as in fp8_matmul. `rope` = (shape, theta), kernels=pallas: q, k, v with RoPE on q and k
+    (layers.proj_many), as fp8_matmul_rope where its shapes admit it (fused_rope), else fp8_matmul then
+    rope.ops.split_rope."""
     from detjax.pallas_kernels.matmul.ops import dense_many
+    from detjax.pallas_kernels.rope.ops import split_rope
+
+    if rope is not None and widen:
+        raise ValueError("fp8_dense_many: rope and widen do not combine (q, k, v stay in the compute dtype)")
 
     def product(x2d, w):
+        if rope is not None and fused_rope(x2d.shape[0], *w.shape, kernels):
+            return fp8_matmul_rope(x2d, w, wq, scale_3, rope[0], rope[1], dtype, kernels)
         if wq is None:
-            return fp8_matmul(x2d, w, scale_3, dtype, kernels, widen)
-        return fp8_matmul_copy(x2d, w, wq, scale_3, dtype, kernels, widen)
+            y = fp8_matmul(x2d, w, scale_3, dtype, kernels, widen)
+        else:
+            y = fp8_matmul_copy(x2d, w, wq, scale_3, dtype, kernels, widen)
+        return y if rope is None else split_rope(y, *rope)
 
-    return dense_many(specs, x, ws, dtype, product=product)
+    return dense_many(specs, x, ws, dtype, product=product, split=None if rope is None else (lambda qkv: qkv))
+
+
+# ------------------------------------------------------ the q/k/v product fused with RoPE's backward
+def fused_rope(m: int, k: int, n: int, kernels: str) -> bool:
+    """Whether the attention block's fp8 q/k/v product (m tokens, (k, n) weight) runs as fp8_matmul_rope:
+    the Mosaic path with m and n whole multiples of its pads (the kernel writes dy's copies unpadded)."""
+    if not _mosaic_path(jax.ShapeDtypeStruct((k, n), jnp.float32), kernels):
+        return False
+    pm, _, pn = _mosaic_pads(m, k, n)
+    return m % pm == 0 and n % pn == 0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def fp8_matmul_rope(x_MK, w_KN, wq, scale_3, shape: tuple, theta: float, out_dtype, kernels: str):
+    """(rope(q), rope(k), v) of y = [q | k | v] = fp8_matmul(x, w) (rope.ops.split_rope_forward: the same
+    forward bits as the product, then the split and RoPE), on the Mosaic path (fused_rope). The backward
+    never writes y's cotangent in the compute dtype: one kernel (rope.kernel.rope_grad_quantize_transposed)
+    applies RoPE's backward to dq and dk and writes dy's e5m2 copies (both layouts) and amax, which the dx
+    and dw products read as fp8_matmul's backward reads its quantized dy. `wq`: the weight's copy
+    (weight_copy) or None. Against fp8_matmul + split_rope: the same bytes forward and backward (the same
+    kernels' arithmetic; tests/test_fp8.py)."""
+    return _rope_fwd(x_MK, w_KN, wq, scale_3, shape, theta, out_dtype, kernels)[0]
+
+
+def _rope_fwd(x_MK, w_KN, wq, scale_3, shape, theta, out_dtype, kernels):
+    from detjax.pallas_kernels.rope.ops import split_rope_forward
+
+    if not fused_rope(x_MK.shape[0], *w_KN.shape, kernels):
+        raise ValueError(f"fp8_matmul_rope: x {x_MK.shape}, w {w_KN.shape} are not whole tiles of the Mosaic path")
+    if wq is not None:
+        _check_copy(w_KN, wq, True)
+    y, res = _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, False, wq)
+    d_wq = None if wq is None else jax.tree.map(jnp.zeros_like, wq)  # the copy is a constant of the step
+    return split_rope_forward(y, shape, theta), (res, d_wq)
+
+
+def _rope_bwd(shape, theta, out_dtype, kernels, res, cts):
+    from detjax.pallas_kernels.rope.ops import rope_cotangent_quantized
+
+    (x8_KM, w8, scale_3, amax_x, amax_w, kn), d_wq = res
+    m, (k, n) = shape[0] * shape[1], kn.shape[:2]
+    g8, g8_NM, amax_g = rope_cotangent_quantized(cts, shape, theta, scale_3[2], E5M2)
+    inv_dx, inv_dw = 1.0 / (scale_3[2] * scale_3[1]), 1.0 / (scale_3[0] * scale_3[2])
+    dx, dw = _mosaic_grads(g8, g8_NM, x8_KM, w8, (m, k, n), inv_dx, inv_dw, out_dtype)
+    return dx, dw, d_wq, jnp.stack([amax_x, amax_w, amax_g])
+
+
+fp8_matmul_rope.defvjp(_rope_fwd, _rope_bwd)
 
 
 def scale_var(module, name: str, enabled: bool) -> jax.Array | None:

@@ -21,6 +21,7 @@ from detjax.model.fp8 import (
 from detjax.pallas_kernels.matmul.ops import compute_copy, dense, dense_many, fuse
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
+from detjax.pallas_kernels.rope.ops import split_rope
 from detjax.pallas_kernels.segment_sum.ops import segment_sum
 from detjax.sharding import rules as ax
 from detjax.sharding import tensor as tp_ops
@@ -180,15 +181,25 @@ def proj_many(
     kernels: str,
     fp8_scale=None,
     copy: tuple[nn.Module, tuple[str, ...]] | None = None,
+    rope: tuple[tuple[int, int, int, int, int], float] | None = None,
 ) -> list[jax.Array]:
     """Several projections of one input (q/k/v, Mamba2's in-projections, SwiGLU gate/up). With
     kernels=pallas they are one matmul over the concatenated weights, bit-identical to separate ones (and
     `copy` as in proj: the fused compute copy); in fp8 one product with one scale set (either kernels
-    setting)."""
+    setting). `rope` = ((batch, length, heads, kv_heads, head_dim), theta), kernels=pallas only: the three
+    projections are q, k, v, returned with RoPE on q and k, whose backward is the Pallas kernel's
+    (detjax.pallas_kernels.rope; the caller checks rope.ops.fits)."""
     if fp8_scale is not None:  # (the trainer's fp8 copies are made for kernels=pallas)
-        return fp8_dense_many(specs, x, ws, dtype, fp8_scale, kernels, copy_of(copy if kernels == "pallas" else None))
+        wq = copy_of(copy if kernels == "pallas" else None)
+        return fp8_dense_many(specs, x, ws, dtype, fp8_scale, kernels, wq, rope=rope)
     if kernels == "pallas":
-        return dense_many(specs, x, ws, dtype, w_cat_c=copy_of(copy))
+        if rope is None:
+            return dense_many(specs, x, ws, dtype, w_cat_c=copy_of(copy))
+        width = sum(math.prod(w.shape[1:]) for w in ws)  # (the fused weight's zero columns are sliced off)
+        split = lambda y: split_rope(y[:, :width] if y.shape[1] > width else y, *rope)  # noqa: E731
+        return dense_many(specs, x, ws, dtype, w_cat_c=copy_of(copy), split=split)
+    if rope is not None:
+        raise ValueError("proj_many: rope needs kernels=pallas")
     return [proj(s, x, w, dtype) for s, w in zip(specs, ws, strict=True)]
 
 

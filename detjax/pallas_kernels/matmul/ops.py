@@ -128,6 +128,7 @@ def dense_many(
     out_dtype=None,
     product: Callable | None = None,
     w_cat_c: jax.Array | None = None,
+    split: Callable | None = None,
 ) -> list[jax.Array]:
     """Several projections of one input as ONE matmul over the weights concatenated along N, split after.
 
@@ -135,7 +136,8 @@ def dense_many(
     beside it (the kernel's batch invariance), so fusing changes speed only. `product(x2d, w_cat)` replaces
     the Pallas matmul (detjax.model.fp8: the fp8 product; no tile padding then). `w_cat_c`: compute_copy of
     ws, made beforehand; the product reads it, and the float32 concatenation only carries the gradient back
-    to the masters (nothing computes it in the forward)."""
+    to the masters (nothing computes it in the forward). `split(y)`: the outputs from the product's result
+    instead of its column blocks reshaped (the attention block's q, k, v with RoPE: detjax.model.layers.proj_many)."""
     cs = {contracted_dims(s) for s in specs}
     if len(cs) != 1:
         raise ValueError(f"dense_many() needs specs contracting the same dims of x, got {specs}")
@@ -146,6 +148,8 @@ def dense_many(
     w_cat = fuse(w2, padded=product is None)
     x2d = x.astype(dtype).reshape(-1, k)
     y = matmul(x2d, w_cat, out_dtype or dtype, w_cat_c) if product is None else product(x2d, w_cat)
+    if split is not None:
+        return list(split(y))
     outs, start = [], 0
     for w, w2d in zip(ws, w2, strict=True):
         outs.append(y[:, start : start + w2d.shape[1]].reshape(*lead, *w.shape[c:]))
