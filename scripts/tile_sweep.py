@@ -1,9 +1,10 @@
-"""Offline tile sweep of the flash-attention, RMSNorm, SSD, MoE gmm and fp8 quantization kernels (benchmark shapes).
+"""Offline tile sweep of the flash-attention, RMSNorm, SSD, MoE gmm, fp8 quantization and RoPE-backward kernels.
 
     python3 scripts/tile_sweep.py                       # every kernel
     python3 scripts/tile_sweep.py --kernels flash,rmsnorm --reps 20
     python3 scripts/tile_sweep.py --kernels flash-bwd   # flash attention's dQ and dK/dV tiles only
     python3 scripts/tile_sweep.py --kernels quantize,swiglu  # model.fp8's quantization kernels (gpu_dense)
+    python3 scripts/tile_sweep.py --kernels rope        # RoPE's backward, bf16 and fp8 variants (gpu_dense)
 
 For each candidate tile set the kernel's TILES entry is replaced, every jit cache is cleared, and the kernel
 (forward, and backward where it has one) is timed: one jitted call runs it on SETS different input sets, the
@@ -115,6 +116,16 @@ TRANSPOSED = [  # quantize_transposed: the tile must divide 128
     {"block_m": 32, "block_n": 128, "num_warps": 4},
     {"block_m": 64, "block_n": 64, "num_warps": 2},
     {"block_m": 128, "block_n": 64, "num_warps": 4},
+]
+
+ROPE = [  # rope.kernel: block_n whole heads (head_dim 64) dividing the q and k/v widths; elementwise, so speed only
+    {"block_m": 128, "block_n": 128, "num_warps": 8},
+    {"block_m": 128, "block_n": 128, "num_warps": 4},
+    {"block_m": 64, "block_n": 128, "num_warps": 4},
+    {"block_m": 32, "block_n": 128, "num_warps": 4},
+    {"block_m": 128, "block_n": 64, "num_warps": 4},
+    {"block_m": 64, "block_n": 256, "num_warps": 8},
+    {"block_m": 256, "block_n": 64, "num_warps": 8},
 ]
 
 
@@ -337,9 +348,34 @@ def sweep_swiglu(reps: int) -> None:
     _sweep("swiglu bwd (320 MiB)", qz.TILES, "swiglu_bwd", SWIGLU_BWD, [("bwd", bwd, (y, dh))], reps, "fp8_swiglu_bwd")
 
 
+def sweep_rope(reps: int) -> None:
+    from detjax.model import fp8
+    from detjax.pallas_kernels.rope import kernel as rk
+    from detjax.pallas_kernels.rope.reference import tables
+
+    # gpu_dense's attention at one microbatch: dq (8192 x 1024), dk and dv (8192 x 256) bf16 in, dy (8192 x 1536)
+    # out: in bf16 (48 MiB moved) or as two e5m2 copies (48 MiB)
+    ks = jax.random.split(jax.random.key(4), 3)
+    dq, dk, dv = (_stack(k, (8192, n), jnp.bfloat16, 1e-3) for k, n in zip(ks, (1024, 256, 256), strict=True))
+    cos, sin = tables(2048, 64, 1e4)
+
+    def bf16(dq, dk, dv):
+        return rk.rope_grad_concat(dq, dk, dv, cos, sin, length=2048, head_dim=64, interpret=False)
+
+    def e5m2(dq, dk, dv):
+        s = jnp.float32(4096.0)
+        return rk.rope_grad_quantize_transposed(
+            dq, dk, dv, cos, sin, s, length=2048, head_dim=64, dtype=fp8.E5M2, interpret=False
+        )
+
+    args = (dq, dk, dv)
+    _sweep("rope bwd, bf16", rk.TILES, None, ROPE, [("bf16", bf16, args)], reps, "rope_grad_concat")
+    _sweep("rope bwd, e5m2", rk.TILES, None, ROPE, [("e5m2", e5m2, args)], reps, "fp8_rope_grad_quantize")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm,quantize,swiglu")
+    ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm,quantize,swiglu,rope")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--old-src", default=None, help="an older tree: time and compare its ssd / flash kernels")
     a = ap.parse_args()
@@ -360,6 +396,8 @@ def main() -> int:
         sweep_quantize(a.reps)
     if "swiglu" in which:
         sweep_swiglu(a.reps)
+    if "rope" in which:
+        sweep_rope(a.reps)
     return 0
 
 
