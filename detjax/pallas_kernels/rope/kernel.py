@@ -31,7 +31,9 @@ from detjax.pallas_kernels.matmul.quantize import _tiles_call, quantize
 from detjax.pallas_kernels.rope.reference import rope_grad
 
 # Speed only (elementwise: no tile changes a bit). block_n holds whole heads; block_m divides the sequence.
-TILES = {"block_m": 128, "block_n": 128, "num_warps": 8}
+# `python3 scripts/tile_sweep.py --kernels rope` on the H200 (docs/BENCHMARKS.md, session 31): the e5m2 variant
+# 19.6 us a call at gpu_dense's shape (128 x 128, 8 warps: 26.9); the bf16 variant 14.5-15.5 us with every tile.
+TILES = {"block_m": 32, "block_n": 128, "num_warps": 4}
 
 
 def fits(tokens: int, length: int, heads: int, kv_heads: int, head_dim: int) -> bool:
