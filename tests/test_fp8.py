@@ -676,6 +676,7 @@ def test_fused_fp8_head_ce_is_its_composed_math(monkeypatch):
     assert _same(jnp.delete(other[1][0], 17, axis=0), jnp.delete(got[1][0], 17, axis=0))
 
 
+@pytest.mark.extended  # ~45 s; the default run has the fused operation against its composed math (above)
 def test_fused_fp8_head_in_the_model(tiny_path, monkeypatch):
     """model.fp8.lm_head on the Mosaic path (forced here for the head alone): the trainer's microbatch
     objective passes the targets, the LM and MTP heads return their per-token losses (fp8.TokenCE, the
