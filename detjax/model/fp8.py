@@ -31,9 +31,11 @@ LM head) can return it widened to float32 (`widen`), so that its backward's quan
 stream's float32 gradient to the compute dtype itself: the same bits as a cast, without the cast's pass
 over memory. In training on that path, the fp8 LM head and its cross-entropy are one operation
 (fp8_head_ce): its backward quantizes the loss's gradient for the logits in one kernel, from the bf16
-logits, without storing it in float32. The routed experts' grouped matmuls (fp8_grouped_matmul) take fp8
-wgmma on Hopper too, on rows laid out in groups padded to whole tiles (detjax.pallas_kernels.gmm.mosaic);
-elsewhere they multiply the fp8 values exactly in bf16 (Triton gmm / tgmm) or float32 (XLA's ragged_dot).
+logits, without storing it in float32. Likewise the attention block's q/k/v product and RoPE
+(fp8_matmul_rope): RoPE's backward kernel writes the product's quantized incoming gradient. The routed
+experts' grouped matmuls (fp8_grouped_matmul) take fp8 wgmma on Hopper too, on rows laid out in groups padded
+to whole tiles (detjax.pallas_kernels.gmm.mosaic); elsewhere they multiply the fp8 values exactly in bf16
+(Triton gmm / tgmm) or float32 (XLA's ragged_dot).
 """
 
 from __future__ import annotations
