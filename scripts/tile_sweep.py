@@ -5,6 +5,7 @@
     python3 scripts/tile_sweep.py --kernels flash-bwd   # flash attention's dQ and dK/dV tiles only
     python3 scripts/tile_sweep.py --kernels quantize,swiglu  # model.fp8's quantization kernels (gpu_dense)
     python3 scripts/tile_sweep.py --kernels rope        # RoPE's backward, bf16 and fp8 variants (gpu_dense)
+    python3 scripts/tile_sweep.py --kernels norm-stream # RMSNorm's backward adding the stream's cotangent, vs + XLA's add
 
 For each candidate tile set the kernel's TILES entry is replaced, every jit cache is cleared, and the kernel
 (forward, and backward where it has one) is timed: one jitted call runs it on SETS different input sets, the
@@ -373,6 +374,38 @@ def sweep_rope(reps: int) -> None:
     _sweep("rope bwd, e5m2", rk.TILES, None, ROPE, [("e5m2", e5m2, args)], reps, "fp8_rope_grad_quantize")
 
 
+def time_norm_stream(reps: int) -> None:
+    """RMSNorm's backward with the residual stream's cotangent added in the kernel (rmsnorm_stream) against
+    the backward followed by XLA's add, at gpu_dense's block input (8192 x 1024 float32 stream, bf16 dy):
+    device time of every op of each (the weight's ordered sum included), and how many of dx's elements
+    differ in their bytes. One comparison, no tile candidates."""
+    from detjax.pallas_kernels.rmsnorm import kernel as rk
+
+    ks = jax.random.split(jax.random.key(6), 4)
+    x, w = _stack(ks[0], (8192, 1024), jnp.float32, 3.0), _stack(ks[1], (1024,), jnp.float32)
+    dy, g = _stack(ks[2], (8192, 1024), jnp.bfloat16), _stack(ks[3], (8192, 1024), jnp.float32, 0.1)
+    rstd = [rk.rmsnorm_fwd(a, b, eps=1e-5, interpret=False)[1] for a, b in zip(x, w, strict=True)]
+
+    def fused(x, w, r, dy, g):
+        return rk.rmsnorm_bwd(x, w, r, dy, g, interpret=False)
+
+    def composed(x, w, r, dy, g):
+        dx, dw = rk.rmsnorm_bwd(x, w, r, dy, interpret=False)
+        return dx + g, dw
+
+    f, c = _many(fused), _many(composed)
+    args = (x, w, rstd, dy, g)
+    a, b = f(*args), c(*args)
+    differ = sum(int(jnp.sum(p[0].view(jnp.uint32) != q[0].view(jnp.uint32))) for p, q in zip(a, b, strict=True))
+    dw_same = all(bool(jnp.array_equal(p[1], q[1])) for p, q in zip(a, b, strict=True))
+    print(
+        f"  norm-stream 8192x1024: fused {_device_ms(f, args, reps, ''):.4f} ms (device), backward + add "
+        f"{_device_ms(c, args, reps, ''):.4f} ms (device); host {_time(f, args, reps):.4f} / {_time(c, args, reps):.4f} ms; "
+        f"dx elements with other bytes: {differ} of {SETS * 8192 * 1024}; dw same bytes: {dw_same}",
+        flush=True,
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm,quantize,swiglu,rope")
@@ -398,6 +431,8 @@ def main() -> int:
         sweep_swiglu(a.reps)
     if "rope" in which:
         sweep_rope(a.reps)
+    if "norm-stream" in which:
+        time_norm_stream(a.reps)
     return 0
 
 

@@ -100,6 +100,51 @@ def test_rmsnorm_multi_block_tiles_pad_rows_and_write_the_compute_dtype(monkeypa
     jax.clear_caches()
 
 
+def test_rmsnorm_stream_adds_the_residual_cotangent_in_the_kernel(monkeypatch):
+    """rmsnorm_stream's backward adds the stream's own cotangent to the norm's dx inside the kernel, in a
+    pre-norm block y = x + f(norm(x)). The weight's gradient and everything else keep the bytes of the norm's
+    backward followed by XLA's add (the residual add's transpose); the stream's gradient may differ from it
+    by the rounding of one product, since the compiler may contract the kernel's last product and the add
+    into one fma (the CPU's does): within one float32 step of the norm's dx plus one of the sum. It replays
+    bit-exact; the layers' RMSNorm takes it. Negative control: a cotangent one bit apart gives other bytes."""
+    from detjax.model import layers
+    from detjax.pallas_kernels.rmsnorm.kernel import rmsnorm_bwd, rmsnorm_fwd
+    from detjax.pallas_kernels.rmsnorm.ops import rmsnorm_stream
+
+    x, w, g = _rms_inputs(4, n=72)
+    m = jax.random.normal(jax.random.key(9), (64, 64)) / 8
+
+    def block(norm_stream):
+        def f(x, w):
+            h, y = norm_stream(x, w)
+            return jnp.sum((h + jnp.tanh(y.astype(jnp.float32) @ m)) * g)
+
+        return jax.jit(jax.grad(f, argnums=(0, 1)))
+
+    fused_fn = block(lambda x, w: rmsnorm_stream(x, w, 1e-5, jnp.dtype(jnp.bfloat16)))
+    fused = fused_fn(x, w)
+    composed = block(lambda x, w: (x, rmsnorm(x, w, 1e-5, jnp.dtype(jnp.bfloat16))))(x, w)
+    assert np.array_equal(_u32(fused[1])[0], _u32(composed[1])[0])  # the weight's gradient
+    dx_norm = composed[0] - g  # the norm's own dx (the block's g reaches x through the residual add)
+    a, b = np.asarray(fused[0]), np.asarray(composed[0])
+    assert np.all(np.abs(a - b) <= np.spacing(np.abs(np.asarray(dx_norm))) + np.spacing(np.abs(b)))
+    assert_replays_bit_exact(fused_fn, (x, w), replays=3)
+    # the kernel on its own: with a cotangent one bit apart, other bytes
+    y, rstd = rmsnorm_fwd(x, w, eps=1e-5, interpret=interpret_mode())
+    flip = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(g, jnp.uint32).at[3, 5].add(1), jnp.float32)
+    base = _u32(rmsnorm_bwd(x, w, rstd, g, g, interpret=interpret_mode())[0])[0]
+    assert not np.array_equal(_u32(rmsnorm_bwd(x, w, rstd, g, flip, interpret=interpret_mode())[0])[0], base)
+    with pytest.raises(ValueError, match="x's shape and dtype"):
+        rmsnorm_bwd(x, w, rstd, g, g.astype(jnp.bfloat16), interpret=interpret_mode())
+    # the layers' norm passes the stream through rmsnorm_stream on the Pallas path
+    norm = layers.RMSNorm(1e-5, "pallas", jnp.bfloat16)
+    params = norm.init(jax.random.key(0), x[None])
+    seen = []
+    monkeypatch.setattr(layers, "rmsnorm_stream", lambda *a: seen.append(1) or rmsnorm_stream(*a))
+    h, yb = norm.apply(params, x[None], stream=True)
+    assert seen and np.array_equal(_u32(h)[0], _u32(x[None])[0]) and yb.dtype == jnp.bfloat16
+
+
 def _rope_case(seed=0, b=2, length=256, h=4, kv=2, q=64, theta=1e4):
     """XLA's backward of splitting y = [q | k | v] and rotating q and k (reference.rope), and the kernel's
     inputs: the cotangents flattened to rows, the tables."""

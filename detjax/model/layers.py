@@ -20,7 +20,7 @@ from detjax.model.fp8 import (
 )
 from detjax.pallas_kernels.matmul.ops import compute_copy, dense, dense_many, fuse
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
-from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
+from detjax.pallas_kernels.rmsnorm.ops import rmsnorm, rmsnorm_stream
 from detjax.pallas_kernels.rope.ops import split_rope
 from detjax.pallas_kernels.segment_sum.ops import segment_sum
 from detjax.sharding import rules as ax
@@ -262,16 +262,25 @@ class RMSNorm(nn.Module):
     # the input's behind tensor.pin_cotangent
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, stream: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """The normed x; with `stream` (a float32 residual stream x) the pair (x, normed x): on the Pallas path
+        the norm's backward then adds x's other cotangent, the residual add's, in its kernel
+        (rmsnorm_stream); elsewhere the pair is just x beside its norm."""
         w_D = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (ax.NORM,))
         if self.kernels == "pallas" and rmsnorm_fits(x.size // x.shape[-1]):
             d = x.shape[-1]
             out_dtype = jnp.dtype(self.out_dtype)
-            return rmsnorm(x.astype(jnp.float32).reshape(-1, d), w_D, self.eps, out_dtype).reshape(x.shape)
+            x_ND = x.astype(jnp.float32).reshape(-1, d)
+            if stream and x.dtype == jnp.float32:
+                x_ND, y_ND = rmsnorm_stream(x_ND, w_D, self.eps, out_dtype)
+                return x_ND.reshape(x.shape), y_ND.reshape(x.shape)
+            y = rmsnorm(x_ND, w_D, self.eps, out_dtype).reshape(x.shape)
+            return (x, y) if stream else y
         x32 = tp_ops.pin_cotangent(x.astype(jnp.float32)) if self.pinned else x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         w = tp_ops.expand(w_D, y.shape[:-1]) if self.pinned else w_D.reshape((1,) * (y.ndim - 1) + (-1,))
-        return (y * w).astype(self.out_dtype)
+        y = (y * w).astype(self.out_dtype)
+        return (x, y) if stream else y
 
 
 # --------------------------------------------------------------------------- gathers without scatter-add

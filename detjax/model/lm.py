@@ -44,7 +44,11 @@ class Block(nn.Module):
         h_BlD = h_BLD  # with sequence parallelism, this device's piece of the stream; else the whole of it
         if tp is not None and tp.sequence:
             h_BLD = tp_ops.gather_sequence(tp, h_BlD)
-        x_BLD = RMSNorm(c.norm_eps, c.kernels, dtype, tp is not None, name="norm")(h_BLD)
+        norm = RMSNorm(c.norm_eps, c.kernels, dtype, tp is not None, name="norm")
+        if tp is None:  # the stream passed through the norm: its backward adds the residual's cotangent
+            h_BLD, x_BLD = norm(h_BLD, stream=True)
+        else:
+            x_BLD = norm(h_BLD)
         x_BLD = constrain(x_BLD, lay, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED), "block_in")
         aux = jnp.zeros((), jnp.float32)
         # the mixer may hand y over in float32 (the same values) where nothing rounds it in the compute dtype

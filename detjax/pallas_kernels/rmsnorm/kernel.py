@@ -43,7 +43,8 @@ def _fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, eps: float, br: int, nsub: int
     jax.lax.fori_loop(0, nsub, body, 0)
 
 
-def _bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, dx_ref, dw_part_ref, *, br: int, nsub: int):
+def _bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, *refs, br: int, nsub: int, stream: bool):
+    g_ref, dx_ref, dw_part_ref = refs if stream else (None, *refs)
     w = w_ref[...].astype(jnp.float32)
 
     def body(s, acc):
@@ -53,8 +54,10 @@ def _bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, dx_ref, dw_part_ref, *, br: int,
         dy = dy_ref[rows, :].astype(jnp.float32)
         xhat = x * rstd
         dxhat = dy * w
-        dx = rstd * (dxhat - xhat * jnp.mean(dxhat * xhat, axis=1, keepdims=True))
-        dx_ref[rows, :] = dx.astype(dx_ref.dtype)
+        dx = (rstd * (dxhat - xhat * jnp.mean(dxhat * xhat, axis=1, keepdims=True))).astype(dx_ref.dtype)
+        if stream:  # the stream's own cotangent, added as the residual add's transpose would add it
+            dx = dx + g_ref[rows, :]
+        dx_ref[rows, :] = dx
         return acc + jnp.sum(dy * xhat, axis=0, keepdims=True)
 
     # this program's private slot: its sub-blocks' sums in ascending order, from +0
@@ -110,28 +113,31 @@ def rmsnorm_fwd(x_ND, w_D, *, eps: float, interpret: bool, out_dtype=None):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def rmsnorm_bwd(x_ND, w_D, rstd_N1, dy_ND, *, interpret: bool):
-    """dx (x's dtype) and dw (float32) of the forward above, for the incoming gradient dy."""
+def rmsnorm_bwd(x_ND, w_D, rstd_N1, dy_ND, g_ND=None, *, interpret: bool):
+    """dx (x's dtype) and dw (float32) of the forward above, for the incoming gradient dy. `g_ND` (x's shape
+    and dtype): a cotangent x also receives from elsewhere -- the residual stream's, when x is the stream
+    (ops.rmsnorm_stream) -- added to dx in the kernel: dx + g, the bytes of adding it afterwards, without
+    the extra pass over both."""
     n, d = x_ND.shape
     r, br = _tiles("bwd", d)
+    if g_ND is not None and (g_ND.shape != x_ND.shape or g_ND.dtype != x_ND.dtype):
+        raise ValueError(f"rmsnorm_bwd: g {g_ND.shape} {g_ND.dtype} must have x's shape and dtype {x_ND.shape} {x_ND.dtype}")
     xp, rp, dyp = _pad_rows(x_ND, r), _pad_rows(rstd_N1, r), _pad_rows(dy_ND, r)
     nb = xp.shape[0] // r
     t = TILES["bwd"]
+    rows = pl.BlockSpec((r, d), lambda i: (i, 0))
+    stream = () if g_ND is None else (_pad_rows(g_ND, r),)
     dx, parts = pl.pallas_call(
-        functools.partial(_bwd_kernel, br=br, nsub=r // br),
+        functools.partial(_bwd_kernel, br=br, nsub=r // br, stream=g_ND is not None),
         grid=(nb,),
-        in_specs=[
-            pl.BlockSpec((r, d), lambda i: (i, 0)),
-            pl.BlockSpec((1, d), lambda i: (0, 0)),
-            pl.BlockSpec((r, 1), lambda i: (i, 0)),
-            pl.BlockSpec((r, d), lambda i: (i, 0)),
-        ],
-        out_specs=[pl.BlockSpec((r, d), lambda i: (i, 0)), pl.BlockSpec((1, d), lambda i: (i, 0))],
+        in_specs=[rows, pl.BlockSpec((1, d), lambda i: (0, 0)), pl.BlockSpec((r, 1), lambda i: (i, 0)), rows]
+        + [rows] * len(stream),
+        out_specs=[rows, pl.BlockSpec((1, d), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct(xp.shape, x_ND.dtype), jax.ShapeDtypeStruct((nb, d), jnp.float32)],
         name="rmsnorm_bwd",
         interpret=interpret,
         compiler_params=triton_params(t["num_warps"], t["num_stages"], interpret),
-    )(xp, w_D.reshape(1, d), rp, dyp)
+    )(xp, w_D.reshape(1, d), rp, dyp, *stream)
     bd = min(d, TILES["wgrad"]["block_cols"])
     dw = pl.pallas_call(
         functools.partial(_ordered_sum_kernel, n=nb),
