@@ -324,6 +324,14 @@ def sweep_quantize(reps: int) -> None:
 
     cases = [("x 8192x1024", one(fp8.E4M3, 64.0), (x,)), ("dy 8192x1536", one(fp8.E5M2, 4096.0), (dy,))]
     _sweep("quantize_transposed", qz.TILES, "transposed", TRANSPOSED, cases, reps, "fp8_quantize_transposed")
+    # the residual stream's float32 cotangent (8192 x 1024), rounded to bf16 in the kernel, to e5m2: its own tile
+    g = _stack(jax.random.key(3), (8192, 1024), jnp.float32, 1e-3)
+
+    def wide(v):
+        return qz.quantize_transposed(v, jnp.float32(4096.0), dtype=fp8.E5M2, interpret=False, round_to=jnp.bfloat16)
+
+    f32 = [("g 8192x1024 f32", wide, (g,))]
+    _sweep("quantize_transposed f32", qz.TILES, "transposed_f32", TRANSPOSED, f32, reps, "fp8_quantize_transposed")
 
 
 def sweep_swiglu(reps: int) -> None:

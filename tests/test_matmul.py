@@ -358,6 +358,7 @@ def test_fp8_quantize_transposed_matches_the_xla_quantization(tile, monkeypatch)
     quantize_transposed = qz.quantize_transposed
     if tile is not None:  # the traced function reads TILES: run it unjitted under the other tile
         monkeypatch.setitem(qz.TILES, "transposed", tile)
+        monkeypatch.setitem(qz.TILES, "transposed_f32", tile)  # the float32 case's tile
         quantize_transposed = qz.quantize_transposed.__wrapped__
     interp = interpret_mode()
     ks = jax.random.split(jax.random.key(8), 2)

@@ -27,10 +27,12 @@ BLOCK = 128  # the padding unit of quantize_transposed's copies (the Mosaic fp8 
 NUM_WARPS = 8
 # A program's tile: speed only, since every value is elementwise and the amax a maximum, so no tile changes
 # a bit (`python3 scripts/tile_sweep.py --kernels quantize,swiglu` on the GPU chose them). "transposed":
-# quantize_transposed, whose tile must divide BLOCK. "pair": the SwiGLU backward's program computes both
+# quantize_transposed, whose tile must divide BLOCK; "transposed_f32" the same for a float32 v (model.fp8's
+# float32 cotangents of the residual stream). "pair": the SwiGLU backward's program computes both
 # halves of its tile, reading y's and dh's tiles once; else two programs, one per half, each read them.
 TILES = {
     "transposed": {"block_m": 128, "block_n": 128, "num_warps": 8},
+    "transposed_f32": {"block_m": 128, "block_n": 128, "num_warps": 8},
     "swiglu_fwd": {"block_m": 32, "block_n": 256, "num_warps": 4},
     "swiglu_bwd": {"block_m": 32, "block_n": 128, "num_warps": 4, "pair": True},
     "ce_grad": {"block_m": 128, "block_n": 128, "num_warps": 8},  # must divide BLOCK, as "transposed"
@@ -91,7 +93,8 @@ def quantize_transposed(
     it first, so a float32 v gives the bytes of quantize_transposed(v.astype(round_to)) without that cast's
     pass over memory (model.fp8's float32 cotangents, detjax.model.fp8)."""
     m, n = v.shape
-    shape, tile, spec, _ = _padded_tiles("quantize_transposed", "transposed", m, n, rows_to, cols_to)
+    key = "transposed_f32" if v.dtype == jnp.float32 else "transposed"
+    shape, tile, spec, _ = _padded_tiles("quantize_transposed", key, m, n, rows_to, cols_to)
     kernel = functools.partial(_kernel, m=m, n=n, padding=shape != (m, n), round_to=round_to)
     return _tiles_call(kernel, "fp8_quantize_transposed", [spec], shape, tile, dtype, interpret, v, scale=scale)
 
