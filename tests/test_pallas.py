@@ -180,7 +180,7 @@ def test_the_model_defers_each_residual_add_to_the_next_norm(monkeypatch):
     """HybridLM on one device with model.kernels=pallas leaves each block's residual add to the next block's
     norm kernel (Block.defer): its loss and gradients are byte-equal to the blocks applied one by one, each
     adding its own output (the pipeline's way, defer off), and the forward kernel with the add is in its
-    program. Negative control: a weight one bit apart gives another loss."""
+    program. Negative control: norm weights one mantissa bit (2^-7 of them) apart give another loss."""
     from flax import linen as nn
 
     from detjax.config import load_config
@@ -229,7 +229,7 @@ def test_the_model_defers_each_residual_add_to_the_next_norm(monkeypatch):
     leaf = params["params"]["layer_1"]["norm"]["scale"]
     bumped = jax.tree.map(lambda v: v, params)
     bumped["params"]["layer_1"]["norm"]["scale"] = jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(leaf, jnp.uint32) + 1, jnp.float32
+        jax.lax.bitcast_convert_type(leaf, jnp.uint32) + (1 << 16), jnp.float32
     )
     assert not np.array_equal(_u32(jax.jit(deferred)(bumped))[0], _u32(a[0])[0])
 

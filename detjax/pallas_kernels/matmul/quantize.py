@@ -32,7 +32,7 @@ NUM_WARPS = 8
 # halves of its tile, reading y's and dh's tiles once; else two programs, one per half, each read them.
 TILES = {
     "transposed": {"block_m": 128, "block_n": 128, "num_warps": 8},
-    "transposed_f32": {"block_m": 128, "block_n": 128, "num_warps": 8},
+    "transposed_f32": {"block_m": 64, "block_n": 64, "num_warps": 2},
     "swiglu_fwd": {"block_m": 32, "block_n": 256, "num_warps": 4},
     "swiglu_bwd": {"block_m": 32, "block_n": 128, "num_warps": 4, "pair": True},
     "ce_grad": {"block_m": 128, "block_n": 128, "num_warps": 8},  # must divide BLOCK, as "transposed"
