@@ -188,11 +188,8 @@ def test_the_model_defers_each_residual_add_to_the_next_norm(monkeypatch):
 
     cfg = load_config(
         None,
-        [
-            "model.vocab_size=264", "model.d_model=64", "model.pattern=*-*", "model.n_heads=4",
-            "model.n_kv_heads=2", "model.head_dim=16", "model.ffn_dim=128", "model.kernels=pallas",
-            "model.mtp.depth=0", "model.dropout=0.0",
-        ],
+        "model.vocab_size=264 model.d_model=64 model.pattern=*-* model.n_heads=4 model.n_kv_heads=2 "
+        "model.head_dim=16 model.ffn_dim=128 model.kernels=pallas model.mtp.depth=0 model.dropout=0.0".split(),
     ).model
     model = HybridLM(cfg)
     ids = jax.random.randint(jax.random.key(0), (2, 32), 0, 264)

@@ -132,7 +132,8 @@ def rmsnorm_bwd(x_ND, w_D, rstd_N1, dy_ND, g_ND=None, *, interpret: bool):
     n, d = x_ND.shape
     r, br = _tiles("bwd", d)
     if g_ND is not None and (g_ND.shape != x_ND.shape or g_ND.dtype != x_ND.dtype):
-        raise ValueError(f"rmsnorm_bwd: g {g_ND.shape} {g_ND.dtype} must have x's shape and dtype {x_ND.shape} {x_ND.dtype}")
+        got, want = f"{g_ND.shape} {g_ND.dtype}", f"{x_ND.shape} {x_ND.dtype}"
+        raise ValueError(f"rmsnorm_bwd: g {got} must have x's shape and dtype {want}")
     xp, rp, dyp = _pad_rows(x_ND, r), _pad_rows(rstd_N1, r), _pad_rows(dy_ND, r)
     nb = xp.shape[0] // r
     t = TILES["bwd"]
