@@ -262,28 +262,20 @@ class RMSNorm(nn.Module):
     # the input's behind tensor.pin_cotangent
 
     @nn.compact
-    def __call__(
-        self, x: jax.Array, stream: bool = False, add: jax.Array | None = None
-    ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """The normed x; with `stream` (x a float32 residual stream) the pair (s, normed s) for the stream
-        s = x, or s = x + add.astype(float32) where `add` (the previous block's output) is given. On the
-        Pallas path one kernel then adds `add`, and the norm's backward adds s's other cotangent, the residual
-        add's, in its kernel (rmsnorm_stream); elsewhere the same values by jnp."""
+    def __call__(self, x: jax.Array, stream: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """The normed x; with `stream` (a float32 residual stream x) the pair (x, normed x): on the Pallas path
+        the norm's backward then adds x's other cotangent, the residual add's, in its kernel
+        (rmsnorm_stream); elsewhere the pair is just x beside its norm."""
         w_D = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (ax.NORM,))
-        if add is not None and not (stream and x.dtype == jnp.float32 and add.shape == x.shape):
-            raise ValueError(f"RMSNorm: `add` {add.shape} needs stream=True and a float32 x of its shape ({x.shape})")
         if self.kernels == "pallas" and rmsnorm_fits(x.size // x.shape[-1]):
             d = x.shape[-1]
             out_dtype = jnp.dtype(self.out_dtype)
             x_ND = x.astype(jnp.float32).reshape(-1, d)
             if stream and x.dtype == jnp.float32:
-                a_ND = None if add is None else add.reshape(-1, d)
-                s_ND, y_ND = rmsnorm_stream(x_ND, w_D, a_ND, self.eps, out_dtype)
-                return s_ND.reshape(x.shape), y_ND.reshape(x.shape)
+                x_ND, y_ND = rmsnorm_stream(x_ND, w_D, self.eps, out_dtype)
+                return x_ND.reshape(x.shape), y_ND.reshape(x.shape)
             y = rmsnorm(x_ND, w_D, self.eps, out_dtype).reshape(x.shape)
             return (x, y) if stream else y
-        if add is not None:
-            x = x + add.astype(jnp.float32)
         x32 = tp_ops.pin_cotangent(x.astype(jnp.float32)) if self.pinned else x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         w = tp_ops.expand(w_D, y.shape[:-1]) if self.pinned else w_D.reshape((1,) * (y.ndim - 1) + (-1,))

@@ -36,25 +36,17 @@ class Block(nn.Module):
     layout: ax.Layout | None = None
     tp: TensorSplit | None = None  # canonical tensor parallelism (detjax.sharding.tensor)
     ep: ExpertSplit | None = None  # canonical expert dispatch (detjax.sharding.expert)
-    defer: bool = False  # return (stream, y) without their residual add: the next block's norm adds them
 
     @nn.compact
-    def __call__(
-        self, h_BLD: jax.Array, train: bool, key: jax.Array | None = None, pending: jax.Array | None = None
-    ) -> tuple[jax.Array | tuple[jax.Array, jax.Array], jax.Array]:
-        """`pending`: the previous block's output y, returned un-added by its `defer` (the stream is then
-        h + y, added in this block's norm kernel on the Pallas path). Not with canonical tensor parallelism."""
+    def __call__(self, h_BLD: jax.Array, train: bool, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         c, lay, tp = self.cfg, self.layout, self.tp
-        if tp is not None and (pending is not None or self.defer):
-            raise ValueError("Block: a deferred residual add (defer, pending) is not for canonical tensor parallelism")
         dtype = DTYPES[c.compute_dtype]
         h_BlD = h_BLD  # with sequence parallelism, this device's piece of the stream; else the whole of it
         if tp is not None and tp.sequence:
             h_BLD = tp_ops.gather_sequence(tp, h_BlD)
         norm = RMSNorm(c.norm_eps, c.kernels, dtype, tp is not None, name="norm")
-        if tp is None:  # the stream passed through the norm (after adding `pending` to it): the norm's kernels
-            # add the residuals, the forward's and the backward's cotangent
-            h_BLD, x_BLD = norm(h_BLD, stream=True, add=pending)
+        if tp is None:  # the stream passed through the norm: its backward adds the residual's cotangent
+            h_BLD, x_BLD = norm(h_BLD, stream=True)
         else:
             x_BLD = norm(h_BLD)
         x_BLD = constrain(x_BLD, lay, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED), "block_in")
@@ -104,9 +96,6 @@ class Block(nn.Module):
         y_BLD = y_BLD.astype(jnp.float32)
         if tp is not None and tp.sequence:
             return h_BlD + (y_BLD if piece else tp_ops.scatter_sequence(tp, y_BLD)), aux
-        if self.defer:
-            spec = (ax.BATCH, ax.SEQ, ax.ACT_EMBED)
-            return (constrain(h_BLD, lay, spec, "residual"), constrain(y_BLD, lay, spec, "residual")), aux
         h_BLD = h_BLD + y_BLD
         return constrain(h_BLD, lay, (ax.BATCH, ax.SEQ, ax.ACT_EMBED), "residual"), aux
 
@@ -142,12 +131,7 @@ class HybridLM(nn.Module):
         c, lay, tp, ep = self.cfg, self.layout, self.tp, self.ep
         self.embed = Embed(c.vocab_size, c.d_model, c.init_std, c.kernels, lay, c.embed_grad, tp)
         block = block_class(c)
-        # one device's stack (no canonical tensor split): each block leaves its residual add to the next
-        # block's norm, which does it in its kernel on the Pallas path (the last one's is added in __call__)
-        defer = tp is None
-        self.layers = [
-            block(c, letter, lay, tp, ep, defer=defer, name=f"layer_{i}") for i, letter in enumerate(c.pattern)
-        ]
+        self.layers = [block(c, letter, lay, tp, ep, name=f"layer_{i}") for i, letter in enumerate(c.pattern)]
         pinned = tp is not None
         self.final_norm = RMSNorm(c.norm_eps, c.kernels, pinned=pinned)
         self.w_head_DV = param(
@@ -240,13 +224,9 @@ class HybridLM(nn.Module):
         if sequence:  # the stream between blocks: this device's piece of the sequence
             h_BLD = tp_ops.scatter_sequence(self.tp, h_BLD)
         aux = jnp.zeros((), jnp.float32)
-        pending = None  # the last block's output, not yet added to the stream (Block.defer)
         for i, layer in enumerate(self.layers):
-            out, a = layer(h_BLD, train, layer_key(key, i), pending)
-            h_BLD, pending = out if layer.defer else (out, None)
+            h_BLD, a = layer(h_BLD, train, layer_key(key, i))
             aux = aux + a
-        if pending is not None:
-            h_BLD = h_BLD + pending
         if sequence:
             h_BLD = tp_ops.gather_sequence(self.tp, h_BLD)
         logits_BLV, mtp_logits_BLV, mtp_aux = self.outputs(h_BLD, ids_BL, train, key, targets_BL=targets_BL)

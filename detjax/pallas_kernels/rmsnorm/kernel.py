@@ -29,16 +29,12 @@ TILES = {
 MIN_ROWS = 8  # the layers use the kernel for row counts that are multiples of this (see `fits`)
 
 
-def _fwd_kernel(x_ref, w_ref, *refs, eps: float, br: int, nsub: int, add: bool):
-    a_ref, y_ref, rstd_ref, sum_ref = refs if add else (None, *refs, None)
+def _fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, eps: float, br: int, nsub: int):
     w = w_ref[...].astype(jnp.float32)
 
     def body(s, carry):
         rows = pl.ds(pl.multiple_of(s * br, br), br)
         x = x_ref[rows, :].astype(jnp.float32)
-        if add:  # the residual add: the normed rows are x + a, written out as the stream
-            x = x + a_ref[rows, :].astype(jnp.float32)
-            sum_ref[rows, :] = x
         rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + eps)
         y_ref[rows, :] = (x * rstd * w).astype(y_ref.dtype)
         rstd_ref[rows, :] = rstd
@@ -93,42 +89,36 @@ def _pad_rows(x: jax.Array, mult: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "out_dtype"))
-def rmsnorm_fwd(x_ND, w_D, a_ND=None, *, eps: float, interpret: bool, out_dtype=None):
-    """y = x * rsqrt(mean(x^2) + eps) * w (in `out_dtype`, default x's) and the row rstd (float32). With
-    `a_ND` (x's shape; x float32): the norm of x + a (a widened to float32, then one float32 add -- the bytes
-    of XLA's add), and that sum as a third output, the residual stream's next value (ops.rmsnorm_stream)."""
+def rmsnorm_fwd(x_ND, w_D, *, eps: float, interpret: bool, out_dtype=None):
+    """y = x * rsqrt(mean(x^2) + eps) * w (in `out_dtype`, default x's) and the row rstd (float32)."""
     n, d = x_ND.shape
     r, br = _tiles("fwd", d)
-    if a_ND is not None and (a_ND.shape != x_ND.shape or x_ND.dtype != jnp.float32):
-        raise ValueError(f"rmsnorm_fwd: a {a_ND.shape} must have x's shape, x float32; got x {x_ND.shape} {x_ND.dtype}")
     xp = _pad_rows(x_ND, r)
     np_ = xp.shape[0]
     t = TILES["fwd"]
-    rows = pl.BlockSpec((r, d), lambda i: (i, 0))
-    add = () if a_ND is None else (_pad_rows(a_ND, r),)
-    outs = pl.pallas_call(
-        functools.partial(_fwd_kernel, eps=eps, br=br, nsub=r // br, add=a_ND is not None),
+    y, rstd = pl.pallas_call(
+        functools.partial(_fwd_kernel, eps=eps, br=br, nsub=r // br),
         grid=(np_ // r,),
-        in_specs=[rows, pl.BlockSpec((1, d), lambda i: (0, 0))] + [rows] * len(add),
-        out_specs=[rows, pl.BlockSpec((r, 1), lambda i: (i, 0))] + [rows] * len(add),
+        in_specs=[pl.BlockSpec((r, d), lambda i: (i, 0)), pl.BlockSpec((1, d), lambda i: (0, 0))],
+        out_specs=[pl.BlockSpec((r, d), lambda i: (i, 0)), pl.BlockSpec((r, 1), lambda i: (i, 0))],
         out_shape=[
             jax.ShapeDtypeStruct((np_, d), out_dtype or x_ND.dtype),
             jax.ShapeDtypeStruct((np_, 1), jnp.float32),
-        ]
-        + [jax.ShapeDtypeStruct((np_, d), jnp.float32)] * len(add),
+        ],
         name="rmsnorm_fwd",
         interpret=interpret,
         compiler_params=triton_params(t["num_warps"], t["num_stages"], interpret),
-    )(xp, w_D.reshape(1, d), *add)
-    return tuple(outs) if np_ == n else tuple(o[:n] for o in outs)
+    )(xp, w_D.reshape(1, d))
+    return (y, rstd) if np_ == n else (y[:n], rstd[:n])
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def rmsnorm_bwd(x_ND, w_D, rstd_N1, dy_ND, g_ND=None, *, interpret: bool):
     """dx (x's dtype) and dw (float32) of the forward above, for the incoming gradient dy. `g_ND` (x's shape
     and dtype): a cotangent x also receives from elsewhere -- the residual stream's, when x is the stream
-    (ops.rmsnorm_stream) -- added to dx in the kernel: dx + g, the bytes of adding it afterwards, without
-    the extra pass over both."""
+    (ops.rmsnorm_stream) -- added to dx in the kernel, without a pass of its own: dx + g, the bytes of adding
+    it afterwards where the compiler keeps dx's last product and the add apart (the H200's Triton does; the
+    CPU's interpreted kernel may fuse them into an fma)."""
     n, d = x_ND.shape
     r, br = _tiles("bwd", d)
     if g_ND is not None and (g_ND.shape != x_ND.shape or g_ND.dtype != x_ND.dtype):
