@@ -99,6 +99,10 @@ SWIGLU_FWD = [
     {"block_m": 32, "block_n": 256, "num_warps": 8},
     {"block_m": 32, "block_n": 512, "num_warps": 4},
     {"block_m": 16, "block_n": 256, "num_warps": 4},
+    {"block_m": 32, "block_n": 256, "num_warps": 4, "t32": True},
+    {"block_m": 64, "block_n": 128, "num_warps": 4, "t32": True},
+    {"block_m": 128, "block_n": 128, "num_warps": 8, "t32": True},
+    {"block_m": 64, "block_n": 64, "num_warps": 4, "t32": True},
 ]
 SWIGLU_BWD = [  # "pair": one program writes both halves of dy's tile; else one program per half
     {"block_m": 32, "block_n": 128, "num_warps": 4, "pair": True},
@@ -109,6 +113,10 @@ SWIGLU_BWD = [  # "pair": one program writes both halves of dy's tile; else one 
     {"block_m": 32, "block_n": 256, "num_warps": 4, "pair": True},
     {"block_m": 16, "block_n": 128, "num_warps": 4, "pair": True},
     {"block_m": 16, "block_n": 256, "num_warps": 4, "pair": True},
+    {"block_m": 32, "block_n": 128, "num_warps": 4, "pair": True, "t32": True},
+    {"block_m": 64, "block_n": 64, "num_warps": 4, "pair": True, "t32": True},
+    {"block_m": 64, "block_n": 128, "num_warps": 8, "pair": True, "t32": True},
+    {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": False, "t32": True},
 ]
 TRANSPOSED = [  # quantize_transposed: the tile must divide 128
     {"block_m": 128, "block_n": 128, "num_warps": 8},
@@ -117,6 +125,9 @@ TRANSPOSED = [  # quantize_transposed: the tile must divide 128
     {"block_m": 32, "block_n": 128, "num_warps": 4},
     {"block_m": 64, "block_n": 64, "num_warps": 2},
     {"block_m": 128, "block_n": 64, "num_warps": 4},
+    {"block_m": 128, "block_n": 128, "num_warps": 8, "t32": True},
+    {"block_m": 64, "block_n": 64, "num_warps": 2, "t32": True},
+    {"block_m": 64, "block_n": 128, "num_warps": 4, "t32": True},
 ]
 
 ROPE = [  # rope.kernel: block_n whole heads (head_dim 64) dividing the q and k/v widths; elementwise, so speed only
@@ -157,6 +168,7 @@ def _sweep(title, tiles, key, cands, cases, reps, kernel: str | None = None):
     """cases: [(name, fn, args (lists of SETS arrays))]; prints one row per candidate. kernel: a kernel name
     (as the profiler shows it) whose device time is printed too."""
     keep = dict(tiles[key]) if key is not None else dict(tiles)
+    first = {}  # each case's bytes under the first candidate that ran it
     try:
         for ci, cand in enumerate(cands):
             if key is None:
@@ -168,9 +180,13 @@ def _sweep(title, tiles, key, cands, cases, reps, kernel: str | None = None):
             for name, fn, args in cases:
                 try:
                     f = _many(fn)
-                    same = _bytes(f(*args)) == _bytes(f(*args))
+                    b = _bytes(f(*args))
+                    same = b == _bytes(f(*args))
+                    other = first.setdefault(name, (ci, b))
                     dev = f" (device {_device_ms(f, args, reps, kernel):.4f} ms)" if kernel else ""
-                    cells.append(f"{name} {_time(f, args, reps):.4f} ms{dev}{'' if same else ' (REPLAY DIFFERS)'}")
+                    note = "" if same else " (REPLAY DIFFERS)"
+                    note += "" if other[1] == b else f" (BYTES DIFFER FROM #{other[0]})"
+                    cells.append(f"{name} {_time(f, args, reps):.4f} ms{dev}{note}")
                 except Exception as e:  # a candidate that does not compile (shared memory, registers) is a row too
                     cells.append(f"{name} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             print(f"  {title} #{ci} {cand}: " + "; ".join(cells), flush=True)

@@ -346,11 +346,14 @@ def test_fp8_mosaic_product_replays_bit_exact_on_gpu():
     assert_replays_bit_exact(fn, (x, w, g, v), replays=3, contention=matmul_contention(2048, 5))
 
 
-@pytest.mark.parametrize("tile", [None, {"block_m": 64, "block_n": 32, "num_warps": 4}], ids=["pinned", "64x32"])
+@pytest.mark.parametrize(
+    "tile", [None, {"block_m": 64, "block_n": 32, "num_warps": 4, "t32": True}], ids=["pinned", "64x32_t32"]
+)
 def test_fp8_quantize_transposed_matches_the_xla_quantization(tile, monkeypatch):
     """quantize.quantize_transposed (Triton on the GPU, the interpreter on CPU): q byte-equal to
     detjax.model.fp8's XLA quantization (clipping included), q^T its transpose, amax the exact max |v|, for a
-    bf16 activation and a float32 weight; with the pinned tile and another (no tile may change a bit).
+    bf16 activation and a float32 weight; with the pinned tile and another, whose transposed copy is quantized
+    from the float32 transpose ("t32"): no tile may change a bit.
     Negative control: another scale gives another q."""
     from detjax.model import fp8
     from detjax.pallas_kernels.matmul import quantize as qz
@@ -403,18 +406,20 @@ def test_fp8_quantize_transposed_matches_the_xla_quantization(tile, monkeypatch)
     [
         None,  # the pinned TILES
         {
-            "swiglu_fwd": {"block_m": 256, "block_n": 128, "num_warps": 8},
-            "swiglu_bwd": {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": False},
+            "swiglu_fwd": {"block_m": 256, "block_n": 128, "num_warps": 8, "t32": True},
+            "swiglu_bwd": {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": False, "t32": True},
         },
+        {"swiglu_bwd": {"block_m": 64, "block_n": 128, "num_warps": 4, "pair": True, "t32": True}},
     ],
-    ids=["pinned", "other_tiles"],
+    ids=["pinned", "other_tiles_t32", "pair_t32"],
 )
 def test_fp8_swiglu_quantization_kernels_match_xla(tiles, monkeypatch):
     """quantize.swiglu_quantize_transposed / swiglu_bwd_quantize_transposed (Triton on the GPU, the interpreter
     on CPU) on general bf16 values: q byte-equal to XLA's quantization of quantize.swiglu(gate, up) and of
     [dgate | dup] = quantize.swiglu_grads (float32, clipping included), q^T its transpose, amax the exact max;
-    with the pinned tiles and with others (256-row forward tiles, the backward's one-program-per-half grid),
-    since no tile may change a bit. Negative control: a changed up tile changes h's bytes."""
+    with the pinned tiles and with others (256-row forward tiles, the backward's one-program-per-half grid, and
+    transposed copies quantized from the float32 transpose, "t32"), since no tile may change a bit. Negative
+    control: a changed up tile changes h's bytes."""
     from detjax.model import fp8
     from detjax.pallas_kernels.matmul import quantize as qz
 

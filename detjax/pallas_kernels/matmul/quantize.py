@@ -28,7 +28,8 @@ NUM_WARPS = 8
 # A program's tile: speed only, since every value is elementwise and the amax a maximum, so no tile changes
 # a bit (`python3 scripts/tile_sweep.py --kernels quantize,swiglu` on the GPU chose them). "transposed":
 # quantize_transposed, whose tile must divide BLOCK; "transposed_f32" the same for a float32 v (model.fp8's
-# float32 cotangents of the residual stream). "pair": the SwiGLU backward's program computes both
+# float32 cotangents of the residual stream). "t32": the transposed copy is quantized from the float32 tile's
+# transpose (_write_tile). "pair": the SwiGLU backward's program computes both
 # halves of its tile, reading y's and dh's tiles once; else two programs, one per half, each read them.
 TILES = {
     "transposed": {"block_m": 128, "block_n": 128, "num_warps": 8},
@@ -58,22 +59,24 @@ def _inside(v: jax.Array, m: int, n: int) -> jax.Array:
     return jnp.where((rows < m) & (cols < n), v, 0.0)
 
 
-def _write_tile(v: jax.Array, s_ref, q_ref, qt_ref, amax_ref) -> None:
-    """A tile's outputs: v quantized with the scale, its transpose, and the tile's max |v|."""
+def _write_tile(v: jax.Array, s_ref, q_ref, qt_ref, amax_ref, t32: bool = False) -> None:
+    """A tile's outputs: v quantized with the scale, its transpose, and the tile's max |v|. t32: the transpose
+    is taken of v in float32 and quantized again (the same bytes, since the quantization is elementwise; another
+    shared-memory shuffle)."""
     q = quantize(v, s_ref[0], q_ref.dtype)
     q_ref[...] = q
-    qt_ref[...] = q.T
+    qt_ref[...] = quantize(v.T, s_ref[0], q_ref.dtype) if t32 else q.T
     amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(v)), (1, 1))
 
 
-def _kernel(v_ref, s_ref, q_ref, qt_ref, amax_ref, *, m: int, n: int, padding: bool, round_to):
+def _kernel(v_ref, s_ref, q_ref, qt_ref, amax_ref, *, m: int, n: int, padding: bool, round_to, t32: bool):
     v = v_ref[...]
     if round_to is not None:  # v's values rounded to round_to first: the bits of quantizing v.astype(round_to)
         v = v.astype(round_to)
     v = v.astype(jnp.float32)
     if padding:  # a tile over v's edge or past it (it loaded v's last tile): what lies outside v becomes 0
         v = _inside(v, m, n)
-    _write_tile(v, s_ref, q_ref, qt_ref, amax_ref)
+    _write_tile(v, s_ref, q_ref, qt_ref, amax_ref, t32)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to", "round_to"))
@@ -95,7 +98,8 @@ def quantize_transposed(
     m, n = v.shape
     key = "transposed_f32" if v.dtype == jnp.float32 else "transposed"
     shape, tile, spec, _ = _padded_tiles("quantize_transposed", key, m, n, rows_to, cols_to)
-    kernel = functools.partial(_kernel, m=m, n=n, padding=shape != (m, n), round_to=round_to)
+    t32 = TILES[key].get("t32", False)
+    kernel = functools.partial(_kernel, m=m, n=n, padding=shape != (m, n), round_to=round_to, t32=t32)
     return _tiles_call(kernel, "fp8_quantize_transposed", [spec], shape, tile, dtype, interpret, v, scale=scale)
 
 
@@ -174,20 +178,20 @@ def _swiglu_tile(key: str, m: int, f: int) -> tuple[int, int, int]:
     return t["block_m"], t["block_n"], t["num_warps"]
 
 
-def _swiglu_kernel(g_ref, u_ref, s_ref, q_ref, qt_ref, amax_ref):
+def _swiglu_kernel(g_ref, u_ref, s_ref, q_ref, qt_ref, amax_ref, *, t32: bool):
     h = swiglu(g_ref[...].astype(jnp.float32), u_ref[...].astype(jnp.float32))
-    _write_tile(h, s_ref, q_ref, qt_ref, amax_ref)
+    _write_tile(h, s_ref, q_ref, qt_ref, amax_ref, t32)
 
 
-def _swiglu_bwd_half_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref):
+def _swiglu_bwd_half_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref, *, t32: bool):
     dgate, dup = swiglu_grads(
         g_ref[...].astype(jnp.float32), u_ref[...].astype(jnp.float32), dh_ref[...].astype(jnp.float32)
     )
     d = jnp.where(pl.program_id(0) == 0, dgate, dup)  # this program's half of dy: the gate's or the up's
-    _write_tile(d, s_ref, q_ref, qt_ref, amax_ref)
+    _write_tile(d, s_ref, q_ref, qt_ref, amax_ref, t32)
 
 
-def _swiglu_bwd_pair_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref):
+def _swiglu_bwd_pair_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref, *, t32: bool):
     """Both halves of a tile: q_ref is the (block_m, 2, block_n) block of dy8 seen as (m, 2, f), qt_ref the
     (2, block_n, block_m) block of dy8^T seen as (2, f, m)."""
     dgate, dup = swiglu_grads(
@@ -196,8 +200,12 @@ def _swiglu_bwd_pair_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref
     qg, qu = quantize(dgate, s_ref[0], q_ref.dtype), quantize(dup, s_ref[0], q_ref.dtype)
     q_ref[:, 0, :] = qg
     q_ref[:, 1, :] = qu
-    qt_ref[0, :, :] = qg.T
-    qt_ref[1, :, :] = qu.T
+    if t32:  # as _write_tile's t32
+        qt_ref[0, :, :] = quantize(dgate.T, s_ref[0], q_ref.dtype)
+        qt_ref[1, :, :] = quantize(dup.T, s_ref[0], q_ref.dtype)
+    else:
+        qt_ref[0, :, :] = qg.T
+        qt_ref[1, :, :] = qu.T
     amax_ref[...] = jnp.broadcast_to(jnp.maximum(jnp.max(jnp.abs(dgate)), jnp.max(jnp.abs(dup))), (1, 1))
 
 
@@ -217,9 +225,8 @@ def swiglu_quantize_transposed(y: jax.Array, scale: jax.Array, *, dtype, interpr
     nf = f // bn
     in_specs = [pl.BlockSpec((bm, bn), lambda i, j: (i, j)), pl.BlockSpec((bm, bn), lambda i, j: (i, nf + j))]
     tile = (bm, bn, warps)
-    return _tiles_call(
-        _swiglu_kernel, "fp8_swiglu_quantize", in_specs, (m, f), tile, dtype, interpret, y, y, scale=scale
-    )
+    kernel = functools.partial(_swiglu_kernel, t32=TILES["swiglu_fwd"].get("t32", False))
+    return _tiles_call(kernel, "fp8_swiglu_quantize", in_specs, (m, f), tile, dtype, interpret, y, y, scale=scale)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
@@ -235,9 +242,10 @@ def swiglu_bwd_quantize_transposed(y: jax.Array, dh: jax.Array, scale: jax.Array
     bm, bn, warps = _swiglu_tile("swiglu_bwd", m, f)
     gm, nf = m // bm, f // bn
     s = jnp.asarray(scale, jnp.float32).reshape(1)
+    t32 = TILES["swiglu_bwd"].get("t32", False)
     if TILES["swiglu_bwd"].get("pair", False):
         q, qt, amax = pl.pallas_call(
-            _swiglu_bwd_pair_kernel,
+            functools.partial(_swiglu_bwd_pair_kernel, t32=t32),
             grid=(gm, nf),
             in_specs=[
                 pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
@@ -261,7 +269,7 @@ def swiglu_bwd_quantize_transposed(y: jax.Array, dh: jax.Array, scale: jax.Array
         )(y, y, dh, s)
         return q.reshape(m, 2 * f), qt.reshape(2 * f, m), jnp.max(amax)
     q, qt, amax = pl.pallas_call(
-        _swiglu_bwd_half_kernel,
+        functools.partial(_swiglu_bwd_half_kernel, t32=t32),
         grid=(2, gm, nf),
         in_specs=[
             pl.BlockSpec((bm, bn), lambda c, i, j: (i, j)),
