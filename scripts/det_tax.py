@@ -152,6 +152,7 @@ def main() -> int:
             print(
                 f"round {r} {mode:7s} median {res['median_ms']:.2f} ms  (min {res['min_ms']:.2f}, "
                 f"max {res['max_ms']:.2f}; pipelined {res['pipelined_ms']:.2f} ms; "
+                f"dispatch {res.get('dispatch_ms', float('nan')):.2f} ms; "
                 f"first step {res['first_step_s']:.1f} s)",
                 flush=True,
             )

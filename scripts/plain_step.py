@@ -145,8 +145,10 @@ def build(cfg, attention: str = "cudnn"):
 
 
 def time_steps(run, state, batches: list, steps: int, warmup: int, windows: int = 3) -> dict:
-    """Step times of `run(state, batch) -> (state, out)`, two ways (det_tax reports both, for every mode):
+    """Step times of `run(state, batch) -> (state, out)` (det_tax reports each, for every mode):
     - synced: each step waited for (`block_until_ready`) before the next is dispatched; the median;
+    - dispatch: in the synced steps, the time until the call returns (the host's share: argument handling
+      and whatever part of the launches the runtime does on the calling thread); the median;
     - pipelined: `windows` windows of `steps` steps dispatched back to back, each window waited for once at
       its end; the median of the windows' per-step means. The host dispatches step t+1 while the device runs
       step t, as in detjax.train's loop (which reads step t-1's metrics after queueing step t) and in a plain
@@ -159,14 +161,16 @@ def time_steps(run, state, batches: list, steps: int, warmup: int, windows: int 
     state, out = run(state, batches[0])
     jax.block_until_ready((state, out))
     compile_s = time.perf_counter() - t0
-    times, i = [], 1
+    times, dispatch, i = [], [], 1
     for n in range(warmup + steps - 1):
         t0 = time.perf_counter()
         state, out = run(state, batches[i % len(batches)])
+        t1 = time.perf_counter()
         jax.block_until_ready((state, out))
         i += 1
         if n >= warmup - 1:
             times.append(time.perf_counter() - t0)
+            dispatch.append(t1 - t0)
     means = []
     for _ in range(windows):
         t0 = time.perf_counter()
@@ -180,6 +184,7 @@ def time_steps(run, state, batches: list, steps: int, warmup: int, windows: int 
         "min_ms": 1e3 * min(times),
         "max_ms": 1e3 * max(times),
         "pipelined_ms": 1e3 * statistics.median(means),
+        "dispatch_ms": 1e3 * statistics.median(dispatch),
         "first_step_s": compile_s,
     }, out
 
