@@ -21,8 +21,9 @@ Modes (each a separate process, since XLA reads its flags once):
               determinism.canonical_leaf sequences, one sequence by default, gradients summed by the pair
               tree; e.g. `canonical+determinism.canonical_leaf=4`)
 A mode may carry overrides of its own after "+": `strict-kernels+debug.nonfinite_guard=false` is strict-kernels
-without the non-finite guard (its cost is the difference). The trailing key=value arguments apply to every mode;
-run.fingerprints is on unless they say otherwise.
+without the non-finite guard (its cost is the difference), and `+xla=FLAG` starts that mode's worker with an XLA
+flag (`strict-kernels+xla=--xla_gpu_graph_min_graph_size=1`). Workers never inherit the caller's XLA_FLAGS.
+The trailing key=value arguments apply to every mode; run.fingerprints is on unless they say otherwise.
 Rounds alternate the modes (fastest, strict, ..., fastest, strict, ...) so drift hits all alike. Reported:
 median steady-state step time per mode (warm-up steps dropped; each step synchronised), MFU (detjax.flops),
 peak device memory, and the tax (mode / baseline - 1) x 100 %, the baseline being `fastest` when it runs
@@ -66,11 +67,18 @@ MODES = {
 }
 
 
+def split_mode(mode: str) -> tuple[str, list[str], list[str]]:
+    """A mode's name, its config overrides and its XLA flags (the `xla=FLAG` items after "+")."""
+    name, *items = mode.split("+")
+    flags = [x[4:] for x in items if x.startswith("xla=")]
+    return name, [x for x in items if not x.startswith("xla=")], flags
+
+
 def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
     from detjax import determinism
     from detjax.config import load_config
 
-    name, *extra = mode.split("+")
+    name, extra, _ = split_mode(mode)
     if name == "plain":
         import plain_step
 
@@ -118,13 +126,23 @@ def main() -> int:
     if unknown:
         print(f"error: unknown mode(s) {unknown}; choose from {list(MODES)}", file=sys.stderr)
         return 2
+    if os.environ.get("XLA_FLAGS"):
+        print(
+            f"note: XLA_FLAGS={os.environ['XLA_FLAGS']!r} is not passed to the workers; give a mode its flags "
+            "with +xla=FLAG (e.g. strict-kernels+xla=--xla_gpu_graph_min_graph_size=1)",
+            file=sys.stderr,
+        )
     results: dict[str, list[dict]] = {m: [] for m in modes}
     failed: dict[str, str] = {}  # a mode that fails is reported and dropped; the others still run
     for r in range(a.rounds):
         for mode in modes:
             if mode in failed:
                 continue
+            # each worker starts from no XLA flags: its determinism mode adds its own, and a mode's xla= items
+            # add theirs (an XLA_FLAGS of the caller's environment is not passed on: main says so)
             env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+            if split_mode(mode)[2]:
+                env["XLA_FLAGS"] = " ".join(split_mode(mode)[2])
             cmd = [
                 sys.executable,
                 __file__,
