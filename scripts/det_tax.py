@@ -141,8 +141,9 @@ def main() -> int:
             # each worker starts from no XLA flags: its determinism mode adds its own, and a mode's xla= items
             # add theirs (an XLA_FLAGS of the caller's environment is not passed on: main says so)
             env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-            if split_mode(mode)[2]:
-                env["XLA_FLAGS"] = " ".join(split_mode(mode)[2])
+            flags = split_mode(mode)[2]
+            if flags:
+                env["XLA_FLAGS"] = " ".join(flags)
             cmd = [
                 sys.executable,
                 __file__,
@@ -170,7 +171,7 @@ def main() -> int:
             print(
                 f"round {r} {mode:7s} median {res['median_ms']:.2f} ms  (min {res['min_ms']:.2f}, "
                 f"max {res['max_ms']:.2f}; pipelined {res['pipelined_ms']:.2f} ms; "
-                f"dispatch {res.get('dispatch_ms', float('nan')):.2f} ms; "
+                f"dispatch {res['dispatch_ms']:.2f} ms; "
                 f"first step {res['first_step_s']:.1f} s)",
                 flush=True,
             )

@@ -59,13 +59,17 @@ def _inside(v: jax.Array, m: int, n: int) -> jax.Array:
     return jnp.where((rows < m) & (cols < n), v, 0.0)
 
 
+def _transposed(v: jax.Array, q: jax.Array, scale, t32: bool) -> jax.Array:
+    """q^T for q = quantize(v, scale): q's transpose, or with t32 v's float32 transpose quantized again (the
+    same bytes, since the quantization is elementwise; another shared-memory shuffle)."""
+    return quantize(v.T, scale, q.dtype) if t32 else q.T
+
+
 def _write_tile(v: jax.Array, s_ref, q_ref, qt_ref, amax_ref, t32: bool = False) -> None:
-    """A tile's outputs: v quantized with the scale, its transpose, and the tile's max |v|. t32: the transpose
-    is taken of v in float32 and quantized again (the same bytes, since the quantization is elementwise; another
-    shared-memory shuffle)."""
+    """A tile's outputs: v quantized with the scale, its transpose (`_transposed`), and the tile's max |v|."""
     q = quantize(v, s_ref[0], q_ref.dtype)
     q_ref[...] = q
-    qt_ref[...] = quantize(v.T, s_ref[0], q_ref.dtype) if t32 else q.T
+    qt_ref[...] = _transposed(v, q, s_ref[0], t32)
     amax_ref[...] = jnp.broadcast_to(jnp.max(jnp.abs(v)), (1, 1))
 
 
@@ -200,12 +204,8 @@ def _swiglu_bwd_pair_kernel(g_ref, u_ref, dh_ref, s_ref, q_ref, qt_ref, amax_ref
     qg, qu = quantize(dgate, s_ref[0], q_ref.dtype), quantize(dup, s_ref[0], q_ref.dtype)
     q_ref[:, 0, :] = qg
     q_ref[:, 1, :] = qu
-    if t32:  # as _write_tile's t32
-        qt_ref[0, :, :] = quantize(dgate.T, s_ref[0], q_ref.dtype)
-        qt_ref[1, :, :] = quantize(dup.T, s_ref[0], q_ref.dtype)
-    else:
-        qt_ref[0, :, :] = qg.T
-        qt_ref[1, :, :] = qu.T
+    qt_ref[0, :, :] = _transposed(dgate, qg, s_ref[0], t32)
+    qt_ref[1, :, :] = _transposed(dup, qu, s_ref[0], t32)
     amax_ref[...] = jnp.broadcast_to(jnp.maximum(jnp.max(jnp.abs(dgate)), jnp.max(jnp.abs(dup))), (1, 1))
 
 
