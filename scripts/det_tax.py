@@ -28,8 +28,9 @@ Rounds alternate the modes (fastest, strict, ..., fastest, strict, ...) so drift
 median steady-state step time per mode (warm-up steps dropped; each step synchronised), MFU (detjax.flops),
 peak device memory, and the tax (mode / baseline - 1) x 100 %, the baseline being `fastest` when it runs
 (else the first mode); and the same for the pipelined step time (steps dispatched back to back, as the
-training loop runs them; plain_step.time_steps). A mode that fails is reported with its error and dropped;
-the others still run, and the exit status is then 1.
+training loop runs them; plain_step.time_steps), and the GPU's median SM clock and power draw over each
+mode's timed steps (plain_step.GpuSampler, nvidia-smi; "n/a" without it). A mode that fails is reported with
+its error and dropped; the others still run, and the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -168,11 +169,17 @@ def main() -> int:
                 continue
             res = json.loads(line[0][7:])
             results[mode].append(res)
+            gpu = res.get("gpu")
+            clocks = (
+                f"; SM {gpu['sm_clock_mhz']:.0f} MHz, {gpu['power_w']:.0f} W, max {gpu['temp_c_max']:.0f} C"
+                if gpu
+                else ""
+            )
             print(
                 f"round {r} {mode:7s} median {res['median_ms']:.2f} ms  (min {res['min_ms']:.2f}, "
                 f"max {res['max_ms']:.2f}; pipelined {res['pipelined_ms']:.2f} ms; "
                 f"dispatch {res['dispatch_ms']:.2f} ms; "
-                f"first step {res['first_step_s']:.1f} s)",
+                f"first step {res['first_step_s']:.1f} s{clocks})",
                 flush=True,
             )
     ran = [m for m in modes if m not in failed]
@@ -194,21 +201,24 @@ def main() -> int:
     pbase = statistics.median(x["pipelined_ms"] for x in results[base_mode])
     print(
         f"| mode | median step (ms) | tokens/s | MFU | peak mem (GiB) | tax vs {base_mode} "
-        "| pipelined step (ms) | pipelined MFU | pipelined tax |"
+        "| pipelined step (ms) | pipelined MFU | pipelined tax | SM clock (MHz) | power (W) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode in ran:
         med = statistics.median(x["median_ms"] for x in results[mode])
         pip = statistics.median(x["pipelined_ms"] for x in results[mode])
         tok_s = any_res["tokens_per_step"] / (med / 1e3)
         mfu, pmfu = (flops / (t / 1e3) / PEAK_FLOPS_BF16 for t in (med, pip))
         peak = max((x.get("peak_mem_bytes") or 0) for x in results[mode]) / 2**30
+        gpus = [x["gpu"] for x in results[mode] if x.get("gpu")]
+        clock = f"{statistics.median(g['sm_clock_mhz'] for g in gpus):.0f}" if gpus else "n/a"
+        power = f"{statistics.median(g['power_w'] for g in gpus):.0f}" if gpus else "n/a"
         print(
             f"| {mode} | {med:.2f} | {tok_s:,.0f} | {100 * mfu:.1f} % | {peak:.1f} | {100 * (med / base - 1):+.1f} % "
-            f"| {pip:.2f} | {100 * pmfu:.1f} % | {100 * (pip / pbase - 1):+.1f} % |"
+            f"| {pip:.2f} | {100 * pmfu:.1f} % | {100 * (pip / pbase - 1):+.1f} % | {clock} | {power} |"
         )
     for mode, why in failed.items():
-        print(f"| {mode} | failed: {why} | | | | | | | |")
+        print(f"| {mode} | failed: {why} | | | | | | | | | |")
     return 1 if failed else 0
 
 

@@ -20,10 +20,79 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+SMI_QUERY = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits"]
+
+
+def parse_smi(lines: list[str]) -> dict | None:
+    """nvidia-smi's "clock, power, temperature" CSV lines -> {sm_clock_mhz (median), power_w (median),
+    temp_c_max, samples}; lines that are not three numbers are skipped; None when none is."""
+    rows = []
+    for line in lines:
+        try:
+            rows.append([float(x) for x in line.split(",")])
+        except ValueError:
+            continue
+    rows = [r for r in rows if len(r) == 3]
+    if not rows:
+        return None
+    return {
+        "sm_clock_mhz": statistics.median(r[0] for r in rows),
+        "power_w": statistics.median(r[1] for r in rows),
+        "temp_c_max": max(r[2] for r in rows),
+        "samples": len(rows),
+    }
+
+
+class GpuSampler:
+    """Samples the GPU's SM clock, power draw and temperature (nvidia-smi, one query every `period_s`, from a
+    thread) while the `with` block runs; `.summary` is then parse_smi's dict, or None where nvidia-smi is missing
+    or fails (the CPU). A compute-bound kernel's time follows the SM clock, which the GPU lowers under a high
+    power draw, so two modes' step times are compared knowing their clocks (docs/BENCHMARKS.md session 34).
+    The GPU queried is the first of CUDA_VISIBLE_DEVICES (else GPU 0): the device det_tax's workers use."""
+
+    def __init__(self, period_s: float = 0.25, query: list[str] | None = None) -> None:
+        self.period_s, self.summary = period_s, None
+        self.query = list(query or SMI_QUERY)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        if query is None:
+            self.query += ["-i", visible if visible.isdigit() else "0"]
+        self._lines: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> bool:
+        try:
+            out = subprocess.run(self.query, capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            return False
+        if out.returncode:
+            return False
+        self._lines += out.stdout.splitlines()
+        return True
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._sample():
+                return
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> GpuSampler:
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.summary = parse_smi(self._lines)
 
 
 def build(cfg, attention: str = "cudnn"):
@@ -153,7 +222,8 @@ def time_steps(run, state, batches: list, steps: int, warmup: int, windows: int 
       its end; the median of the windows' per-step means. The host dispatches step t+1 while the device runs
       step t, as in detjax.train's loop (which reads step t-1's metrics after queueing step t) and in a plain
       training loop that does not fetch its loss every step.
-    The first call (compilation) is timed alone as `first_step_s`. Returns (the timing fields, the last step's
+    The first call (compilation) is timed alone as `first_step_s`. `gpu`: GpuSampler's summary over the timed
+    steps (warm-up included; None on a machine without nvidia-smi). Returns (the timing fields, the last step's
     output)."""
     import jax
 
@@ -161,24 +231,24 @@ def time_steps(run, state, batches: list, steps: int, warmup: int, windows: int 
     state, out = run(state, batches[0])
     jax.block_until_ready((state, out))
     compile_s = time.perf_counter() - t0
-    times, dispatch, i = [], [], 1
-    for n in range(warmup + steps - 1):
-        t0 = time.perf_counter()
-        state, out = run(state, batches[i % len(batches)])
-        t1 = time.perf_counter()
-        jax.block_until_ready((state, out))
-        i += 1
-        if n >= warmup - 1:
-            times.append(time.perf_counter() - t0)
-            dispatch.append(t1 - t0)
-    means = []
-    for _ in range(windows):
-        t0 = time.perf_counter()
-        for _ in range(steps):
+    times, dispatch, means, i = [], [], [], 1
+    with GpuSampler() as gpu:
+        for n in range(warmup + steps - 1):
+            t0 = time.perf_counter()
             state, out = run(state, batches[i % len(batches)])
+            t1 = time.perf_counter()
+            jax.block_until_ready((state, out))
             i += 1
-        jax.block_until_ready((state, out))
-        means.append((time.perf_counter() - t0) / steps)
+            if n >= warmup - 1:
+                times.append(time.perf_counter() - t0)
+                dispatch.append(t1 - t0)
+        for _ in range(windows):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state, out = run(state, batches[i % len(batches)])
+                i += 1
+            jax.block_until_ready((state, out))
+            means.append((time.perf_counter() - t0) / steps)
     return {
         "median_ms": 1e3 * statistics.median(times),
         "min_ms": 1e3 * min(times),
@@ -186,6 +256,7 @@ def time_steps(run, state, batches: list, steps: int, warmup: int, windows: int 
         "pipelined_ms": 1e3 * statistics.median(means),
         "dispatch_ms": 1e3 * statistics.median(dispatch),
         "first_step_s": compile_s,
+        "gpu": gpu.summary,
     }, out
 
 

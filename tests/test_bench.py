@@ -1,0 +1,70 @@
+"""The benchmark scripts' measurement helpers (scripts/plain_step.py, which det_tax's workers use): the GPU
+clock sampler and the step timer. The GPU's own figures come from the H200 (docs/BENCHMARKS.md); here the
+sampler runs a stand-in query command, since the CPU machine has no nvidia-smi."""
+
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import plain_step  # noqa: E402
+
+
+def test_parse_smi_medians_and_skips():
+    lines = ["1980, 650.5, 60", "[N/A], 120.0, 41", "1755, 699.9, 63", "", "1800, 680.0, 62", "1, 2"]
+    s = plain_step.parse_smi(lines)
+    assert s == {"sm_clock_mhz": 1800.0, "power_w": 680.0, "temp_c_max": 63.0, "samples": 3}
+    assert plain_step.parse_smi(["[N/A], [N/A], [N/A]", "garbage"]) is None
+    assert plain_step.parse_smi([]) is None
+
+
+def _query(body: str) -> list[str]:
+    return [sys.executable, "-c", body]
+
+
+def test_sampler_collects_while_open():
+    with plain_step.GpuSampler(period_s=0.01, query=_query("print('1500, 300.5, 55')")) as g:
+        for _ in range(100):  # a few samples, then leave the block
+            if len(g._lines) >= 3:
+                break
+            time.sleep(0.05)
+    assert g.summary is not None and g.summary["samples"] >= 3
+    assert (g.summary["sm_clock_mhz"], g.summary["power_w"], g.summary["temp_c_max"]) == (1500.0, 300.5, 55.0)
+    n = g.summary["samples"]
+    time.sleep(0.1)
+    assert len(g._lines) == n  # the thread stopped with the block
+
+
+@pytest.mark.parametrize(
+    "query",
+    [["/nonexistent/nvidia-smi-missing"], _query("import sys; sys.exit(9)"), _query("print('no numbers here')")],
+    ids=["missing", "fails", "unparsable"],
+)
+def test_sampler_without_a_gpu_reports_none(query):
+    with plain_step.GpuSampler(period_s=0.01, query=query) as g:
+        pass
+    assert g.summary is None
+
+
+def test_time_steps_fields_on_cpu():
+    """The timer's fields for a tiny function: three step times, the dispatch time, the pipelined windows, and
+    `gpu` None on a machine without nvidia-smi (the CPU CI machine)."""
+
+    @jax.jit
+    def run(state, batch):
+        return state + batch, jnp.sum(state)
+
+    batches = [jnp.full((8,), float(i)) for i in range(3)]
+    timing, out = plain_step.time_steps(run, jnp.zeros(8), batches, steps=3, warmup=2, windows=2)
+    assert set(timing) == {"median_ms", "min_ms", "max_ms", "pipelined_ms", "dispatch_ms", "first_step_s", "gpu"}
+    assert 0 <= timing["min_ms"] <= timing["median_ms"] <= timing["max_ms"]
+    assert timing["dispatch_ms"] >= 0 and timing["pipelined_ms"] > 0
+    if jax.default_backend() == "cpu":
+        assert timing["gpu"] is None or timing["gpu"]["samples"] >= 1
+    # 1 compile call + (warmup + steps - 1) synced + windows x steps pipelined: 11 calls on batches 0, 1, 2, 0, ...;
+    # the last call's output sums the state before its own add
+    assert float(out) == 8 * sum(float(batches[i % 3][0]) for i in range(10))
