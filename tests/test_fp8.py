@@ -550,7 +550,8 @@ def test_fused_swiglu_mlp_is_exact_and_its_amaxes_are_the_products():
     # the weights quantized beforehand, as the step's compute copies hold them on the Mosaic path
     # (fp8.weight_copy there): the changed token's run reads them, and its dx rows of the other tokens agree
     copies = tuple(
-        fp8._quantize_padded(w, s[1], e4, *fp8._mosaic_pads(1, *w.shape)[1:]) for w, s in ((w_gu, s_gu), (w_dn, s_dn))
+        (*fp8._quantize_padded(w, s[1], e4, *fp8._mosaic_pads(1, *w.shape)[1:]), fp8.dequant_factors(s))
+        for w, s in ((w_gu, s_gu), (w_dn, s_dn))
     )
     got2 = fused(x2, copies)
     assert not _same(got2[1][1], got[1][1]) and not _same(got2[1][2], got[1][2]), "negative control"

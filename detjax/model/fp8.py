@@ -56,6 +56,21 @@ def _amax(v: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(v.astype(jnp.float32)))
 
 
+def dequant_factors(scale_3: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The products' dequantizing factors from a scale set (s_x, s_w, s_g): forward 1 / (s_x s_w), dx
+    1 / (s_g s_w), dw 1 / (s_x s_g), float32 scalars. A weight copy (weight_copy, grouped_weight_copy) carries
+    them, so a step that makes its copies once before the microbatch loop computes them once too. Otherwise
+    each product and microbatch would compute them in a tiny kernel of its own, because the products are
+    custom calls and XLA cannot fuse the scalars into them. The same operations on the same values, so the
+    same bits."""
+    return 1.0 / (scale_3[0] * scale_3[1]), 1.0 / (scale_3[2] * scale_3[1]), 1.0 / (scale_3[0] * scale_3[2])
+
+
+def _factors(wq, scale_3) -> tuple:
+    """A product's dequantizing factors: its weight copy's, else computed here (dequant_factors)."""
+    return wq[3] if wq is not None else dequant_factors(scale_3)
+
+
 def _qdot(a, b, kind: str, kernels: str, inv_scale: jax.Array, out_dtype) -> jax.Array:
     """(fp32 product of fp8 operands: fwd a @ b, dx a @ b^T, dw a^T @ b) * inv_scale, rounded to out_dtype."""
     if kernels == "pallas":
@@ -124,18 +139,23 @@ def fp8_matmul(
 
 def weight_copy(w_KN: jax.Array, scale_3: jax.Array, kernels: str) -> tuple:
     """What fp8_matmul's products read of a weight w (k, n) (its float32 master, or the masters fused along n
-    as the product fuses them): (w8, w8^T, amax |w|) on the Mosaic path, both zero-padded to the products'
-    tiles, else (w8, None, amax |w|). The step makes these once per step, before its microbatch loop
-    (detjax.step.Trainer.compute_copies; fp8_matmul_copy reads them): the weight and its scale are the same
-    in every microbatch, so they are the same bytes the product would make at each use."""
+    as the product fuses them): (w8, w8^T, amax |w|, dequant_factors) on the Mosaic path, w8 and w8^T
+    zero-padded to the products' tiles, else (w8, None, amax |w|, dequant_factors). The step makes these once
+    per step, before its microbatch loop (detjax.step.Trainer.compute_copies; fp8_matmul_copy reads them): the
+    weight and its scale are the same in every microbatch, so they are the same bytes the product would make
+    at each use."""
     if _mosaic_path(w_KN, kernels):
         k, n = w_KN.shape
         _, pk, pn = _mosaic_pads(k, k, n)  # the weight's pads do not depend on the token count
-        return _quantize_padded(w_KN, scale_3[1], E4M3, pk, pn)
-    return _quantize(w_KN, scale_3[1], E4M3), None, _amax(w_KN)
+        return (*_quantize_padded(w_KN, scale_3[1], E4M3, pk, pn), dequant_factors(scale_3))
+    return _quantize(w_KN, scale_3[1], E4M3), None, _amax(w_KN), dequant_factors(scale_3)
 
 
 def _check_copy(w_KN, wq, mosaic: bool) -> None:
+    if len(wq) != 4:
+        raise ValueError(
+            f"fp8 weight copy has {len(wq)} parts, not 4 (w8, w8^T, amax, dequant_factors: fp8.weight_copy)"
+        )
     if (wq[1] is not None) != mosaic or wq[0].shape[0] < w_KN.shape[0] or wq[0].shape[1] < w_KN.shape[1]:
         raise ValueError(f"fp8 weight copy {wq[0].shape} does not fit the weight {w_KN.shape} (fp8.weight_copy)")
 
@@ -168,29 +188,28 @@ def _widened(y: jax.Array, widen: bool) -> jax.Array:
 
 
 def _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, widen=False, wq=None):
-    inv = 1.0 / (scale_3[0] * scale_3[1])
+    inv = _factors(wq, scale_3)
     if _mosaic_path(w_KN, kernels):  # fp8 wgmma: every product as a @ b^T, transposed copies made while quantizing
         from detjax.pallas_kernels.matmul.kernel import fp8_nt
 
         (m, k), n = x_MK.shape, w_KN.shape[1]
         pm, pk, pn = _mosaic_pads(m, k, n)
         x8, x8_KM, amax_x = _quantize_padded(x_MK, scale_3[0], E4M3, pm, pk)
-        w8, w8_NK, amax_w = wq if wq is not None else _quantize_padded(w_KN, scale_3[1], E4M3, pk, pn)
-        y = fp8_nt(x8, w8_NK, inv, out_dtype=out_dtype, r_chunk=0, interpret=_interpret())
+        w8, w8_NK, amax_w = wq[:3] if wq is not None else _quantize_padded(w_KN, scale_3[1], E4M3, pk, pn)
+        y = fp8_nt(x8, w8_NK, inv[0], out_dtype=out_dtype, r_chunk=0, interpret=_interpret())
         kn = jnp.zeros((k, n, 0), jnp.int8)  # the weight's unpadded shape, for the backward (no data)
-        return _widened(y[:m, :n], widen), (x8_KM, w8, scale_3, amax_x, amax_w, kn)
+        return _widened(y[:m, :n], widen), (x8_KM, w8, scale_3, amax_x, amax_w, kn, inv)
     x8 = _quantize(x_MK, scale_3[0], E4M3)
-    w8, _, amax_w = wq if wq is not None else (_quantize(w_KN, scale_3[1], E4M3), None, _amax(w_KN))
-    y = _qdot(x8, w8, "fwd", kernels, inv, out_dtype)
-    return _widened(y, widen), (x8, w8, scale_3, _amax(x_MK), amax_w, None)
+    w8, _, amax_w = wq[:3] if wq is not None else (_quantize(w_KN, scale_3[1], E4M3), None, _amax(w_KN))
+    y = _qdot(x8, w8, "fwd", kernels, inv[0], out_dtype)
+    return _widened(y, widen), (x8, w8, scale_3, _amax(x_MK), amax_w, None, inv)
 
 
 def _bwd(out_dtype, kernels, widen, res, dy_MN):
     """dx in the compute dtype (x arrives in it, as out_dtype), dw in float32 (the master's dtype). With
     `widen` dy comes in float32 and is rounded to out_dtype first (in the quantization kernel on the Mosaic
     path)."""
-    x8, w8, scale_3, amax_x, amax_w, kn = res
-    inv_dx, inv_dw = 1.0 / (scale_3[2] * scale_3[1]), 1.0 / (scale_3[0] * scale_3[2])
+    x8, w8, scale_3, amax_x, amax_w, kn, (_, inv_dx, inv_dw) = res
     if kn is not None:  # the Mosaic path: x8 is x8^T (K, M) and w8 (K, N), both padded; kn has (K, N)
         (m, n), k = dy_MN.shape, kn.shape[0]
         pm, _, pn = _mosaic_pads(m, k, n)
@@ -257,24 +276,23 @@ def _head_ce_fwd(x_MK, w_KN, wq, scale_3, targets_M, out_dtype, kernels):
     x8, x8_KM, amax_x = _quantize_padded(x_MK, scale_3[0], E4M3, pm, pk)
     if wq is not None:
         _check_copy(w_KN, wq, True)
-    w8, w8_NK, amax_w = wq if wq is not None else _quantize_padded(w_KN, scale_3[1], E4M3, pk, pn)
-    inv = 1.0 / (scale_3[0] * scale_3[1])
-    logits = fp8_nt(x8, w8_NK, inv, out_dtype=out_dtype, r_chunk=0, interpret=_interpret())[:m, :n]
+    w8, w8_NK, amax_w = wq[:3] if wq is not None else _quantize_padded(w_KN, scale_3[1], E4M3, pk, pn)
+    inv = _factors(wq, scale_3)
+    logits = fp8_nt(x8, w8_NK, inv[0], out_dtype=out_dtype, r_chunk=0, interpret=_interpret())[:m, :n]
     ce, lse = token_ce(logits.astype(jnp.float32), targets_M)
     kn = jnp.zeros((k, n, 0), jnp.int8)  # the weight's unpadded shape, for the backward (no data)
-    return ce, (x8_KM, w8, scale_3, amax_x, amax_w, logits, lse, targets_M, kn, wq)
+    return ce, (x8_KM, w8, scale_3, amax_x, amax_w, logits, lse, targets_M, kn, wq, inv)
 
 
 def _head_ce_bwd(out_dtype, kernels, res, dce_M):
     from detjax.pallas_kernels.matmul.quantize import ce_grad_quantize_transposed
 
-    x8_KM, w8, scale_3, amax_x, amax_w, logits, lse, targets_M, kn, wq = res
+    x8_KM, w8, scale_3, amax_x, amax_w, logits, lse, targets_M, kn, wq, (_, inv_dx, inv_dw) = res
     (m, n), k = logits.shape, kn.shape[0]
     pm, _, pn = _mosaic_pads(m, k, n)
     g8, g8_NM, amax_g = ce_grad_quantize_transposed(
         logits, lse, targets_M, dce_M, scale_3[2], dtype=E5M2, interpret=_interpret(), rows_to=pm, cols_to=pn
     )
-    inv_dx, inv_dw = 1.0 / (scale_3[2] * scale_3[1]), 1.0 / (scale_3[0] * scale_3[2])
     dx, dw = _mosaic_grads(g8, g8_NM, x8_KM, w8, (m, k, n), inv_dx, inv_dw, out_dtype)
     d_wq = None if wq is None else jax.tree.map(jnp.zeros_like, wq)  # the copy is a constant of the step
     return dx, dw, d_wq, jnp.stack([amax_x, amax_w, amax_g]), None
@@ -327,35 +345,38 @@ def _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, copies, out_dtype, w
     if copies is not None:
         _check_copy(w_gu_KN, copies[0], True)
         _check_copy(w_down_FK, copies[1], True)
-    w8, w8_NK, amax_w = copies[0] if copies is not None else _quantize_padded(w_gu_KN, s_gu_3[1], E4M3, pk, pn)
-    y = fp8_nt(x8, w8_NK, 1.0 / (s_gu_3[0] * s_gu_3[1]), out_dtype=out_dtype, r_chunk=0, interpret=interp)
+    w8, w8_NK, amax_w = copies[0][:3] if copies is not None else _quantize_padded(w_gu_KN, s_gu_3[1], E4M3, pk, pn)
+    inv_gu = _factors(None if copies is None else copies[0], s_gu_3)
+    y = fp8_nt(x8, w8_NK, inv_gu[0], out_dtype=out_dtype, r_chunk=0, interpret=interp)
     h8, h8_FM, amax_h = swiglu_quantize_transposed(y, s_down_3[0], dtype=E4M3, interpret=interp)
     _, pf, pd = _mosaic_pads(m, f2 // 2, k)
-    wd8, wd8_NK, amax_wd = copies[1] if copies is not None else _quantize_padded(w_down_FK, s_down_3[1], E4M3, pf, pd)
-    out = fp8_nt(h8, wd8_NK, 1.0 / (s_down_3[0] * s_down_3[1]), out_dtype=out_dtype, r_chunk=0, interpret=interp)
+    wd8, wd8_NK, amax_wd = (
+        copies[1][:3] if copies is not None else _quantize_padded(w_down_FK, s_down_3[1], E4M3, pf, pd)
+    )
+    inv_dn = _factors(None if copies is None else copies[1], s_down_3)
+    out = fp8_nt(h8, wd8_NK, inv_dn[0], out_dtype=out_dtype, r_chunk=0, interpret=interp)
     zero = jax.tree.map(jnp.zeros_like, copies)  # the copies' cotangent: they are constants of the step
-    return _widened(out, widen), (x8_KM, w8, y, h8_FM, wd8, s_gu_3, s_down_3, amax_x, amax_w, amax_h, amax_wd, zero)
+    res = (x8_KM, w8, y, h8_FM, wd8, s_gu_3, s_down_3, amax_x, amax_w, amax_h, amax_wd, zero, inv_gu, inv_dn)
+    return _widened(out, widen), res
 
 
 def _swiglu_bwd(out_dtype, widen, res, dout_MK):
     from detjax.pallas_kernels.matmul.kernel import dw_row_chunk, fp8_nt
     from detjax.pallas_kernels.matmul.quantize import swiglu_bwd_quantize_transposed
 
-    x8_KM, w8, y, h8_FM, wd8, s_gu, s_dn, amax_x, amax_w, amax_h, amax_wd, zero = res
+    x8_KM, w8, y, h8_FM, wd8, s_gu, s_dn, amax_x, amax_w, amax_h, amax_wd, zero, inv_gu, inv_dn = res
     (m, k), f = dout_MK.shape, y.shape[1] // 2
     interp = _interpret()
     pm, _, pd = _mosaic_pads(m, f, k)
     g8, g8_KM, amax_g = _quantize_padded(dout_MK, s_dn[2], E5M2, pm, pd, out_dtype if widen else None)
-    dh = fp8_nt(g8, wd8, 1.0 / (s_dn[2] * s_dn[1]), out_dtype=out_dtype, r_chunk=0, interpret=interp)
-    dw_down = fp8_nt(
-        h8_FM, g8_KM, 1.0 / (s_dn[0] * s_dn[2]), out_dtype=jnp.float32, r_chunk=dw_row_chunk(f, k), interpret=interp
-    )
+    dh = fp8_nt(g8, wd8, inv_dn[1], out_dtype=out_dtype, r_chunk=0, interpret=interp)
+    dw_down = fp8_nt(h8_FM, g8_KM, inv_dn[2], out_dtype=jnp.float32, r_chunk=dw_row_chunk(f, k), interpret=interp)
     dy8, dy8_NM, amax_dy = swiglu_bwd_quantize_transposed(y, dh, s_gu[2], dtype=E5M2, interpret=interp)
-    dx = fp8_nt(dy8, w8, 1.0 / (s_gu[2] * s_gu[1]), out_dtype=out_dtype, r_chunk=0, interpret=interp)
+    dx = fp8_nt(dy8, w8, inv_gu[1], out_dtype=out_dtype, r_chunk=0, interpret=interp)
     dw_gu = fp8_nt(
         x8_KM,
         dy8_NM,
-        1.0 / (s_gu[0] * s_gu[2]),
+        inv_gu[2],
         out_dtype=jnp.float32,
         r_chunk=dw_row_chunk(k, 2 * f),
         interpret=interp,
@@ -437,9 +458,11 @@ def _tgmm(a, b, gs, kernels, n_groups: int):
 def grouped_weight_copy(w_EKN: jax.Array, scale_3: jax.Array, kernels: str) -> tuple:
     """What fp8_grouped_matmul's products read of an expert stack w (E, K, N): (w8, w8 with K and N swapped on
     the Mosaic path else None, amax |w|) -- made once per step by the trainer (Trainer.compute_copies), the
-    same bytes the products would make at each use (fp8_grouped_matmul_copy reads them)."""
+    same bytes the products would make at each use (fp8_grouped_matmul_copy reads them); and, as weight_copy,
+    the dequant_factors of the scale set."""
     w8 = _quantize(w_EKN, scale_3[1], E4M3)
-    return w8, (jnp.swapaxes(w8, 1, 2) if _grouped_mosaic(w_EKN, kernels) else None), _amax(w_EKN)
+    w8_T = jnp.swapaxes(w8, 1, 2) if _grouped_mosaic(w_EKN, kernels) else None
+    return w8, w8_T, _amax(w_EKN), dequant_factors(scale_3)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -451,6 +474,8 @@ def fp8_grouped_matmul_copy(x_RK, w_EKN, gs_E, scale_3, wq, kernels: str, x_dtyp
 
 
 def _check_grouped_copy(w_EKN, wq, kernels: str) -> None:
+    if len(wq) != 4:
+        raise ValueError(f"fp8 expert weight copy has {len(wq)} parts, not 4 (fp8.grouped_weight_copy)")
     if (wq[1] is not None) != _grouped_mosaic(w_EKN, kernels) or wq[0].shape != w_EKN.shape:
         raise ValueError(f"fp8 expert weight copy {wq[0].shape} does not fit {w_EKN.shape} (grouped_weight_copy)")
 
@@ -475,18 +500,18 @@ def _gfwd(x_RK, w_EKN, gs_E, scale_3, kernels, x_dtype, wq=None):
         wq = grouped_weight_copy(w_EKN, scale_3, kernels)
     if _grouped_mosaic(w_EKN, kernels):
         return _gfwd_mosaic(x_RK, wq, gs_E, scale_3)
-    x8, (w8, _, amax_w) = _quantize(x_RK, scale_3[0], E4M3), wq
-    y = _gmm(x8, w8, gs_E, kernels) * (1.0 / (scale_3[0] * scale_3[1]))
-    return y, (x8, w8, gs_E, scale_3, _amax(x_RK), amax_w)
+    x8, (w8, _, amax_w, inv) = _quantize(x_RK, scale_3[0], E4M3), wq
+    y = _gmm(x8, w8, gs_E, kernels) * inv[0]
+    return y, (x8, w8, gs_E, scale_3, _amax(x_RK), amax_w, inv)
 
 
 def _gbwd(kernels, x_dtype, res, dy_RN):
     if len(res) == 4:  # the Mosaic path's residuals
         return _gbwd_mosaic(kernels, x_dtype, res, dy_RN)
-    x8, w8, gs_E, scale_3, amax_x, amax_w = res
+    x8, w8, gs_E, scale_3, amax_x, amax_w, (_, inv_dx, inv_dw) = res
     g8 = _quantize(dy_RN, scale_3[2], E5M2)
-    dx = (_gmm(g8, jnp.swapaxes(w8, 1, 2), gs_E, kernels) * (1.0 / (scale_3[2] * scale_3[1]))).astype(x_dtype)
-    dw = _tgmm(x8, g8, gs_E, kernels, w8.shape[0]) * (1.0 / (scale_3[0] * scale_3[2]))
+    dx = (_gmm(g8, jnp.swapaxes(w8, 1, 2), gs_E, kernels) * inv_dx).astype(x_dtype)
+    dw = _tgmm(x8, g8, gs_E, kernels, w8.shape[0]) * inv_dw
     return dx, dw, None, jnp.stack([amax_x, amax_w, _amax(dy_RN)])
 
 
@@ -495,22 +520,20 @@ def _gfwd_mosaic(x_RK, wq, gs_E, scale_3):
     each row tile times its expert's w^T copy, the dequantizing scale in the epilogue, the rows copied out."""
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
 
-    w8, w8_ENK, amax_w = wq
+    w8, w8_ENK, amax_w, inv = wq
     gm = gmosaic.GROUP_ROWS
     lay = gmosaic.padded_layout(gs_E, x_RK.shape[0])
     x8, x8_KP, amax_x = _quantize_padded(gmosaic.to_padded(x_RK, lay), scale_3[0], E4M3, gm, gm)
-    inv = 1.0 / (scale_3[0] * scale_3[1])
-    y = gmosaic.grouped_nt(x8, w8_ENK, lay, inv, out_dtype=jnp.float32, interpret=_interpret())
-    return gmosaic.from_padded(y, lay), (x8_KP, w8, lay, (scale_3, amax_x, amax_w))
+    y = gmosaic.grouped_nt(x8, w8_ENK, lay, inv[0], out_dtype=jnp.float32, interpret=_interpret())
+    return gmosaic.from_padded(y, lay), (x8_KP, w8, lay, (scale_3, amax_x, amax_w, inv))
 
 
 def _gbwd_mosaic(kernels, x_dtype, res, dy_RN):
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
 
-    x8_KP, w8, lay, (scale_3, amax_x, amax_w) = res
+    x8_KP, w8, lay, (scale_3, amax_x, amax_w, (_, inv_dx, inv_dw)) = res
     gm = gmosaic.GROUP_ROWS
     g8, g8_NP, amax_g = _quantize_padded(gmosaic.to_padded(dy_RN, lay), scale_3[2], E5M2, gm, gmosaic.BLOCK)
-    inv_dx, inv_dw = 1.0 / (scale_3[2] * scale_3[1]), 1.0 / (scale_3[0] * scale_3[2])
     dx = gmosaic.grouped_nt(g8, w8, lay, inv_dx, out_dtype=x_dtype, interpret=_interpret())
     dw = gmosaic.grouped_tnt(x8_KP, g8_NP, lay, inv_dw, interpret=_interpret())
     return gmosaic.from_padded(dx, lay), dw, None, jnp.stack([amax_x, amax_w, amax_g])
@@ -591,10 +614,9 @@ def _rope_fwd(x_MK, w_KN, wq, scale_3, shape, theta, out_dtype, kernels):
 def _rope_bwd(shape, theta, out_dtype, kernels, res, cts):
     from detjax.pallas_kernels.rope.ops import rope_cotangent_quantized
 
-    (x8_KM, w8, scale_3, amax_x, amax_w, kn), d_wq = res
+    (x8_KM, w8, scale_3, amax_x, amax_w, kn, (_, inv_dx, inv_dw)), d_wq = res
     m, (k, n) = shape[0] * shape[1], kn.shape[:2]
     g8, g8_NM, amax_g = rope_cotangent_quantized(cts, shape, theta, scale_3[2], E5M2)
-    inv_dx, inv_dw = 1.0 / (scale_3[2] * scale_3[1]), 1.0 / (scale_3[0] * scale_3[2])
     dx, dw = _mosaic_grads(g8, g8_NM, x8_KM, w8, (m, k, n), inv_dx, inv_dw, out_dtype)
     return dx, dw, d_wq, jnp.stack([amax_x, amax_w, amax_g])
 
