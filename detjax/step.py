@@ -299,12 +299,17 @@ class Trainer:
     ):
         """Gradient sums and loss-term sums over the microbatches, in index order (a fixed sequential order).
 
-        micro_fn(params, tokens, key, accumulated grads) -> (grads, terms, extras) per microbatch (default:
-        the gradient of micro_objective; its extras are the fp8 amaxes when fp8_scales are given -- the
-        "gradient" with respect to the scales, detjax.model.fp8 -- else none); extras come back stacked along
-        the microbatch axis."""
+        micro_fn(params, tokens, key, accumulated grads) -> (grads, terms, extras) per microbatch; extras come
+        back stacked along the microbatch axis. The default is the gradient of micro_objective, whose extras
+        are the fp8 amaxes when fp8_scales are given (the "gradient" with respect to the scales,
+        detjax.model.fp8), else none. Those come back as their maximum over the microbatches, kept as a running
+        maximum in the loop's carry. A maximum is exact in any order, and the amaxes are >= 0 or NaN, so this
+        gives the bytes of the stacked amaxes' maximum. It saves the stacking's write per projection and
+        microbatch: on the GPU, a small kernel of its own each. gpu_dense's fp8 profile has 260 such
+        dynamic-update-slice kernels a step, for 65 projections x 4 microbatches (docs/BENCHMARKS.md session 34)."""
 
         compute = self.compute_copies(params, fp8_scales) if micro_fn is None else None
+        running_max = micro_fn is None and fp8_scales is not None
 
         def plain(params, tokens, key, g_acc):
             if fp8_scales is not None:
@@ -317,16 +322,22 @@ class Trainer:
         fn = micro_fn or plain
 
         def body(carry, xs):
-            g_acc, sums = carry
+            g_acc, sums, *amax = carry
             tokens, i = xs
             g, terms, extras = fn(params, tokens, jax.random.fold_in(step_key, i), g_acc)
             with jax.named_scope("grad_accumulate"):
                 new_acc = jax.tree.map(jnp.add, g_acc, g)
-            return (new_acc, jax.tree.map(jnp.add, sums, terms)), extras
+            carry = (new_acc, jax.tree.map(jnp.add, sums, terms))
+            if running_max:
+                return (*carry, jax.tree.map(jnp.maximum, amax[0], extras)), ()
+            return carry, extras
 
         zeros = (jax.tree.map(jnp.zeros_like, params), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())))
+        if running_max:  # every amax is >= 0 (or NaN, which maximum keeps), so 0 is the maximum's identity
+            zeros = (*zeros, jax.tree.map(jnp.zeros_like, fp8_scales))
         n = micro_tokens.shape[0]
-        return jax.lax.scan(body, zeros, (micro_tokens, jnp.arange(n)))
+        (g_sum, sums, *amax), extras = jax.lax.scan(body, zeros, (micro_tokens, jnp.arange(n)))
+        return (g_sum, sums), (amax[0] if running_max else extras)
 
     def pipeline_fns(self) -> pipeline.StageFns:
         """The model pieces a pipeline stage runs (detjax.sharding.pipeline takes functions, not models)."""
@@ -582,8 +593,8 @@ class Trainer:
                 batch_axes=self.batch_axes(),
                 fp8_scales=self.fp8_scales(state),
             )
-        (g_sum, sums), amax_n = self.accumulate(state.params, micro_tokens, step_key, fp8_scales=self.fp8_scales(state))
-        return g_sum, sums, jax.tree.map(lambda a: jnp.max(a, axis=0), amax_n) if self.fp8 else None
+        (g_sum, sums), amax = self.accumulate(state.params, micro_tokens, step_key, fp8_scales=self.fp8_scales(state))
+        return g_sum, sums, amax if self.fp8 else None
 
     def finish(self, state: TrainState, g_sum: Any, sums: Any, update_fn: Callable | None = None):
         """Scale the gradient sums, apply the optimizer; -> (new state, grads, updates, losses).

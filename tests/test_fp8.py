@@ -178,6 +178,31 @@ def test_fp8_grouped_mosaic_is_row_and_group_invariant_and_replays_on_gpu():
     assert not _same(grown[2][0], base[2][0])
 
 
+def test_step_amax_is_the_microbatches_maximum(tiny_path):
+    """Trainer.grad_sums' amaxes (a running maximum in the microbatch loop's carry) are byte-equal to the maximum
+    over the microbatches' own amaxes, each microbatch's taken alone from micro_objective's gradient with respect
+    to the scales. The two microbatches' amaxes differ, so neither one microbatch's amax nor their sum would
+    pass (checked)."""
+    over = ["model.fp8.enabled=true", "model.pattern='*-'", "model.mtp.depth=0", "model.dropout=0"]
+    cfg = load_config(tiny_path, [*over, "train.global_batch=4", "train.micro_batch=2", "train.seq_len=16"])
+    trainer = Trainer(cfg)
+    state = jax.jit(trainer.init_state)(jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(1), (4, 17), 0, cfg.model.vocab_size)
+    micro, key = trainer.micro_tokens(batch), jax.random.key(5)
+    _, _, amax = jax.jit(trainer.grad_sums)(state, micro, key)
+    grad = jax.jit(jax.grad(trainer.micro_objective, argnums=3, has_aux=True))
+    scales = trainer.fp8_scales(state)
+    each = [grad(state.params, micro[i], jax.random.fold_in(key, i), scales)[0] for i in range(micro.shape[0])]
+    want = jax.tree.map(jnp.maximum, *each)
+    for a, b in zip(jax.tree.leaves(amax), jax.tree.leaves(want), strict=True):
+        assert _same(a, b)
+    firsts, lasts = jax.tree.leaves(each[0]), jax.tree.leaves(each[1])
+    assert any(not _same(a, b) for a, b in zip(jax.tree.leaves(amax), firsts, strict=True))
+    assert any(not _same(a, b) for a, b in zip(jax.tree.leaves(amax), lasts, strict=True))
+    sums = jax.tree.leaves(jax.tree.map(jnp.add, *each))
+    assert any(not _same(a, b) for a, b in zip(jax.tree.leaves(amax), sums, strict=True))
+
+
 def _copies_case(tiny_path, overrides):
     """A one-microbatch fp8 setup for the compute-copies tests: (trainer, state, scales, copies_of, grads), with
     copies_of(scales) the step's copies and grads(compute) the microbatch's loss terms, gradients and amaxes
