@@ -203,6 +203,28 @@ def test_step_amax_is_the_microbatches_maximum(tiny_path):
     assert any(not _same(a, b) for a, b in zip(jax.tree.leaves(amax), sums, strict=True))
 
 
+def test_microbatch_loop_has_no_per_microbatch_scale_work(tiny_path):
+    """With the step's weight copies (model.kernels=pallas), the microbatch loop holds no scalar division: each
+    product's dequantizing factors come with its weight copy, made once per step (fp8.dequant_factors). The
+    loop stacks no outputs: the amaxes' maximum is carried (Trainer.accumulate). On the GPU each of these was
+    a small kernel per product and microbatch. Checked in the jaxpr, so the same on every backend; 1e87047's
+    step had 30 scalar divisions in this loop and stacked the amaxes."""
+    from detjax.jaxprs import iter_eqns
+
+    over = ["model.pattern='*-E'", "model.mtp.depth=0", "model.kernels=pallas", "determinism.strategy=kernels"]
+    cfg = load_config(tiny_path, [*over, "model.fp8.enabled=true", "model.fp8.lm_head=true"])
+    trainer = Trainer(cfg)
+    state = jax.eval_shape(trainer.init_state, jax.random.key(0))
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32)
+    step = jax.make_jaxpr(trainer.train_step)(state, batch)
+    (loop,) = [e for e in iter_eqns(step, skip=("pallas_call",)) if e.primitive.name == "scan"]
+    body = list(iter_eqns(loop.params["jaxpr"], skip=("pallas_call",)))
+    assert any(e.primitive.name == "pallas_call" for e in body)  # the products are in the loop
+    assert not [e for e in body if e.primitive.name == "div" and e.outvars[0].aval.shape == ()]
+    stacked = [v for v in loop.outvars if v.aval.shape == (loop.params["length"], 3)]
+    assert not stacked  # no (microbatches, 3) stack of the amaxes
+
+
 def _copies_case(tiny_path, overrides):
     """A one-microbatch fp8 setup for the compute-copies tests: (trainer, state, scales, copies_of, grads), with
     copies_of(scales) the step's copies and grads(compute) the microbatch's loss terms, gradients and amaxes
