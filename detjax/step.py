@@ -57,6 +57,21 @@ def _dict_path(path: tuple) -> tuple[str, ...]:
     return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
 
 
+def _packed(tree: Any) -> jax.Array:
+    """A tree's leaves raveled into one vector, in leaf order (_unpacked inverts it)."""
+    return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
+
+
+def _unpacked(vec: jax.Array, like: Any) -> Any:
+    """The tree of `like`'s structure and leaf shapes read from `vec` (_packed's layout)."""
+    leaves, treedef = jax.tree.flatten(like)
+    out, at = [], 0
+    for x in leaves:
+        out.append(vec[at : at + x.size].reshape(x.shape))
+        at += x.size
+    return jax.tree.unflatten(treedef, out)
+
+
 def leaf_square_sums(tree: Any) -> list[jax.Array]:
     """Each leaf's sum of squares (float32), in pytree order."""
     return [jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(tree)]
@@ -303,10 +318,11 @@ class Trainer:
         back stacked along the microbatch axis. The default is the gradient of micro_objective, whose extras
         are the fp8 amaxes when fp8_scales are given (the "gradient" with respect to the scales,
         detjax.model.fp8), else none. Those come back as their maximum over the microbatches, kept as a running
-        maximum in the loop's carry. A maximum is exact in any order, and the amaxes are >= 0 or NaN, so this
-        gives the bytes of the stacked amaxes' maximum. It saves the stacking's write per projection and
-        microbatch: on the GPU, a small kernel of its own each. gpu_dense's fp8 profile has 260 such
-        dynamic-update-slice kernels a step, for 65 projections x 4 microbatches (docs/BENCHMARKS.md session 34)."""
+        maximum in the loop's carry: one vector of every projection's amaxes, so each microbatch updates it in
+        one elementwise op. A maximum is exact in any order, and the amaxes are >= 0 or NaN, so this gives the
+        bytes of the stacked amaxes' maximum. It saves the stacking's write per projection and microbatch: on
+        the GPU, a small kernel of its own each. gpu_dense's fp8 profile has 260 such dynamic-update-slice
+        kernels a step, for 65 projections x 4 microbatches (docs/BENCHMARKS.md session 34)."""
 
         compute = self.compute_copies(params, fp8_scales) if micro_fn is None else None
         running_max = micro_fn is None and fp8_scales is not None
@@ -329,15 +345,15 @@ class Trainer:
                 new_acc = jax.tree.map(jnp.add, g_acc, g)
             carry = (new_acc, jax.tree.map(jnp.add, sums, terms))
             if running_max:
-                return (*carry, jax.tree.map(jnp.maximum, amax[0], extras)), ()
+                return (*carry, jnp.maximum(amax[0], _packed(extras))), ()
             return carry, extras
 
         zeros = (jax.tree.map(jnp.zeros_like, params), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())))
         if running_max:  # every amax is >= 0 (or NaN, which maximum keeps), so 0 is the maximum's identity
-            zeros = (*zeros, jax.tree.map(jnp.zeros_like, fp8_scales))
+            zeros = (*zeros, jnp.zeros_like(_packed(fp8_scales)))
         n = micro_tokens.shape[0]
         (g_sum, sums, *amax), extras = jax.lax.scan(body, zeros, (micro_tokens, jnp.arange(n)))
-        return (g_sum, sums), (amax[0] if running_max else extras)
+        return (g_sum, sums), (_unpacked(amax[0], fp8_scales) if running_max else extras)
 
     def pipeline_fns(self) -> pipeline.StageFns:
         """The model pieces a pipeline stage runs (detjax.sharding.pipeline takes functions, not models)."""
