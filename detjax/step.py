@@ -325,7 +325,7 @@ class Trainer:
         kernels a step, for 65 projections x 4 microbatches (docs/BENCHMARKS.md session 34)."""
 
         compute = self.compute_copies(params, fp8_scales) if micro_fn is None else None
-        running_max = micro_fn is None and fp8_scales is not None
+        running_max = micro_fn is None and bool(jax.tree.leaves(fp8_scales))  # (None has no leaves)
 
         def plain(params, tokens, key, g_acc):
             if fp8_scales is not None:

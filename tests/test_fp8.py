@@ -342,6 +342,22 @@ def test_delayed_scaling_update_rule():
     new = fp8.update_collection(coll, {"p": jnp.asarray([1.0, 2.0, 4.0])}, 0)
     assert _same(new["amax_history"]["p"][:, 0], jnp.asarray([1.0, 2.0, 4.0]))
     assert _same(new["scale"]["p"], jnp.asarray([448.0, 224.0, 57344.0 / 4], jnp.float32))
+    # several projections, one with stacked stages (2, 3): the packed update gives each one's own update
+    scales = {"a": jnp.asarray([1.0, 2.0, 3.0]), "b": {"c": jnp.asarray([[5.0, 6.0, 7.0], [1.0, 1.0, 1.0]])}}
+    hists = {
+        "a": jax.random.uniform(jax.random.key(0), (3, 4)),
+        "b": {"c": jax.random.uniform(jax.random.key(1), (2, 3, 4))},
+    }
+    amax = {"a": jnp.asarray([3.0, jnp.nan, 0.0]), "b": {"c": jnp.asarray([[1.0, 2.0, 3.0], [4.0, 5.0, 0.5]])}}
+    got = fp8.update_collection({"scale": scales, "amax_history": hists}, amax, 1)
+    want_h = jax.tree.map(lambda h, a: jnp.concatenate([a[..., None], h[..., :-1]], axis=-1), hists, amax)
+    want_s = jax.tree.map(lambda h, s: fp8.next_scales(h, s, 1), want_h, scales)
+    assert jax.tree.structure(got) == jax.tree.structure({"scale": scales, "amax_history": hists})
+    for a, b in zip(
+        jax.tree.leaves((want_s, want_h)), jax.tree.leaves((got["scale"], got["amax_history"])), strict=True
+    ):
+        assert _same(a, b)
+    assert not _same(got["scale"]["a"], scales["a"]) and _same(got["scale"]["a"][1], scales["a"][1])  # NaN: kept
 
 
 def test_fp8_run_is_repeatable_and_its_scales_come_from_earlier_steps(cfg_of, reference, tmp_path):

@@ -650,9 +650,26 @@ def next_scales(history_3H: jax.Array, old_3: jax.Array, margin: int) -> jax.Arr
 
 
 def update_collection(coll: dict, amax_tree, margin: int) -> dict:
-    """The state after a step: each history shifted by one with the step's amaxes in front; new scales."""
-    hist = jax.tree.map(
-        lambda h, a: jnp.concatenate([a[..., None], h[..., :-1]], axis=-1), coll["amax_history"], amax_tree
-    )
-    scale = jax.tree.map(lambda h, s: next_scales(h, s, margin), hist, coll["scale"])
-    return {"scale": scale, "amax_history": hist}
+    """The state after a step: each history shifted by one with the step's amaxes in front; new scales.
+
+    All projections at once: their histories, amaxes and scales are packed along one leading axis, so the
+    update is one shift and one next_scales on the GPU, not one small kernel of each per projection (gpu_dense's
+    fp8 profile had about 130 a step, docs/BENCHMARKS.md session 34). Every op is elementwise or a maximum over
+    one history, so these are the bytes of the update per projection. The collection is replicated on every
+    mesh (Trainer.state_shardings), so packing moves no data between devices."""
+    hists, treedef = jax.tree.flatten(coll["amax_history"])
+    amaxes, scales = treedef.flatten_up_to(amax_tree), treedef.flatten_up_to(coll["scale"])
+    if not hists:
+        return coll
+    length = hists[0].shape[-1]
+    h = jnp.concatenate([x.reshape(-1, 3, length) for x in hists])
+    a = jnp.concatenate([x.reshape(-1, 3) for x in amaxes])
+    hist = jnp.concatenate([a[..., None], h[..., :-1]], axis=-1)
+    scale = next_scales(hist, jnp.concatenate([x.reshape(-1, 3) for x in scales]), margin)
+    new_h, new_s, at = [], [], 0
+    for x in scales:
+        rows = x.size // 3
+        new_h.append(hist[at : at + rows].reshape(*x.shape, length))
+        new_s.append(scale[at : at + rows].reshape(x.shape))
+        at += rows
+    return {"scale": treedef.unflatten(new_s), "amax_history": treedef.unflatten(new_h)}
