@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 from flax import linen as nn
 from flax import struct
+from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -55,21 +56,6 @@ class TrainState(struct.PyTreeNode):
 
 def _dict_path(path: tuple) -> tuple[str, ...]:
     return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
-
-
-def _packed(tree: Any) -> jax.Array:
-    """A tree's leaves raveled into one vector, in leaf order (_unpacked inverts it)."""
-    return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
-
-
-def _unpacked(vec: jax.Array, like: Any) -> Any:
-    """The tree of `like`'s structure and leaf shapes read from `vec` (_packed's layout)."""
-    leaves, treedef = jax.tree.flatten(like)
-    out, at = [], 0
-    for x in leaves:
-        out.append(vec[at : at + x.size].reshape(x.shape))
-        at += x.size
-    return jax.tree.unflatten(treedef, out)
 
 
 def leaf_square_sums(tree: Any) -> list[jax.Array]:
@@ -345,15 +331,16 @@ class Trainer:
                 new_acc = jax.tree.map(jnp.add, g_acc, g)
             carry = (new_acc, jax.tree.map(jnp.add, sums, terms))
             if running_max:
-                return (*carry, jnp.maximum(amax[0], _packed(extras))), ()
+                return (*carry, jnp.maximum(amax[0], ravel_pytree(extras)[0])), ()
             return carry, extras
 
         zeros = (jax.tree.map(jnp.zeros_like, params), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())))
         if running_max:  # every amax is >= 0 (or NaN, which maximum keeps), so 0 is the maximum's identity
-            zeros = (*zeros, jnp.zeros_like(_packed(fp8_scales)))
+            flat, unravel = ravel_pytree(fp8_scales)  # the amaxes have the scales' tree
+            zeros = (*zeros, jnp.zeros_like(flat))
         n = micro_tokens.shape[0]
         (g_sum, sums, *amax), extras = jax.lax.scan(body, zeros, (micro_tokens, jnp.arange(n)))
-        return (g_sum, sums), (_unpacked(amax[0], fp8_scales) if running_max else extras)
+        return (g_sum, sums), (unravel(amax[0]) if running_max else extras)
 
     def pipeline_fns(self) -> pipeline.StageFns:
         """The model pieces a pipeline stage runs (detjax.sharding.pipeline takes functions, not models)."""
