@@ -25,12 +25,14 @@ without the non-finite guard (its cost is the difference), and `+xla=FLAG` start
 flag (`strict-kernels+xla=--xla_gpu_graph_min_graph_size=1`). Workers never inherit the caller's XLA_FLAGS.
 The trailing key=value arguments apply to every mode; run.fingerprints is on unless they say otherwise.
 Rounds alternate the modes (fastest, strict, ..., fastest, strict, ...) so drift hits all alike. Reported:
-median steady-state step time per mode (warm-up steps dropped; each step synchronised), MFU (detjax.flops),
-peak device memory, and the tax (mode / baseline - 1) x 100 %, the baseline being `fastest` when it runs
-(else the first mode); and the same for the pipelined step time (steps dispatched back to back, as the
-training loop runs them; plain_step.time_steps), and the GPU's median SM clock and power draw over each
-mode's timed steps (plain_step.GpuSampler, nvidia-smi; "n/a" without it). A mode that fails is reported with
-its error and dropped; the others still run, and the exit status is then 1.
+each round's last-step params digest and fp8 collections digest (equal digests across rounds, or across two
+commits' runs, mean the same trajectory bit for bit), the median steady-state step time per mode (warm-up
+steps dropped; each step synchronised), MFU (detjax.flops), peak device memory, and the tax
+(mode / baseline - 1) x 100 %, the baseline being `fastest` when it runs (else the first mode); and the same
+for the pipelined step time (steps dispatched back to back, as the training loop runs them;
+plain_step.time_steps), and the GPU's median SM clock and power draw over each mode's timed steps
+(plain_step.GpuSampler, nvidia-smi; "n/a" without it). A mode that fails is reported with its error and
+dropped; the others still run, and the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -106,7 +108,16 @@ def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int
     from plain_step import result, time_steps
 
     timing, m = time_steps(step, state, batches, steps, warmup)
-    return result(timing, cfg, float(m["lm_loss"]))
+    from detjax.fingerprint import digest_hex
+
+    # the last step's digests (every worker of a config runs the same steps on the same batches): equal digests
+    # across rounds, or across two commits' runs, mean the same trajectory bit for bit
+    digests = {
+        k: digest_hex(jax.device_get(v))
+        for k, v in sorted(m.get("digest", {}).items())
+        if k in ("params", "collections")
+    }
+    return {**result(timing, cfg, float(m["lm_loss"])), "digests": digests}
 
 
 def main() -> int:
@@ -179,7 +190,8 @@ def main() -> int:
                 f"round {r} {mode:7s} median {res['median_ms']:.2f} ms  (min {res['min_ms']:.2f}, "
                 f"max {res['max_ms']:.2f}; pipelined {res['pipelined_ms']:.2f} ms; "
                 f"dispatch {res['dispatch_ms']:.2f} ms; "
-                f"first step {res['first_step_s']:.1f} s{clocks})",
+                f"first step {res['first_step_s']:.1f} s{clocks}; "
+                f"digests {' '.join(f'{k}={v}' for k, v in res.get('digests', {}).items())})",
                 flush=True,
             )
     ran = [m for m in modes if m not in failed]
@@ -219,6 +231,11 @@ def main() -> int:
         )
     for mode, why in failed.items():
         print(f"| {mode} | failed: {why} | | | | | | | | | |")
+    for mode in ran:
+        if len(results[mode]) > 1:  # the same steps in every round: their digests must agree (L1)
+            same = len({json.dumps(x.get("digests"), sort_keys=True) for x in results[mode]}) == 1
+            verdict = "equal in all" if same else "DIFFER across the"
+            print(f"{mode}: last-step digests {verdict} {len(results[mode])} rounds")
     return 1 if failed else 0
 
 
