@@ -225,6 +225,33 @@ def test_microbatch_loop_has_no_per_microbatch_scale_work(tiny_path):
     assert not stacked  # no (microbatches, 3) stack of the amaxes
 
 
+def test_mosaic_loop_slices_no_scale_set(tiny_path, monkeypatch):
+    """On the Mosaic path (forced here: it is traced, not run) the microbatch loop slices no projection's scale
+    set (s_x, s_w, s_g): each quantization kernel reads its element itself (quantize.scale_input). On the GPU
+    XLA emits such a slice as a device-to-device copy, one per quantization and microbatch: 512 a step in
+    gpu_dense's fp8 profile, where 1804275's step sliced 20 times in this loop (docs/BENCHMARKS.md, session
+    35). Checked in the jaxpr."""
+    from detjax.jaxprs import iter_eqns
+    from detjax.pallas_kernels.matmul import kernel
+
+    monkeypatch.setattr(kernel, "use_mosaic_fp8", lambda *a: True)
+    over = ["model.pattern='*-'", "model.mtp.depth=0", "model.kernels=pallas", "determinism.strategy=kernels"]
+    cfg = load_config(tiny_path, [*over, "model.fp8.enabled=true", "model.fp8.lm_head=true"])
+    trainer = Trainer(cfg)
+    state = jax.eval_shape(trainer.init_state, jax.random.key(0))
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32)
+    step = jax.make_jaxpr(trainer.train_step)(state, batch)
+    # the microbatch loop: the scan with the largest body (the interpreted kernels' own loops are small)
+    scans = [e for e in iter_eqns(step, skip=("pallas_call",)) if e.primitive.name == "scan"]
+    loop = max(scans, key=lambda e: len(e.params["jaxpr"].jaxpr.eqns))
+    body = list(iter_eqns(loop.params["jaxpr"], skip=("pallas_call",)))
+    assert sum(e.primitive.name == "pallas_call" for e in body) >= 10  # the quantizations and products
+    sliced = [
+        e for e in body if e.primitive.name in ("slice", "dynamic_slice", "gather") and e.invars[0].aval.shape == (3,)
+    ]
+    assert not sliced, [str(e) for e in sliced]
+
+
 def _copies_case(tiny_path, overrides):
     """A one-microbatch fp8 setup for the compute-copies tests: (trainer, state, scales, copies_of, grads), with
     copies_of(scales) the step's copies and grads(compute) the microbatch's loss terms, gradients and amaxes
@@ -613,7 +640,7 @@ def test_fused_swiglu_mlp_is_exact_and_its_amaxes_are_the_products():
     # the weights quantized beforehand, as the step's compute copies hold them on the Mosaic path
     # (fp8.weight_copy there): the changed token's run reads them, and its dx rows of the other tokens agree
     copies = tuple(
-        (*fp8._quantize_padded(w, s[1], e4, *fp8._mosaic_pads(1, *w.shape)[1:]), fp8.dequant_factors(s))
+        (*fp8._quantize_padded(w, s, 1, e4, *fp8._mosaic_pads(1, *w.shape)[1:]), fp8.dequant_factors(s))
         for w, s in ((w_gu, s_gu), (w_dn, s_dn))
     )
     got2 = fused(x2, copies)

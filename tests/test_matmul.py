@@ -399,6 +399,17 @@ def test_fp8_quantize_transposed_matches_the_xla_quantization(tile, monkeypatch)
     assert _same(amax, want_amax) and _same(amax, fp8._amax(vb))
     unrounded = quantize_transposed(v, jnp.float32(1.0), dtype=fp8.E5M2, interpret=interp, rows_to=256, cols_to=384)
     assert not _same(unrounded[2], amax), "negative control: the float32 amax differs from the rounded one"
+    # scale_index: the kernel reads one element of a scale set (the model hands it a projection's (s_x, s_w,
+    # s_g), so that no slice of the set runs as a copy): the bytes of passing that element itself
+    s3, v = jnp.array([7.0, 40.0, 3000.0], jnp.float32), cases[0]
+    by_index = [quantize_transposed(v, s3, dtype=fp8.E5M2, interpret=interp, scale_index=i) for i in range(3)]
+    for i, got in enumerate(by_index):
+        want = quantize_transposed(v, s3[i], dtype=fp8.E5M2, interpret=interp)
+        assert all(_same(a.view(jnp.uint8), b.view(jnp.uint8)) for a, b in zip(got[:2], want[:2], strict=True))
+        assert _same(got[2], want[2])
+    assert not _same(by_index[0][0].view(jnp.uint8), by_index[1][0].view(jnp.uint8)), "negative control: the index"
+    with pytest.raises(ValueError, match="scale_index=3"):
+        qz.quantize_transposed.__wrapped__(v, s3, dtype=fp8.E5M2, interpret=interp, scale_index=3)
 
 
 @pytest.mark.parametrize(
@@ -455,6 +466,18 @@ def test_fp8_swiglu_quantization_kernels_match_xla(tiles, monkeypatch):
         other.view(jnp.uint8),
         swiglu_quantize_transposed(y, jnp.float32(30.0), dtype=fp8.E4M3, interpret=interp)[0].view(jnp.uint8),
     )
+    # scale_index (as the model passes the scales): element i of a scale set gives that element's bytes
+    s3 = jnp.array([30.0, 1.0, 3000.0], jnp.float32)
+    fwd = swiglu_quantize_transposed(y, s3, dtype=fp8.E4M3, interpret=interp, scale_index=0)
+    bwd = swiglu_bwd_quantize_transposed(y, dh, s3, dtype=fp8.E5M2, interpret=interp, scale_index=2)
+    for got, want in (
+        (fwd, swiglu_quantize_transposed(y, jnp.float32(30.0), dtype=fp8.E4M3, interpret=interp)),
+        (bwd, swiglu_bwd_quantize_transposed(y, dh, jnp.float32(3000.0), dtype=fp8.E5M2, interpret=interp)),
+    ):
+        assert all(_same(a.view(jnp.uint8), b.view(jnp.uint8)) for a, b in zip(got[:2], want[:2], strict=True))
+        assert _same(got[2], want[2])
+    other = swiglu_quantize_transposed(y, s3, dtype=fp8.E4M3, interpret=interp, scale_index=1)[0]
+    assert not _same(other.view(jnp.uint8), fwd[0].view(jnp.uint8)), "negative control: the index is read"
 
 
 def test_fp8_ce_grad_kernel_matches_its_formula_and_replays():

@@ -114,14 +114,22 @@ def _mosaic_pads(m: int, k: int, n: int) -> tuple[int, int, int]:
     return max(cm, r_mult, br), max(cm, cn, br), max(cn, br)
 
 
-def _quantize_padded(v: jax.Array, scale: jax.Array, dtype, rows_to: int, cols_to: int, round_to=None):
-    """(q, q^T, amax) in one pass, q zero-padded to rows_to x cols_to multiples
+def _quantize_padded(v: jax.Array, scale_3: jax.Array, i: int, dtype, rows_to: int, cols_to: int, round_to=None):
+    """(q, q^T, amax) in one pass with the scale scale_3[i], q zero-padded to rows_to x cols_to multiples
     (quantize.quantize_transposed: the same q as XLA's quantization, tests/test_matmul.py); `round_to`: v's
-    values rounded to that dtype first, in the kernel."""
+    values rounded to that dtype first, in the kernel. The kernel reads scale_3[i] itself (scale_index), so
+    no slice of the scale set runs as a copy of its own."""
     from detjax.pallas_kernels.matmul.quantize import quantize_transposed
 
     return quantize_transposed(
-        v, scale, dtype=dtype, interpret=_interpret(), rows_to=rows_to, cols_to=cols_to, round_to=round_to
+        v,
+        scale_3,
+        dtype=dtype,
+        interpret=_interpret(),
+        rows_to=rows_to,
+        cols_to=cols_to,
+        round_to=round_to,
+        scale_index=i,
     )
 
 
@@ -147,7 +155,7 @@ def weight_copy(w_KN: jax.Array, scale_3: jax.Array, kernels: str) -> tuple:
     if _mosaic_path(w_KN, kernels):
         k, n = w_KN.shape
         _, pk, pn = _mosaic_pads(k, k, n)  # the weight's pads do not depend on the token count
-        return (*_quantize_padded(w_KN, scale_3[1], E4M3, pk, pn), dequant_factors(scale_3))
+        return (*_quantize_padded(w_KN, scale_3, 1, E4M3, pk, pn), dequant_factors(scale_3))
     return _quantize(w_KN, scale_3[1], E4M3), None, _amax(w_KN), dequant_factors(scale_3)
 
 
@@ -194,8 +202,8 @@ def _fwd(x_MK, w_KN, scale_3, out_dtype, kernels, widen=False, wq=None):
 
         (m, k), n = x_MK.shape, w_KN.shape[1]
         pm, pk, pn = _mosaic_pads(m, k, n)
-        x8, x8_KM, amax_x = _quantize_padded(x_MK, scale_3[0], E4M3, pm, pk)
-        w8, w8_NK, amax_w = wq[:3] if wq is not None else _quantize_padded(w_KN, scale_3[1], E4M3, pk, pn)
+        x8, x8_KM, amax_x = _quantize_padded(x_MK, scale_3, 0, E4M3, pm, pk)
+        w8, w8_NK, amax_w = wq[:3] if wq is not None else _quantize_padded(w_KN, scale_3, 1, E4M3, pk, pn)
         y = fp8_nt(x8, w8_NK, inv[0], out_dtype=out_dtype, r_chunk=0, interpret=_interpret())
         kn = jnp.zeros((k, n, 0), jnp.int8)  # the weight's unpadded shape, for the backward (no data)
         return _widened(y[:m, :n], widen), (x8_KM, w8, scale_3, amax_x, amax_w, kn, inv)
@@ -213,7 +221,7 @@ def _bwd(out_dtype, kernels, widen, res, dy_MN):
     if kn is not None:  # the Mosaic path: x8 is x8^T (K, M) and w8 (K, N), both padded; kn has (K, N)
         (m, n), k = dy_MN.shape, kn.shape[0]
         pm, _, pn = _mosaic_pads(m, k, n)
-        g8, g8_NM, amax_g = _quantize_padded(dy_MN, scale_3[2], E5M2, pm, pn, out_dtype if widen else None)
+        g8, g8_NM, amax_g = _quantize_padded(dy_MN, scale_3, 2, E5M2, pm, pn, out_dtype if widen else None)
         dx, dw = _mosaic_grads(g8, g8_NM, x8, w8, (m, k, n), inv_dx, inv_dw, out_dtype)
         return dx, dw, jnp.stack([amax_x, amax_w, amax_g])
     if widen:
@@ -273,10 +281,10 @@ def _head_ce_fwd(x_MK, w_KN, wq, scale_3, targets_M, out_dtype, kernels):
         raise ValueError("fp8_head_ce needs the Mosaic fp8 path (fp8.fused_head_ce); use fp8_matmul and loss.token_ce")
     (m, k), n = x_MK.shape, w_KN.shape[1]
     pm, pk, pn = _mosaic_pads(m, k, n)
-    x8, x8_KM, amax_x = _quantize_padded(x_MK, scale_3[0], E4M3, pm, pk)
+    x8, x8_KM, amax_x = _quantize_padded(x_MK, scale_3, 0, E4M3, pm, pk)
     if wq is not None:
         _check_copy(w_KN, wq, True)
-    w8, w8_NK, amax_w = wq[:3] if wq is not None else _quantize_padded(w_KN, scale_3[1], E4M3, pk, pn)
+    w8, w8_NK, amax_w = wq[:3] if wq is not None else _quantize_padded(w_KN, scale_3, 1, E4M3, pk, pn)
     inv = _factors(wq, scale_3)
     logits = fp8_nt(x8, w8_NK, inv[0], out_dtype=out_dtype, r_chunk=0, interpret=_interpret())[:m, :n]
     ce, lse = token_ce(logits.astype(jnp.float32), targets_M)
@@ -291,7 +299,16 @@ def _head_ce_bwd(out_dtype, kernels, res, dce_M):
     (m, n), k = logits.shape, kn.shape[0]
     pm, _, pn = _mosaic_pads(m, k, n)
     g8, g8_NM, amax_g = ce_grad_quantize_transposed(
-        logits, lse, targets_M, dce_M, scale_3[2], dtype=E5M2, interpret=_interpret(), rows_to=pm, cols_to=pn
+        logits,
+        lse,
+        targets_M,
+        dce_M,
+        scale_3,
+        dtype=E5M2,
+        interpret=_interpret(),
+        rows_to=pm,
+        cols_to=pn,
+        scale_index=2,
     )
     dx, dw = _mosaic_grads(g8, g8_NM, x8_KM, w8, (m, k, n), inv_dx, inv_dw, out_dtype)
     d_wq = None if wq is None else jax.tree.map(jnp.zeros_like, wq)  # the copy is a constant of the step
@@ -341,17 +358,17 @@ def _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, copies, out_dtype, w
         raise ValueError(f"fp8_swiglu_mlp: x {x_MK.shape}, w_gu {w_gu_KN.shape} are not whole tiles (fused_swiglu)")
     interp = _interpret()
     pm, pk, pn = _mosaic_pads(m, k, f2)
-    x8, x8_KM, amax_x = _quantize_padded(x_MK, s_gu_3[0], E4M3, pm, pk)
+    x8, x8_KM, amax_x = _quantize_padded(x_MK, s_gu_3, 0, E4M3, pm, pk)
     if copies is not None:
         _check_copy(w_gu_KN, copies[0], True)
         _check_copy(w_down_FK, copies[1], True)
-    w8, w8_NK, amax_w = copies[0][:3] if copies is not None else _quantize_padded(w_gu_KN, s_gu_3[1], E4M3, pk, pn)
+    w8, w8_NK, amax_w = copies[0][:3] if copies is not None else _quantize_padded(w_gu_KN, s_gu_3, 1, E4M3, pk, pn)
     inv_gu = _factors(None if copies is None else copies[0], s_gu_3)
     y = fp8_nt(x8, w8_NK, inv_gu[0], out_dtype=out_dtype, r_chunk=0, interpret=interp)
-    h8, h8_FM, amax_h = swiglu_quantize_transposed(y, s_down_3[0], dtype=E4M3, interpret=interp)
+    h8, h8_FM, amax_h = swiglu_quantize_transposed(y, s_down_3, dtype=E4M3, interpret=interp, scale_index=0)
     _, pf, pd = _mosaic_pads(m, f2 // 2, k)
     wd8, wd8_NK, amax_wd = (
-        copies[1][:3] if copies is not None else _quantize_padded(w_down_FK, s_down_3[1], E4M3, pf, pd)
+        copies[1][:3] if copies is not None else _quantize_padded(w_down_FK, s_down_3, 1, E4M3, pf, pd)
     )
     inv_dn = _factors(None if copies is None else copies[1], s_down_3)
     out = fp8_nt(h8, wd8_NK, inv_dn[0], out_dtype=out_dtype, r_chunk=0, interpret=interp)
@@ -368,10 +385,10 @@ def _swiglu_bwd(out_dtype, widen, res, dout_MK):
     (m, k), f = dout_MK.shape, y.shape[1] // 2
     interp = _interpret()
     pm, _, pd = _mosaic_pads(m, f, k)
-    g8, g8_KM, amax_g = _quantize_padded(dout_MK, s_dn[2], E5M2, pm, pd, out_dtype if widen else None)
+    g8, g8_KM, amax_g = _quantize_padded(dout_MK, s_dn, 2, E5M2, pm, pd, out_dtype if widen else None)
     dh = fp8_nt(g8, wd8, inv_dn[1], out_dtype=out_dtype, r_chunk=0, interpret=interp)
     dw_down = fp8_nt(h8_FM, g8_KM, inv_dn[2], out_dtype=jnp.float32, r_chunk=dw_row_chunk(f, k), interpret=interp)
-    dy8, dy8_NM, amax_dy = swiglu_bwd_quantize_transposed(y, dh, s_gu[2], dtype=E5M2, interpret=interp)
+    dy8, dy8_NM, amax_dy = swiglu_bwd_quantize_transposed(y, dh, s_gu, dtype=E5M2, interpret=interp, scale_index=2)
     dx = fp8_nt(dy8, w8, inv_gu[1], out_dtype=out_dtype, r_chunk=0, interpret=interp)
     dw_gu = fp8_nt(
         x8_KM,
@@ -523,7 +540,7 @@ def _gfwd_mosaic(x_RK, wq, gs_E, scale_3):
     w8, w8_ENK, amax_w, inv = wq
     gm = gmosaic.GROUP_ROWS
     lay = gmosaic.padded_layout(gs_E, x_RK.shape[0])
-    x8, x8_KP, amax_x = _quantize_padded(gmosaic.to_padded(x_RK, lay), scale_3[0], E4M3, gm, gm)
+    x8, x8_KP, amax_x = _quantize_padded(gmosaic.to_padded(x_RK, lay), scale_3, 0, E4M3, gm, gm)
     y = gmosaic.grouped_nt(x8, w8_ENK, lay, inv[0], out_dtype=jnp.float32, interpret=_interpret())
     return gmosaic.from_padded(y, lay), (x8_KP, w8, lay, (scale_3, amax_x, amax_w, inv))
 
@@ -533,7 +550,7 @@ def _gbwd_mosaic(kernels, x_dtype, res, dy_RN):
 
     x8_KP, w8, lay, (scale_3, amax_x, amax_w, (_, inv_dx, inv_dw)) = res
     gm = gmosaic.GROUP_ROWS
-    g8, g8_NP, amax_g = _quantize_padded(gmosaic.to_padded(dy_RN, lay), scale_3[2], E5M2, gm, gmosaic.BLOCK)
+    g8, g8_NP, amax_g = _quantize_padded(gmosaic.to_padded(dy_RN, lay), scale_3, 2, E5M2, gm, gmosaic.BLOCK)
     dx = gmosaic.grouped_nt(g8, w8, lay, inv_dx, out_dtype=x_dtype, interpret=_interpret())
     dw = gmosaic.grouped_tnt(x8_KP, g8_NP, lay, inv_dw, interpret=_interpret())
     return gmosaic.from_padded(dx, lay), dw, None, jnp.stack([amax_x, amax_w, amax_g])
@@ -616,7 +633,7 @@ def _rope_bwd(shape, theta, out_dtype, kernels, res, cts):
 
     (x8_KM, w8, scale_3, amax_x, amax_w, kn, (_, inv_dx, inv_dw)), d_wq = res
     m, (k, n) = shape[0] * shape[1], kn.shape[:2]
-    g8, g8_NM, amax_g = rope_cotangent_quantized(cts, shape, theta, scale_3[2], E5M2)
+    g8, g8_NM, amax_g = rope_cotangent_quantized(cts, shape, theta, scale_3, E5M2, scale_index=2)
     dx, dw = _mosaic_grads(g8, g8_NM, x8_KM, w8, (m, k, n), inv_dx, inv_dw, out_dtype)
     return dx, dw, d_wq, jnp.stack([amax_x, amax_w, amax_g])
 

@@ -45,6 +45,20 @@ def padded(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
+def scale_input(scale: jax.Array, scale_index: int | None) -> tuple[jax.Array, pl.BlockSpec]:
+    """A quantization kernel's scale operand and its BlockSpec, for any grid. A scalar scale (scale_index None)
+    goes in as a (1,) array. With scale_index, `scale` is a 1-D scale set (a projection's (s_x, s_w, s_g)) and
+    the kernel reads element scale_index through the BlockSpec. Slicing the set outside the kernel instead costs a
+    device-to-device copy per call on the GPU, since XLA emits a contiguous slice as a memcpy: 512 a step in
+    gpu_dense's fp8 profile (docs/BENCHMARKS.md, session 35). The kernel reads the same float either way."""
+    if scale_index is None:
+        return jnp.asarray(scale, jnp.float32).reshape(1), pl.BlockSpec((1,), lambda *_: (0,))
+    s = jnp.asarray(scale, jnp.float32)
+    if s.ndim != 1 or not 0 <= scale_index < s.shape[0]:
+        raise ValueError(f"quantization scale_index={scale_index} needs a 1-D scale set, not shape {s.shape}")
+    return s, pl.BlockSpec((1,), lambda *_: (scale_index,))
+
+
 def quantize(v: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """dtype(clip(v * scale, -fmax, fmax)) in float32: model.fp8's quantization, here and in XLA alike."""
     fmax = float(jnp.finfo(dtype).max)
@@ -83,7 +97,7 @@ def _kernel(v_ref, s_ref, q_ref, qt_ref, amax_ref, *, m: int, n: int, padding: b
     _write_tile(v, s_ref, q_ref, qt_ref, amax_ref, t32)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to", "round_to"))
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to", "round_to", "scale_index"))
 def quantize_transposed(
     v: jax.Array,
     scale: jax.Array,
@@ -93,18 +107,30 @@ def quantize_transposed(
     rows_to: int = BLOCK,
     cols_to: int = BLOCK,
     round_to=None,
+    scale_index: int | None = None,
 ):
     """(q, q^T, amax) of a 2-D v: q = dtype(clip(v * scale, -fmax, fmax)), zero-padded to rows_to x
     cols_to multiples (multiples of BLOCK: the padding the Mosaic fp8 product needs, written here instead
     of by a copy), its transpose, and max |v| (float32, over v alone). `round_to` (a dtype): v is rounded to
     it first, so a float32 v gives the bytes of quantize_transposed(v.astype(round_to)) without that cast's
-    pass over memory (model.fp8's float32 cotangents, detjax.model.fp8)."""
+    pass over memory (model.fp8's float32 cotangents, detjax.model.fp8). `scale_index`: scale is a scale set
+    and the kernel reads this element of it (scale_input)."""
     m, n = v.shape
     key = "transposed_f32" if v.dtype == jnp.float32 else "transposed"
     shape, tile, spec, _ = _padded_tiles("quantize_transposed", key, m, n, rows_to, cols_to)
     t32 = TILES[key].get("t32", False)
     kernel = functools.partial(_kernel, m=m, n=n, padding=shape != (m, n), round_to=round_to, t32=t32)
-    return _tiles_call(kernel, "fp8_quantize_transposed", [spec], shape, tile, dtype, interpret, v, scale=scale)
+    return _tiles_call(
+        kernel,
+        "fp8_quantize_transposed",
+        [spec],
+        shape,
+        tile,
+        dtype,
+        interpret,
+        v,
+        scale=scale_input(scale, scale_index),
+    )
 
 
 def _padded_tiles(name: str, key: str, m: int, n: int, rows_to: int, cols_to: int):
@@ -125,15 +151,16 @@ def _padded_tiles(name: str, key: str, m: int, n: int, rows_to: int, cols_to: in
 
 def _tiles_call(kernel, name: str, in_specs: list, shape, tile, dtype, interpret: bool, *args, scale):
     """The pallas_call of a kernel over the (block_m x block_n) tiles of a (rows, cols) result (tile =
-    (block_m, block_n, num_warps)): in_specs for args, then the scale; out q (rows, cols), q^T and each
-    tile's amax. Returns (q, q^T, the max of the amaxes)."""
+    (block_m, block_n, num_warps)): in_specs for args, then the scale (scale_input's operand and BlockSpec);
+    out q (rows, cols), q^T and each tile's amax. Returns (q, q^T, the max of the amaxes)."""
+    scale_arg, scale_spec = scale
     rows, cols = shape
     bm, bn, warps = tile
     gm, gn = rows // bm, cols // bn
     q, qt, amax = pl.pallas_call(
         kernel,
         grid=(gm, gn),
-        in_specs=[*in_specs, pl.BlockSpec((1,), lambda i, j: (0,))],
+        in_specs=[*in_specs, scale_spec],
         out_specs=[
             pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
             pl.BlockSpec((bn, bm), lambda i, j: (j, i)),
@@ -147,7 +174,7 @@ def _tiles_call(kernel, name: str, in_specs: list, shape, tile, dtype, interpret
         name=name,
         interpret=interpret,
         compiler_params=triton_params(warps, 1, interpret),
-    )(*args, jnp.asarray(scale, jnp.float32).reshape(1))
+    )(*args, scale_arg)
     return q, qt, jnp.max(amax)
 
 
@@ -216,32 +243,37 @@ def _check_swiglu(y: jax.Array) -> tuple[int, int]:
     return m, f2 // 2
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
-def swiglu_quantize_transposed(y: jax.Array, scale: jax.Array, *, dtype, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "scale_index"))
+def swiglu_quantize_transposed(
+    y: jax.Array, scale: jax.Array, *, dtype, interpret: bool, scale_index: int | None = None
+):
     """(q, q^T, amax) of h = swiglu(gate, up) for y = [gate | up] (m, 2f): q = dtype(clip(h * scale)) (m, f),
-    its transpose, and max |h| (float32)."""
+    its transpose, and max |h| (float32). `scale_index` as in quantize_transposed."""
     m, f = _check_swiglu(y)
     bm, bn, warps = _swiglu_tile("swiglu_fwd", m, f)
     nf = f // bn
     in_specs = [pl.BlockSpec((bm, bn), lambda i, j: (i, j)), pl.BlockSpec((bm, bn), lambda i, j: (i, nf + j))]
     tile = (bm, bn, warps)
     kernel = functools.partial(_swiglu_kernel, t32=TILES["swiglu_fwd"].get("t32", False))
+    scale = scale_input(scale, scale_index)
     return _tiles_call(kernel, "fp8_swiglu_quantize", in_specs, (m, f), tile, dtype, interpret, y, y, scale=scale)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
-def swiglu_bwd_quantize_transposed(y: jax.Array, dh: jax.Array, scale: jax.Array, *, dtype, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "scale_index"))
+def swiglu_bwd_quantize_transposed(
+    y: jax.Array, dh: jax.Array, scale: jax.Array, *, dtype, interpret: bool, scale_index: int | None = None
+):
     """(q, q^T, amax) of dy = [dgate | dup] (m, 2f), the gradient of y = [gate | up] through h = swiglu(gate,
     up) for the cotangent dh (m, f): q = dtype(clip(dy * scale)), its transpose and max |dy| (float32).
     With TILES["swiglu_bwd"]["pair"], one program per tile writes both halves (y's and dh's tiles read
     once); else grid (half, row tile, column tile), whose two programs of a tile are neighbours in launch
-    order."""
+    order. `scale_index` as in quantize_transposed."""
     m, f = _check_swiglu(y)
     if dh.shape != (m, f):
         raise ValueError(f"swiglu backward: dh {dh.shape} does not match y {y.shape}")
     bm, bn, warps = _swiglu_tile("swiglu_bwd", m, f)
     gm, nf = m // bm, f // bn
-    s = jnp.asarray(scale, jnp.float32).reshape(1)
+    s, s_spec = scale_input(scale, scale_index)
     t32 = TILES["swiglu_bwd"].get("t32", False)
     if TILES["swiglu_bwd"].get("pair", False):
         q, qt, amax = pl.pallas_call(
@@ -251,7 +283,7 @@ def swiglu_bwd_quantize_transposed(y: jax.Array, dh: jax.Array, scale: jax.Array
                 pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
                 pl.BlockSpec((bm, bn), lambda i, j: (i, nf + j)),
                 pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-                pl.BlockSpec((1,), lambda i, j: (0,)),
+                s_spec,
             ],
             out_specs=[
                 pl.BlockSpec((bm, 2, bn), lambda i, j: (i, 0, j)),
@@ -275,7 +307,7 @@ def swiglu_bwd_quantize_transposed(y: jax.Array, dh: jax.Array, scale: jax.Array
             pl.BlockSpec((bm, bn), lambda c, i, j: (i, j)),
             pl.BlockSpec((bm, bn), lambda c, i, j: (i, nf + j)),
             pl.BlockSpec((bm, bn), lambda c, i, j: (i, j)),
-            pl.BlockSpec((1,), lambda c, i, j: (0,)),
+            s_spec,
         ],
         out_specs=[
             pl.BlockSpec((bm, bn), lambda c, i, j: (i, c * nf + j)),
@@ -317,7 +349,7 @@ def _ce_kernel(l_ref, lse_ref, t_ref, dce_ref, s_ref, q_ref, qt_ref, amax_ref, *
     _write_tile(d, s_ref, q_ref, qt_ref, amax_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to"))
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to", "scale_index"))
 def ce_grad_quantize_transposed(
     logits: jax.Array,
     lse: jax.Array,
@@ -329,9 +361,11 @@ def ce_grad_quantize_transposed(
     interpret: bool,
     rows_to: int = BLOCK,
     cols_to: int = BLOCK,
+    scale_index: int | None = None,
 ):
     """(q, q^T, amax) of d = ce_grad(logits, lse, targets, dce) (m, n): q = dtype(clip(d * scale)), zero-padded
-    to rows_to x cols_to multiples as in quantize_transposed, its transpose, and max |d| (float32)."""
+    to rows_to x cols_to multiples as in quantize_transposed, its transpose, and max |d| (float32).
+    `scale_index` as in quantize_transposed."""
     m, n = logits.shape
     if lse.shape != (m,) or targets.shape != (m,) or dce.shape != (m,):
         raise ValueError(f"ce_grad_quantize_transposed: lse, targets, dce must be ({m},) for logits {logits.shape}")
@@ -339,4 +373,5 @@ def ce_grad_quantize_transposed(
     kernel = functools.partial(_ce_kernel, m=m, n=n, padding=shape != (m, n))
     args = (logits, lse.astype(jnp.float32), targets.astype(jnp.int32), dce.astype(jnp.float32))
     in_specs = [spec, row, row, row]
+    scale = scale_input(scale, scale_index)
     return _tiles_call(kernel, "fp8_ce_grad_quantize", in_specs, shape, tile, dtype, interpret, *args, scale=scale)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from detjax.pallas_kernels.backend import triton_params
-from detjax.pallas_kernels.matmul.quantize import _tiles_call, quantize
+from detjax.pallas_kernels.matmul.quantize import _tiles_call, quantize, scale_input
 from detjax.pallas_kernels.rope.reference import rope_grad
 
 # Speed only (elementwise: no tile changes a bit). block_n holds whole heads; block_m divides the sequence.
@@ -150,11 +150,14 @@ def _quantize_kernel(dq_ref, dk_ref, dv_ref, cos_ref, sin_ref, s_ref, q_ref, qt_
     _pieces(dq_ref, dk_ref, dv_ref, cos_ref, sin_ref, write=write, **kw)
 
 
-@functools.partial(jax.jit, static_argnames=("length", "head_dim", "dtype", "interpret"))
-def rope_grad_quantize_transposed(dq, dk, dv, cos, sin, scale, *, length: int, head_dim: int, dtype, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("length", "head_dim", "dtype", "interpret", "scale_index"))
+def rope_grad_quantize_transposed(
+    dq, dk, dv, cos, sin, scale, *, length: int, head_dim: int, dtype, interpret: bool, scale_index: int | None = None
+):
     """(q, q^T, amax) of dy = rope_grad_concat(dq, dk, dv, cos, sin): q = dtype(clip(dy * scale)) (m, (H + 2K)
     Q), its transpose, and max |dy| (float32) -- quantize.quantize_transposed(dy, scale) without dy in
-    memory. No padding: the shapes are whole tiles (fits), as the fp8 product's are where it is used."""
+    memory. No padding: the shapes are whole tiles (fits), as the fp8 product's are where it is used.
+    `scale_index`: scale is a scale set and the kernel reads this element of it (quantize.scale_input)."""
     m, nq, nk = _check(dq, dk, dv, length, head_dim)
     bm, bn = TILES["block_m"], TILES["block_n"]
     kw = {"nq": nq, "nk": nk, "head_dim": head_dim, "length": length}
@@ -163,5 +166,13 @@ def rope_grad_quantize_transposed(dq, dk, dv, cos, sin, scale, *, length: int, h
     kernel = functools.partial(_quantize_kernel, **kw)
     shape = (m, (nq + 2 * nk) * bn)
     return _tiles_call(
-        kernel, "fp8_rope_grad_quantize", specs, shape, tile, dtype, interpret, dq, dk, dv, cos, sin, scale=scale
+        kernel,
+        "fp8_rope_grad_quantize",
+        specs,
+        shape,
+        tile,
+        dtype,
+        interpret,
+        *(dq, dk, dv, cos, sin),
+        scale=scale_input(scale, scale_index),
     )

@@ -53,11 +53,19 @@ def _bwd(shape, theta, _, cts):
 split_rope.defvjp(_fwd, _bwd)
 
 
-def rope_cotangent_quantized(cts, shape, theta: float, scale: jax.Array, dtype):
+def rope_cotangent_quantized(cts, shape, theta: float, scale: jax.Array, dtype, scale_index: int | None = None):
     """(q, q^T, amax) of the cotangent of y for the cotangents (dq, dk, dv) of split_rope_forward: the fp8
-    product's quantized incoming gradient (kernel.rope_grad_quantize_transposed)."""
+    product's quantized incoming gradient (kernel.rope_grad_quantize_transposed; `scale_index` as there)."""
     length, q = shape[1], shape[4]
     cos, sin = tables(length, q, theta)
     return rope_grad_quantize_transposed(
-        *_flat(cts, shape), cos, sin, scale, length=length, head_dim=q, dtype=dtype, interpret=interpret_mode()
+        *_flat(cts, shape),
+        cos,
+        sin,
+        scale,
+        length=length,
+        head_dim=q,
+        dtype=dtype,
+        interpret=interpret_mode(),
+        scale_index=scale_index,
     )
