@@ -203,22 +203,30 @@ def test_step_amax_is_the_microbatches_maximum(tiny_path):
     assert any(not _same(a, b) for a, b in zip(jax.tree.leaves(amax), sums, strict=True))
 
 
+def _fp8_microbatch_loop(tiny_path, pattern: str):
+    """The fp8 train step's microbatch loop, traced (kernels strategy, fp8 head): (its scan equation, the
+    equations of its body, nested ones included, Pallas kernels' own bodies skipped). The loop is the scan with
+    the largest body: interpreted kernels add small scans of their own."""
+    from detjax.jaxprs import iter_eqns
+
+    over = [f"model.pattern={pattern}", "model.mtp.depth=0", "model.kernels=pallas", "determinism.strategy=kernels"]
+    cfg = load_config(tiny_path, [*over, "model.fp8.enabled=true", "model.fp8.lm_head=true"])
+    trainer = Trainer(cfg)
+    state = jax.eval_shape(trainer.init_state, jax.random.key(0))
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32)
+    step = jax.make_jaxpr(trainer.train_step)(state, batch)
+    scans = [e for e in iter_eqns(step, skip=("pallas_call",)) if e.primitive.name == "scan"]
+    loop = max(scans, key=lambda e: len(e.params["jaxpr"].jaxpr.eqns))
+    return loop, list(iter_eqns(loop.params["jaxpr"], skip=("pallas_call",)))
+
+
 def test_microbatch_loop_has_no_per_microbatch_scale_work(tiny_path):
     """With the step's weight copies (model.kernels=pallas), the microbatch loop holds no scalar division: each
     product's dequantizing factors come with its weight copy, made once per step (fp8.dequant_factors). The
     loop stacks no outputs: the amaxes' maximum is carried (Trainer.accumulate). On the GPU each of these was
     a small kernel per product and microbatch. Checked in the jaxpr, so the same on every backend; 1e87047's
     step had 30 scalar divisions in this loop and stacked the amaxes."""
-    from detjax.jaxprs import iter_eqns
-
-    over = ["model.pattern='*-E'", "model.mtp.depth=0", "model.kernels=pallas", "determinism.strategy=kernels"]
-    cfg = load_config(tiny_path, [*over, "model.fp8.enabled=true", "model.fp8.lm_head=true"])
-    trainer = Trainer(cfg)
-    state = jax.eval_shape(trainer.init_state, jax.random.key(0))
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32)
-    step = jax.make_jaxpr(trainer.train_step)(state, batch)
-    (loop,) = [e for e in iter_eqns(step, skip=("pallas_call",)) if e.primitive.name == "scan"]
-    body = list(iter_eqns(loop.params["jaxpr"], skip=("pallas_call",)))
+    loop, body = _fp8_microbatch_loop(tiny_path, "'*-E'")
     assert any(e.primitive.name == "pallas_call" for e in body)  # the products are in the loop
     assert not [e for e in body if e.primitive.name == "div" and e.outvars[0].aval.shape == ()]
     stacked = [v for v in loop.outvars if v.aval.shape == (loop.params["length"], 3)]
@@ -231,20 +239,10 @@ def test_mosaic_loop_slices_no_scale_set(tiny_path, monkeypatch):
     XLA emits such a slice as a device-to-device copy, one per quantization and microbatch: 512 a step in
     gpu_dense's fp8 profile, where 1804275's step sliced 20 times in this loop (docs/BENCHMARKS.md, session
     35). Checked in the jaxpr."""
-    from detjax.jaxprs import iter_eqns
     from detjax.pallas_kernels.matmul import kernel
 
     monkeypatch.setattr(kernel, "use_mosaic_fp8", lambda *a: True)
-    over = ["model.pattern='*-'", "model.mtp.depth=0", "model.kernels=pallas", "determinism.strategy=kernels"]
-    cfg = load_config(tiny_path, [*over, "model.fp8.enabled=true", "model.fp8.lm_head=true"])
-    trainer = Trainer(cfg)
-    state = jax.eval_shape(trainer.init_state, jax.random.key(0))
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32)
-    step = jax.make_jaxpr(trainer.train_step)(state, batch)
-    # the microbatch loop: the scan with the largest body (the interpreted kernels' own loops are small)
-    scans = [e for e in iter_eqns(step, skip=("pallas_call",)) if e.primitive.name == "scan"]
-    loop = max(scans, key=lambda e: len(e.params["jaxpr"].jaxpr.eqns))
-    body = list(iter_eqns(loop.params["jaxpr"], skip=("pallas_call",)))
+    _, body = _fp8_microbatch_loop(tiny_path, "'*-'")
     assert sum(e.primitive.name == "pallas_call" for e in body) >= 10  # the quantizations and products
     sliced = [
         e for e in body if e.primitive.name in ("slice", "dynamic_slice", "gather") and e.invars[0].aval.shape == (3,)
