@@ -120,17 +120,8 @@ def quantize_transposed(
     shape, tile, spec, _ = _padded_tiles("quantize_transposed", key, m, n, rows_to, cols_to)
     t32 = TILES[key].get("t32", False)
     kernel = functools.partial(_kernel, m=m, n=n, padding=shape != (m, n), round_to=round_to, t32=t32)
-    return _tiles_call(
-        kernel,
-        "fp8_quantize_transposed",
-        [spec],
-        shape,
-        tile,
-        dtype,
-        interpret,
-        v,
-        scale=scale_input(scale, scale_index),
-    )
+    args = (kernel, "fp8_quantize_transposed", [spec], shape, tile, dtype, interpret, v)
+    return _tiles_call(*args, scale=scale, scale_index=scale_index)
 
 
 def _padded_tiles(name: str, key: str, m: int, n: int, rows_to: int, cols_to: int):
@@ -149,11 +140,11 @@ def _padded_tiles(name: str, key: str, m: int, n: int, rows_to: int, cols_to: in
     return (padded(m, rows_to), padded(n, cols_to)), (bm, bn, t["num_warps"]), spec, row
 
 
-def _tiles_call(kernel, name: str, in_specs: list, shape, tile, dtype, interpret: bool, *args, scale):
+def _tiles_call(kernel, name: str, in_specs: list, shape, tile, dtype, interpret: bool, *args, scale, scale_index):
     """The pallas_call of a kernel over the (block_m x block_n) tiles of a (rows, cols) result (tile =
-    (block_m, block_n, num_warps)): in_specs for args, then the scale (scale_input's operand and BlockSpec);
-    out q (rows, cols), q^T and each tile's amax. Returns (q, q^T, the max of the amaxes)."""
-    scale_arg, scale_spec = scale
+    (block_m, block_n, num_warps)): in_specs for args, then the scale (scale_input); out q (rows, cols), q^T
+    and each tile's amax. Returns (q, q^T, the max of the amaxes)."""
+    scale_arg, scale_spec = scale_input(scale, scale_index)
     rows, cols = shape
     bm, bn, warps = tile
     gm, gn = rows // bm, cols // bn
@@ -255,8 +246,8 @@ def swiglu_quantize_transposed(
     in_specs = [pl.BlockSpec((bm, bn), lambda i, j: (i, j)), pl.BlockSpec((bm, bn), lambda i, j: (i, nf + j))]
     tile = (bm, bn, warps)
     kernel = functools.partial(_swiglu_kernel, t32=TILES["swiglu_fwd"].get("t32", False))
-    scale = scale_input(scale, scale_index)
-    return _tiles_call(kernel, "fp8_swiglu_quantize", in_specs, (m, f), tile, dtype, interpret, y, y, scale=scale)
+    args = (kernel, "fp8_swiglu_quantize", in_specs, (m, f), tile, dtype, interpret, y, y)
+    return _tiles_call(*args, scale=scale, scale_index=scale_index)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret", "scale_index"))
@@ -373,5 +364,5 @@ def ce_grad_quantize_transposed(
     kernel = functools.partial(_ce_kernel, m=m, n=n, padding=shape != (m, n))
     args = (logits, lse.astype(jnp.float32), targets.astype(jnp.int32), dce.astype(jnp.float32))
     in_specs = [spec, row, row, row]
-    scale = scale_input(scale, scale_index)
-    return _tiles_call(kernel, "fp8_ce_grad_quantize", in_specs, shape, tile, dtype, interpret, *args, scale=scale)
+    head = (kernel, "fp8_ce_grad_quantize", in_specs, shape, tile, dtype, interpret)
+    return _tiles_call(*head, *args, scale=scale, scale_index=scale_index)

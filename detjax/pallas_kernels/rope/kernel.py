@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from detjax.pallas_kernels.backend import triton_params
-from detjax.pallas_kernels.matmul.quantize import _tiles_call, quantize, scale_input
+from detjax.pallas_kernels.matmul.quantize import _tiles_call, quantize
 from detjax.pallas_kernels.rope.reference import rope_grad
 
 # Speed only (elementwise: no tile changes a bit). block_n holds whole heads; block_m divides the sequence.
@@ -165,14 +165,5 @@ def rope_grad_quantize_transposed(
     specs = _in_specs(nq, nk, length, head_dim)
     kernel = functools.partial(_quantize_kernel, **kw)
     shape = (m, (nq + 2 * nk) * bn)
-    return _tiles_call(
-        kernel,
-        "fp8_rope_grad_quantize",
-        specs,
-        shape,
-        tile,
-        dtype,
-        interpret,
-        *(dq, dk, dv, cos, sin),
-        scale=scale_input(scale, scale_index),
-    )
+    head = (kernel, "fp8_rope_grad_quantize", specs, shape, tile, dtype, interpret)
+    return _tiles_call(*head, dq, dk, dv, cos, sin, scale=scale, scale_index=scale_index)
