@@ -474,6 +474,9 @@ def test_fp8_is_refused_where_it_has_no_deterministic_path(tiny_path, over, key)
     load_config(tiny_path, over)  # control: the same settings without fp8 are accepted
 
 
+# ~60 s on 2 cores; covered in kind by test_matmul.py's test_fp8_mosaic_product_is_exact_and_scaled (the
+# products) and the fused Mosaic-path tests below (quantization with partial tiles, the custom VJPs)
+@pytest.mark.extended
 def test_fp8_matmul_mosaic_path_matches_the_triton_path(monkeypatch):
     """The Mosaic fp8 path of fp8_matmul (forced here; on Hopper it is taken for large weights): the
     transposed copies made while quantizing, the residual x8^T, the epilogue scale and dw's token chunks
