@@ -238,7 +238,7 @@ def test_mosaic_loop_slices_no_scale_set(tiny_path, monkeypatch):
     set (s_x, s_w, s_g): each quantization kernel reads its element itself (quantize.scale_input). On the GPU
     XLA emits such a slice as a device-to-device copy, one per quantization and microbatch: 512 a step in
     gpu_dense's fp8 profile, where 1804275's step sliced 20 times in this loop (docs/BENCHMARKS.md, session
-    35). Checked in the jaxpr."""
+    35). And it reduces the amaxes once per scale set (below). Checked in the jaxpr."""
     from detjax.pallas_kernels.matmul import kernel
 
     monkeypatch.setattr(kernel, "use_mosaic_fp8", lambda *a: True)
@@ -248,6 +248,12 @@ def test_mosaic_loop_slices_no_scale_set(tiny_path, monkeypatch):
         e for e in body if e.primitive.name in ("slice", "dynamic_slice", "gather") and e.invars[0].aval.shape == (3,)
     ]
     assert not sliced, [str(e) for e in sliced]
+    # the quantization kernels' per-tile amaxes are reduced once per scale set, in the product's backward
+    # (quantize.amax_of): no reduction of a kernel's tile grid of its own. 65e9705's loop had 10 such
+    # reductions here, each a kernel launch on the GPU, and 5 after this change (one per projection's scale set)
+    whole = [e for e in body if e.primitive.name == "reduce_max" and e.params["axes"] == (0, 1)]
+    sets = [e for e in body if e.primitive.name == "reduce_max" and e.invars[0].aval.shape[0] == 3]
+    assert not whole and len(sets) == 5, ([str(e.invars[0].aval) for e in whole], len(sets))
 
 
 def _copies_case(tiny_path, overrides):
@@ -640,8 +646,9 @@ def test_fused_swiglu_mlp_is_exact_and_its_amaxes_are_the_products():
     x2 = x.at[100].set(-x[100])
     # the weights quantized beforehand, as the step's compute copies hold them on the Mosaic path
     # (fp8.weight_copy there): the changed token's run reads them, and its dx rows of the other tokens agree
+    pads = lambda w: fp8._mosaic_pads(1, *w.shape)[1:]  # noqa: E731
     copies = tuple(
-        (*fp8._quantize_padded(w, s, 1, e4, *fp8._mosaic_pads(1, *w.shape)[1:]), fp8.dequant_factors(s))
+        (*fp8._quantize_padded(w, s, 1, e4, *pads(w), amax_tiles=False), fp8.dequant_factors(s))
         for w, s in ((w_gu, s_gu), (w_dn, s_dn))
     )
     got2 = fused(x2, copies)

@@ -410,6 +410,14 @@ def test_fp8_quantize_transposed_matches_the_xla_quantization(tile, monkeypatch)
     assert not _same(by_index[0][0].view(jnp.uint8), by_index[1][0].view(jnp.uint8)), "negative control: the index"
     with pytest.raises(ValueError, match="scale_index=3"):
         qz.quantize_transposed.__wrapped__(v, s3, dtype=fp8.E5M2, interpret=interp, scale_index=3)
+    # amax_tiles: one amax per tile of the padded copy (the model reduces a product's amaxes together, amax_of),
+    # whose maximum is the reduced amax's bytes
+    q, _, tiles = quantize_transposed(
+        cases[0][:100], jnp.float32(40.0), dtype=fp8.E4M3, interpret=interp, rows_to=256, amax_tiles=True
+    )
+    bm, bn = qz.TILES["transposed"]["block_m"], qz.TILES["transposed"]["block_n"]
+    assert tiles.shape == (q.shape[0] // bm, q.shape[1] // bn) and tiles.dtype == jnp.float32
+    assert _same(qz.amax_of(tiles), fp8._amax(cases[0][:100]).reshape(1))
 
 
 @pytest.mark.parametrize(
@@ -478,6 +486,30 @@ def test_fp8_swiglu_quantization_kernels_match_xla(tiles, monkeypatch):
         assert _same(got[2], want[2])
     other = swiglu_quantize_transposed(y, s3, dtype=fp8.E4M3, interpret=interp, scale_index=1)[0]
     assert not _same(other.view(jnp.uint8), fwd[0].view(jnp.uint8)), "negative control: the index is read"
+    # amax_tiles (as the model takes them): per-tile amaxes whose maximum is the reduced amax's bytes
+    tiles_f = swiglu_quantize_transposed(y, s3, dtype=fp8.E4M3, interpret=interp, scale_index=0, amax_tiles=True)
+    tiles_b = swiglu_bwd_quantize_transposed(
+        y, dh, s3, dtype=fp8.E5M2, interpret=interp, scale_index=2, amax_tiles=True
+    )
+    assert tiles_f[2].size > 1 and tiles_b[2].size > 1
+    assert _same(qz.amax_of(tiles_f[2], tiles_b[2]), jnp.stack([fwd[2], bwd[2]]))
+
+
+def test_amax_of_reduces_each_part_exactly():
+    """quantize.amax_of: parts of different sizes (a scalar amax, per-tile amaxes) reduced in one op give the
+    bytes of each part's own jnp.max, with NaN kept and -0.0's absolute value 0 unchanged. Negative control:
+    a larger value in one part changes that part's entry and no other."""
+    from detjax.pallas_kernels.matmul.quantize import amax_of
+
+    ks = jax.random.split(jax.random.key(3), 2)
+    tiles = jnp.abs(jax.random.normal(ks[0], (4, 8)))
+    small = jnp.abs(jax.random.normal(ks[1], (3,)))
+    parts = (jnp.float32(0.25), tiles, small, jnp.zeros((2, 2)), jnp.array([1.0, jnp.nan]))
+    want = jnp.stack([jnp.max(p) for p in parts])
+    got = amax_of(*parts)
+    assert got.shape == (5,) and _same(got, want) and bool(jnp.isnan(got[4]))
+    bumped = amax_of(parts[0], tiles.at[1, 2].set(100.0), *parts[2:])
+    assert not _same(bumped, got) and _same(jnp.delete(bumped, 1), jnp.delete(got, 1)), "negative control"
 
 
 def test_fp8_ce_grad_kernel_matches_its_formula_and_replays():

@@ -46,6 +46,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from detjax.pallas_kernels.matmul.quantize import amax_of
 from detjax.pallas_kernels.matmul.quantize import quantize as _quantize
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -114,11 +115,14 @@ def _mosaic_pads(m: int, k: int, n: int) -> tuple[int, int, int]:
     return max(cm, r_mult, br), max(cm, cn, br), max(cn, br)
 
 
-def _quantize_padded(v: jax.Array, scale_3: jax.Array, i: int, dtype, rows_to: int, cols_to: int, round_to=None):
+def _quantize_padded(
+    v: jax.Array, scale_3: jax.Array, i: int, dtype, rows_to: int, cols_to: int, round_to=None, amax_tiles=True
+):
     """(q, q^T, amax) in one pass with the scale scale_3[i], q zero-padded to rows_to x cols_to multiples
     (quantize.quantize_transposed: the same q as XLA's quantization, tests/test_matmul.py); `round_to`: v's
     values rounded to that dtype first, in the kernel. The kernel reads scale_3[i] itself (scale_index), so
-    no slice of the scale set runs as a copy of its own."""
+    no slice of the scale set runs as a copy of its own. The amax comes as the kernel's per-tile amaxes
+    (`amax_tiles`), which the product's backward reduces with its other amaxes in one kernel (amax_of)."""
     from detjax.pallas_kernels.matmul.quantize import quantize_transposed
 
     return quantize_transposed(
@@ -130,6 +134,7 @@ def _quantize_padded(v: jax.Array, scale_3: jax.Array, i: int, dtype, rows_to: i
         cols_to=cols_to,
         round_to=round_to,
         scale_index=i,
+        amax_tiles=amax_tiles,
     )
 
 
@@ -155,7 +160,7 @@ def weight_copy(w_KN: jax.Array, scale_3: jax.Array, kernels: str) -> tuple:
     if _mosaic_path(w_KN, kernels):
         k, n = w_KN.shape
         _, pk, pn = _mosaic_pads(k, k, n)  # the weight's pads do not depend on the token count
-        return (*_quantize_padded(w_KN, scale_3, 1, E4M3, pk, pn), dequant_factors(scale_3))
+        return (*_quantize_padded(w_KN, scale_3, 1, E4M3, pk, pn, amax_tiles=False), dequant_factors(scale_3))
     return _quantize(w_KN, scale_3[1], E4M3), None, _amax(w_KN), dequant_factors(scale_3)
 
 
@@ -223,7 +228,7 @@ def _bwd(out_dtype, kernels, widen, res, dy_MN):
         pm, _, pn = _mosaic_pads(m, k, n)
         g8, g8_NM, amax_g = _quantize_padded(dy_MN, scale_3, 2, E5M2, pm, pn, out_dtype if widen else None)
         dx, dw = _mosaic_grads(g8, g8_NM, x8, w8, (m, k, n), inv_dx, inv_dw, out_dtype)
-        return dx, dw, jnp.stack([amax_x, amax_w, amax_g])
+        return dx, dw, amax_of(amax_x, amax_w, amax_g)
     if widen:
         dy_MN = dy_MN.astype(out_dtype)
     g8 = _quantize(dy_MN, scale_3[2], E5M2)
@@ -309,10 +314,11 @@ def _head_ce_bwd(out_dtype, kernels, res, dce_M):
         rows_to=pm,
         cols_to=pn,
         scale_index=2,
+        amax_tiles=True,
     )
     dx, dw = _mosaic_grads(g8, g8_NM, x8_KM, w8, (m, k, n), inv_dx, inv_dw, out_dtype)
     d_wq = None if wq is None else jax.tree.map(jnp.zeros_like, wq)  # the copy is a constant of the step
-    return dx, dw, d_wq, jnp.stack([amax_x, amax_w, amax_g]), None
+    return dx, dw, d_wq, amax_of(amax_x, amax_w, amax_g), None
 
 
 fp8_head_ce.defvjp(_head_ce_fwd, _head_ce_bwd)
@@ -365,7 +371,9 @@ def _swiglu_fwd(x_MK, w_gu_KN, w_down_FK, s_gu_3, s_down_3, copies, out_dtype, w
     w8, w8_NK, amax_w = copies[0][:3] if copies is not None else _quantize_padded(w_gu_KN, s_gu_3, 1, E4M3, pk, pn)
     inv_gu = _factors(None if copies is None else copies[0], s_gu_3)
     y = fp8_nt(x8, w8_NK, inv_gu[0], out_dtype=out_dtype, r_chunk=0, interpret=interp)
-    h8, h8_FM, amax_h = swiglu_quantize_transposed(y, s_down_3, dtype=E4M3, interpret=interp, scale_index=0)
+    h8, h8_FM, amax_h = swiglu_quantize_transposed(
+        y, s_down_3, dtype=E4M3, interpret=interp, scale_index=0, amax_tiles=True
+    )
     _, pf, pd = _mosaic_pads(m, f2 // 2, k)
     wd8, wd8_NK, amax_wd = (
         copies[1][:3] if copies is not None else _quantize_padded(w_down_FK, s_down_3, 1, E4M3, pf, pd)
@@ -388,7 +396,9 @@ def _swiglu_bwd(out_dtype, widen, res, dout_MK):
     g8, g8_KM, amax_g = _quantize_padded(dout_MK, s_dn, 2, E5M2, pm, pd, out_dtype if widen else None)
     dh = fp8_nt(g8, wd8, inv_dn[1], out_dtype=out_dtype, r_chunk=0, interpret=interp)
     dw_down = fp8_nt(h8_FM, g8_KM, inv_dn[2], out_dtype=jnp.float32, r_chunk=dw_row_chunk(f, k), interpret=interp)
-    dy8, dy8_NM, amax_dy = swiglu_bwd_quantize_transposed(y, dh, s_gu, dtype=E5M2, interpret=interp, scale_index=2)
+    dy8, dy8_NM, amax_dy = swiglu_bwd_quantize_transposed(
+        y, dh, s_gu, dtype=E5M2, interpret=interp, scale_index=2, amax_tiles=True
+    )
     dx = fp8_nt(dy8, w8, inv_gu[1], out_dtype=out_dtype, r_chunk=0, interpret=interp)
     dw_gu = fp8_nt(
         x8_KM,
@@ -402,8 +412,8 @@ def _swiglu_bwd(out_dtype, widen, res, dout_MK):
         dx,
         dw_gu,
         dw_down,
-        jnp.stack([amax_x, amax_w, amax_dy]),
-        jnp.stack([amax_h, amax_wd, amax_g]),
+        amax_of(amax_x, amax_w, amax_dy),
+        amax_of(amax_h, amax_wd, amax_g),
         zero,
     )
 
@@ -553,7 +563,7 @@ def _gbwd_mosaic(kernels, x_dtype, res, dy_RN):
     g8, g8_NP, amax_g = _quantize_padded(gmosaic.to_padded(dy_RN, lay), scale_3, 2, E5M2, gm, gmosaic.BLOCK)
     dx = gmosaic.grouped_nt(g8, w8, lay, inv_dx, out_dtype=x_dtype, interpret=_interpret())
     dw = gmosaic.grouped_tnt(x8_KP, g8_NP, lay, inv_dw, interpret=_interpret())
-    return gmosaic.from_padded(dx, lay), dw, None, jnp.stack([amax_x, amax_w, amax_g])
+    return gmosaic.from_padded(dx, lay), dw, None, amax_of(amax_x, amax_w, amax_g)
 
 
 fp8_grouped_matmul.defvjp(_gfwd, _gbwd)
@@ -633,9 +643,9 @@ def _rope_bwd(shape, theta, out_dtype, kernels, res, cts):
 
     (x8_KM, w8, scale_3, amax_x, amax_w, kn, (_, inv_dx, inv_dw)), d_wq = res
     m, (k, n) = shape[0] * shape[1], kn.shape[:2]
-    g8, g8_NM, amax_g = rope_cotangent_quantized(cts, shape, theta, scale_3, E5M2, scale_index=2)
+    g8, g8_NM, amax_g = rope_cotangent_quantized(cts, shape, theta, scale_3, E5M2, scale_index=2, amax_tiles=True)
     dx, dw = _mosaic_grads(g8, g8_NM, x8_KM, w8, (m, k, n), inv_dx, inv_dw, out_dtype)
-    return dx, dw, d_wq, jnp.stack([amax_x, amax_w, amax_g])
+    return dx, dw, d_wq, amax_of(amax_x, amax_w, amax_g)
 
 
 fp8_matmul_rope.defvjp(_rope_fwd, _rope_bwd)

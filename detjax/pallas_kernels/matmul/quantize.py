@@ -59,6 +59,18 @@ def scale_input(scale: jax.Array, scale_index: int | None) -> tuple[jax.Array, p
     return s, pl.BlockSpec((1,), lambda *_: (scale_index,))
 
 
+def amax_of(*parts: jax.Array) -> jax.Array:
+    """(len(parts),) float32: the maximum of each part -- an amax, or the per-tile amaxes a quantization kernel
+    returns with amax_tiles=True -- in one reduction: the parts are zero-padded to one length, stacked and
+    reduced along the rows. On the GPU each jnp.max of a kernel's tiles is a kernel launch of its own (about
+    1 us; gpu_dense's fp8 step had about 500 a step, docs/BENCHMARKS.md session 35), so model.fp8's products
+    keep the tiles and reduce a product's three amaxes together in its backward. Every amax is >= 0 or NaN
+    (a maximum of |v|), so the zeros change no maximum: the bytes of each part's own jnp.max."""
+    flat = [jnp.ravel(p).astype(jnp.float32) for p in parts]
+    n = max(f.shape[0] for f in flat)
+    return jnp.max(jnp.stack([jnp.pad(f, (0, n - f.shape[0])) for f in flat]), axis=1)
+
+
 def quantize(v: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """dtype(clip(v * scale, -fmax, fmax)) in float32: model.fp8's quantization, here and in XLA alike."""
     fmax = float(jnp.finfo(dtype).max)
@@ -97,7 +109,9 @@ def _kernel(v_ref, s_ref, q_ref, qt_ref, amax_ref, *, m: int, n: int, padding: b
     _write_tile(v, s_ref, q_ref, qt_ref, amax_ref, t32)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to", "round_to", "scale_index"))
+@functools.partial(
+    jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to", "round_to", "scale_index", "amax_tiles")
+)
 def quantize_transposed(
     v: jax.Array,
     scale: jax.Array,
@@ -108,20 +122,22 @@ def quantize_transposed(
     cols_to: int = BLOCK,
     round_to=None,
     scale_index: int | None = None,
+    amax_tiles: bool = False,
 ):
     """(q, q^T, amax) of a 2-D v: q = dtype(clip(v * scale, -fmax, fmax)), zero-padded to rows_to x
     cols_to multiples (multiples of BLOCK: the padding the Mosaic fp8 product needs, written here instead
     of by a copy), its transpose, and max |v| (float32, over v alone). `round_to` (a dtype): v is rounded to
     it first, so a float32 v gives the bytes of quantize_transposed(v.astype(round_to)) without that cast's
     pass over memory (model.fp8's float32 cotangents, detjax.model.fp8). `scale_index`: scale is a scale set
-    and the kernel reads this element of it (scale_input)."""
+    and the kernel reads this element of it (scale_input). `amax_tiles`: the amax unreduced, one per tile
+    (amax_of reduces it)."""
     m, n = v.shape
     key = "transposed_f32" if v.dtype == jnp.float32 else "transposed"
     shape, tile, spec, _ = _padded_tiles("quantize_transposed", key, m, n, rows_to, cols_to)
     t32 = TILES[key].get("t32", False)
     kernel = functools.partial(_kernel, m=m, n=n, padding=shape != (m, n), round_to=round_to, t32=t32)
     args = (kernel, "fp8_quantize_transposed", [spec], shape, tile, dtype, interpret, v)
-    return _tiles_call(*args, scale=scale, scale_index=scale_index)
+    return _tiles_call(*args, scale=scale, scale_index=scale_index, amax_tiles=amax_tiles)
 
 
 def _padded_tiles(name: str, key: str, m: int, n: int, rows_to: int, cols_to: int):
@@ -140,10 +156,13 @@ def _padded_tiles(name: str, key: str, m: int, n: int, rows_to: int, cols_to: in
     return (padded(m, rows_to), padded(n, cols_to)), (bm, bn, t["num_warps"]), spec, row
 
 
-def _tiles_call(kernel, name: str, in_specs: list, shape, tile, dtype, interpret: bool, *args, scale, scale_index):
+def _tiles_call(
+    kernel, name: str, in_specs: list, shape, tile, dtype, interpret: bool, *args, scale, scale_index, amax_tiles=False
+):
     """The pallas_call of a kernel over the (block_m x block_n) tiles of a (rows, cols) result (tile =
     (block_m, block_n, num_warps)): in_specs for args, then the scale (scale_input); out q (rows, cols), q^T
-    and each tile's amax. Returns (q, q^T, the max of the amaxes)."""
+    and each tile's amax. Returns (q, q^T, the max of the amaxes), or with amax_tiles the tiles' amaxes
+    unreduced (see `amax_of`)."""
     scale_arg, scale_spec = scale_input(scale, scale_index)
     rows, cols = shape
     bm, bn, warps = tile
@@ -166,7 +185,7 @@ def _tiles_call(kernel, name: str, in_specs: list, shape, tile, dtype, interpret
         interpret=interpret,
         compiler_params=triton_params(warps, 1, interpret),
     )(*args, scale_arg)
-    return q, qt, jnp.max(amax)
+    return q, qt, amax if amax_tiles else jnp.max(amax)
 
 
 # ------------------------------------------------------------------ SwiGLU fused with the quantization
@@ -234,12 +253,12 @@ def _check_swiglu(y: jax.Array) -> tuple[int, int]:
     return m, f2 // 2
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "scale_index"))
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "scale_index", "amax_tiles"))
 def swiglu_quantize_transposed(
-    y: jax.Array, scale: jax.Array, *, dtype, interpret: bool, scale_index: int | None = None
+    y: jax.Array, scale: jax.Array, *, dtype, interpret: bool, scale_index: int | None = None, amax_tiles=False
 ):
     """(q, q^T, amax) of h = swiglu(gate, up) for y = [gate | up] (m, 2f): q = dtype(clip(h * scale)) (m, f),
-    its transpose, and max |h| (float32). `scale_index` as in quantize_transposed."""
+    its transpose, and max |h| (float32). `scale_index`, `amax_tiles` as in quantize_transposed."""
     m, f = _check_swiglu(y)
     bm, bn, warps = _swiglu_tile("swiglu_fwd", m, f)
     nf = f // bn
@@ -247,18 +266,25 @@ def swiglu_quantize_transposed(
     tile = (bm, bn, warps)
     kernel = functools.partial(_swiglu_kernel, t32=TILES["swiglu_fwd"].get("t32", False))
     args = (kernel, "fp8_swiglu_quantize", in_specs, (m, f), tile, dtype, interpret, y, y)
-    return _tiles_call(*args, scale=scale, scale_index=scale_index)
+    return _tiles_call(*args, scale=scale, scale_index=scale_index, amax_tiles=amax_tiles)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "scale_index"))
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "scale_index", "amax_tiles"))
 def swiglu_bwd_quantize_transposed(
-    y: jax.Array, dh: jax.Array, scale: jax.Array, *, dtype, interpret: bool, scale_index: int | None = None
+    y: jax.Array,
+    dh: jax.Array,
+    scale: jax.Array,
+    *,
+    dtype,
+    interpret: bool,
+    scale_index: int | None = None,
+    amax_tiles: bool = False,
 ):
     """(q, q^T, amax) of dy = [dgate | dup] (m, 2f), the gradient of y = [gate | up] through h = swiglu(gate,
     up) for the cotangent dh (m, f): q = dtype(clip(dy * scale)), its transpose and max |dy| (float32).
     With TILES["swiglu_bwd"]["pair"], one program per tile writes both halves (y's and dh's tiles read
     once); else grid (half, row tile, column tile), whose two programs of a tile are neighbours in launch
-    order. `scale_index` as in quantize_transposed."""
+    order. `scale_index`, `amax_tiles` as in quantize_transposed."""
     m, f = _check_swiglu(y)
     if dh.shape != (m, f):
         raise ValueError(f"swiglu backward: dh {dh.shape} does not match y {y.shape}")
@@ -290,7 +316,7 @@ def swiglu_bwd_quantize_transposed(
             interpret=interpret,
             compiler_params=triton_params(warps, 1, interpret),
         )(y, y, dh, s)
-        return q.reshape(m, 2 * f), qt.reshape(2 * f, m), jnp.max(amax)
+        return q.reshape(m, 2 * f), qt.reshape(2 * f, m), amax if amax_tiles else jnp.max(amax)
     q, qt, amax = pl.pallas_call(
         functools.partial(_swiglu_bwd_half_kernel, t32=t32),
         grid=(2, gm, nf),
@@ -314,7 +340,7 @@ def swiglu_bwd_quantize_transposed(
         interpret=interpret,
         compiler_params=triton_params(warps, 1, interpret),
     )(y, y, dh, s)
-    return q, qt, jnp.max(amax)
+    return q, qt, amax if amax_tiles else jnp.max(amax)
 
 
 # ------------------------------------------------------------ the cross-entropy's gradient, quantized
@@ -340,7 +366,7 @@ def _ce_kernel(l_ref, lse_ref, t_ref, dce_ref, s_ref, q_ref, qt_ref, amax_ref, *
     _write_tile(d, s_ref, q_ref, qt_ref, amax_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to", "scale_index"))
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "rows_to", "cols_to", "scale_index", "amax_tiles"))
 def ce_grad_quantize_transposed(
     logits: jax.Array,
     lse: jax.Array,
@@ -353,10 +379,11 @@ def ce_grad_quantize_transposed(
     rows_to: int = BLOCK,
     cols_to: int = BLOCK,
     scale_index: int | None = None,
+    amax_tiles: bool = False,
 ):
     """(q, q^T, amax) of d = ce_grad(logits, lse, targets, dce) (m, n): q = dtype(clip(d * scale)), zero-padded
     to rows_to x cols_to multiples as in quantize_transposed, its transpose, and max |d| (float32).
-    `scale_index` as in quantize_transposed."""
+    `scale_index`, `amax_tiles` as in quantize_transposed."""
     m, n = logits.shape
     if lse.shape != (m,) or targets.shape != (m,) or dce.shape != (m,):
         raise ValueError(f"ce_grad_quantize_transposed: lse, targets, dce must be ({m},) for logits {logits.shape}")
@@ -365,4 +392,4 @@ def ce_grad_quantize_transposed(
     args = (logits, lse.astype(jnp.float32), targets.astype(jnp.int32), dce.astype(jnp.float32))
     in_specs = [spec, row, row, row]
     head = (kernel, "fp8_ce_grad_quantize", in_specs, shape, tile, dtype, interpret)
-    return _tiles_call(*head, *args, scale=scale, scale_index=scale_index)
+    return _tiles_call(*head, *args, scale=scale, scale_index=scale_index, amax_tiles=amax_tiles)

@@ -150,14 +150,27 @@ def _quantize_kernel(dq_ref, dk_ref, dv_ref, cos_ref, sin_ref, s_ref, q_ref, qt_
     _pieces(dq_ref, dk_ref, dv_ref, cos_ref, sin_ref, write=write, **kw)
 
 
-@functools.partial(jax.jit, static_argnames=("length", "head_dim", "dtype", "interpret", "scale_index"))
+@functools.partial(jax.jit, static_argnames=("length", "head_dim", "dtype", "interpret", "scale_index", "amax_tiles"))
 def rope_grad_quantize_transposed(
-    dq, dk, dv, cos, sin, scale, *, length: int, head_dim: int, dtype, interpret: bool, scale_index: int | None = None
+    dq,
+    dk,
+    dv,
+    cos,
+    sin,
+    scale,
+    *,
+    length: int,
+    head_dim: int,
+    dtype,
+    interpret: bool,
+    scale_index: int | None = None,
+    amax_tiles: bool = False,
 ):
     """(q, q^T, amax) of dy = rope_grad_concat(dq, dk, dv, cos, sin): q = dtype(clip(dy * scale)) (m, (H + 2K)
     Q), its transpose, and max |dy| (float32) -- quantize.quantize_transposed(dy, scale) without dy in
     memory. No padding: the shapes are whole tiles (fits), as the fp8 product's are where it is used.
-    `scale_index`: scale is a scale set and the kernel reads this element of it (quantize.scale_input)."""
+    `scale_index`: scale is a scale set and the kernel reads this element of it (quantize.scale_input).
+    `amax_tiles`: the amax unreduced, one per tile (quantize.amax_of reduces it)."""
     m, nq, nk = _check(dq, dk, dv, length, head_dim)
     bm, bn = TILES["block_m"], TILES["block_n"]
     kw = {"nq": nq, "nk": nk, "head_dim": head_dim, "length": length}
@@ -166,4 +179,4 @@ def rope_grad_quantize_transposed(
     kernel = functools.partial(_quantize_kernel, **kw)
     shape = (m, (nq + 2 * nk) * bn)
     head = (kernel, "fp8_rope_grad_quantize", specs, shape, tile, dtype, interpret)
-    return _tiles_call(*head, dq, dk, dv, cos, sin, scale=scale, scale_index=scale_index)
+    return _tiles_call(*head, dq, dk, dv, cos, sin, scale=scale, scale_index=scale_index, amax_tiles=amax_tiles)

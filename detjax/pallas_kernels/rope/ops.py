@@ -53,9 +53,12 @@ def _bwd(shape, theta, _, cts):
 split_rope.defvjp(_fwd, _bwd)
 
 
-def rope_cotangent_quantized(cts, shape, theta: float, scale: jax.Array, dtype, scale_index: int | None = None):
+def rope_cotangent_quantized(
+    cts, shape, theta: float, scale: jax.Array, dtype, scale_index: int | None = None, amax_tiles: bool = False
+):
     """(q, q^T, amax) of the cotangent of y for the cotangents (dq, dk, dv) of split_rope_forward: the fp8
-    product's quantized incoming gradient (kernel.rope_grad_quantize_transposed; `scale_index` as there)."""
+    product's quantized incoming gradient (kernel.rope_grad_quantize_transposed; `scale_index` and
+    `amax_tiles` as there)."""
     length, q = shape[1], shape[4]
     cos, sin = tables(length, q, theta)
     return rope_grad_quantize_transposed(
@@ -68,4 +71,5 @@ def rope_cotangent_quantized(cts, shape, theta: float, scale: jax.Array, dtype, 
         dtype=dtype,
         interpret=interpret_mode(),
         scale_index=scale_index,
+        amax_tiles=amax_tiles,
     )
