@@ -101,14 +101,17 @@ def device_ms(run, reps: int, kernel: str) -> float:
 def tables(
     events: list[dict], names: dict[str, str], pattern: str, steps: int, top: int, always: tuple[str, ...] = ()
 ) -> str:
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events if "ts" in e)
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:  # the union of the device ops' intervals: time the device had work
+    timed = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e) for e in events if "ts" in e)
+    busy, end, last, gaps = 0.0, float("-inf"), None, []
+    for a, b, e in timed:  # the union of the device ops' intervals: time the device had work
+        if a > end and last is not None:  # the device idle from `end` to `a`, between `last` and e
+            gaps.append((a - end, last.get("name", "?"), e.get("name", "?")))
         if b > end:
             busy += b - max(a, end)
-            end = b
+            end, last = b, e
     by_scope: dict[tuple[str, str], float] = defaultdict(float)
     by_op: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    small: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])  # ops under 5 us, by scope
     total = 0.0
     for e in events:
         args = e.get("args", {})
@@ -121,15 +124,28 @@ def tables(
         rec = by_op[(e.get("name", hlo), scope, pas)]
         rec[0] += dur
         rec[1] += 1
+        if float(e.get("dur", 0.0)) < 5.0:
+            small[(scope, pas)][0] += dur
+            small[(scope, pas)][1] += 1
     short = [float(e.get("dur", 0.0)) for e in events if float(e.get("dur", 0.0)) < 5.0]
+    span = (timed[-1][1] - timed[0][0]) if timed else 0.0
     lines = [
         f"device time per step: {total:.2f} ms (sum over device ops; overlapping streams add up); "
         f"busy {busy / 1e3 / steps:.2f} ms (union of op intervals)",
         # each launch also leaves the device a gap of about a microsecond: the count says how many there are
         f"device ops per step: {len(events) / steps:.0f}, of which {len(short) / steps:.0f} under 5 us "
         f"({sum(short) / 1e3 / steps:.2f} ms)",
+        # with the steps queued back to back, the device's idle time inside the traced window is what the host
+        # (launches, synchronisation, command-buffer boundaries) costs the step
+        f"traced window {span / 1e3 / steps:.2f} ms / step: device idle {(span - busy) / 1e3 / steps:.2f} ms / step "
+        f"in {len(gaps) / steps:.0f} gaps, {sum(g for g, *_ in gaps if g >= 20) / 1e3 / steps:.2f} ms of it in "
+        f"gaps of 20 us or more",
         "",
     ]
+    lines += ["the largest device-idle gaps", "", "| gap (us) | after | before |", "|---|---|---|"]
+    for g, prev, nxt in sorted(gaps, key=lambda t: -t[0])[:10]:
+        lines.append(f"| {g:.1f} | {prev[:50]} | {nxt[:50]} |")
+    lines.append("")
     lines += ["| scope | pass | ms / step | share |", "|---|---|---|---|"]
     for (scope, pas), ms in sorted(by_scope.items(), key=lambda kv: -kv[1]):
         if ms >= 0.005 * total or any(a in scope for a in always):
@@ -137,6 +153,10 @@ def tables(
     for a in always:  # a small scope's whole cost (every op whose scope path contains it)
         ms = sum(v for (scope, _), v in by_scope.items() if a in scope)
         lines.append(f"scope '{a}' in all: {ms:.3f} ms / step = {100 * ms / max(total, 1e-9):.3f} % of device time")
+    lines += ["", "ops under 5 us by scope (the most first)", "", "| scope | pass | ops / step | ms / step |"]
+    lines += ["|---|---|---|---|"]
+    for (scope, pas), (ms, n) in sorted(small.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"| {scope} | {pas} | {n / steps:.0f} | {ms:.3f} |")
     lines += ["", f"top {top} device ops", "", "| op | scope | pass | ms / step | calls / step |"]
     lines += ["|---|---|---|---|---|"]
     for (name, scope, pas), (ms, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]:
