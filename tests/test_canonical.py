@@ -250,6 +250,7 @@ def _assert_step_equal(got, ref, what) -> None:
     assert digests[0] == digests[1], what
 
 
+@pytest.mark.extended  # ~115 s on 2 cores; the default run has the hybrid against one device on tensor 2 x data 4
 def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
     """Canonical: two steps (the second is the first with a nonzero learning rate, so AdamW's update counts)
     on one device and on fsdp 2 x expert 2 x data 2 with another microbatch size give the same parameters and
