@@ -268,12 +268,16 @@ def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
 EP = ["determinism.numerics=canonical", "model.moe.experts_impl=pallas", "model.pattern='E-'", "model.mtp.depth=0"]
 
 
+def _dispatch_ref():
+    """Two canonical steps of the dispatch tests' model on one device."""
+    return _one_step([*EP, "determinism.max_tensor=2", "mesh.devices=1"], (), steps=2)
+
+
 def test_expert_dispatch_is_byte_equal_to_one_device(monkeypatch):
     """Canonical expert parallelism with token dispatch (the Pallas grouped matmuls; interpret mode here): on
     expert 4 x data 2 each device keeps its two experts, sends every leaf's rows to their experts' owners by
-    all-to-all and gets one weight gradient per source device; on tensor 2 x expert 2 x data 2 (sequence
-    parallel) each owner also holds one of the two feature chunks of its experts' width
-    (determinism.max_tensor = 2). Two steps give the one-device parameters and digests byte for byte.
+    all-to-all and gets one weight gradient per source device. Two steps give the one-device parameters and
+    digests byte for byte (tensor 2 x expert 2 x data 2: the extended test below).
     Negative control: the owner files each source's gradient under the next source (a rotation of the
     per-source copies: the same values, so the forward does not change) and the bits move, so the test sees
     where each source's subtree enters the tree."""
@@ -286,9 +290,8 @@ def test_expert_dispatch_is_byte_equal_to_one_device(monkeypatch):
     cfg = load_config(MESH_CFG, [*canon, *ep4])
     tr = Trainer(cfg, build_layout(cfg, jax.devices()))
     assert tr.expert_split is not None and tr.expert_split.degree == 4
-    ref = _one_step([*canon, "mesh.devices=1"], (), steps=2)
-    for mesh in (ep4, ["mesh.tensor=2", "mesh.expert=2", "mesh.data=2", "mesh.sequence_parallel=true"]):
-        _assert_step_equal(_one_step([*canon, *mesh], (), steps=2), ref, mesh)
+    ref = _dispatch_ref()
+    _assert_step_equal(_one_step([*canon, *ep4], (), steps=2), ref, ep4)
 
     local = expert._local
 
@@ -299,6 +302,18 @@ def test_expert_dispatch_is_byte_equal_to_one_device(monkeypatch):
     monkeypatch.setattr(expert, "_local", misfiled)
     bad = _one_step([*canon, *ep4], (), steps=2)
     assert not _same(bad[1]["digest"], ref[1]["digest"]), "negative control: misfiled gradients should change bits"
+
+
+@pytest.mark.extended  # ~35 s on 2 cores; the default run has the dispatch on expert 4 x data 2 (above)
+def test_expert_dispatch_with_expert_width_chunks_is_byte_equal_to_one_device():
+    """Canonical expert dispatch on tensor 2 x expert 2 x data 2 (sequence parallel): each owner also holds one
+    of the two feature chunks of its experts' width (determinism.max_tensor = 2). Two steps give the one-device
+    parameters and digests byte for byte. Negative control: default numerics on that mesh give other bits."""
+    mesh = ["mesh.tensor=2", "mesh.expert=2", "mesh.data=2", "mesh.sequence_parallel=true"]
+    ref = _dispatch_ref()
+    _assert_step_equal(_one_step([*EP, "determinism.max_tensor=2", *mesh], (), steps=2), ref, mesh)
+    default = _one_step([*EP[1:], *mesh], (), steps=2)
+    assert not _same(default[0], ref[0]), "negative control: default numerics should change the bits"
 
 
 @pytest.mark.extended  # ~65 s on 2 cores: the fp8 grouped products beside the dispatch test above
