@@ -127,14 +127,14 @@ def tables(
         if float(e.get("dur", 0.0)) < 5.0:
             small[(scope, pas)][0] += dur
             small[(scope, pas)][1] += 1
-    short = [float(e.get("dur", 0.0)) for e in events if float(e.get("dur", 0.0)) < 5.0]
+    n_small, ms_small = sum(n for _, n in small.values()), sum(ms for ms, _ in small.values())
     span = (timed[-1][1] - timed[0][0]) if timed else 0.0
     lines = [
         f"device time per step: {total:.2f} ms (sum over device ops; overlapping streams add up); "
         f"busy {busy / 1e3 / steps:.2f} ms (union of op intervals)",
         # each launch also leaves the device a gap of about a microsecond: the count says how many there are
-        f"device ops per step: {len(events) / steps:.0f}, of which {len(short) / steps:.0f} under 5 us "
-        f"({sum(short) / 1e3 / steps:.2f} ms)",
+        f"device ops per step: {len(events) / steps:.0f}, of which {n_small / steps:.0f} under 5 us "
+        f"({ms_small:.2f} ms)",
         # with the steps queued back to back, the device's idle time inside the traced window is what the host
         # (launches, synchronisation, command-buffer boundaries) costs the step
         f"traced window {span / 1e3 / steps:.2f} ms / step: device idle {(span - busy) / 1e3 / steps:.2f} ms / step "

@@ -497,7 +497,7 @@ def test_fp8_swiglu_quantization_kernels_match_xla(tiles, monkeypatch):
 
 def test_amax_of_reduces_each_part_exactly():
     """quantize.amax_of: parts of different sizes (a scalar amax, per-tile amaxes) reduced in one op give the
-    bytes of each part's own jnp.max, with NaN kept and -0.0's absolute value 0 unchanged. Negative control:
+    bytes of each part's own jnp.max, with NaN kept and a part of zeros giving 0. Negative control:
     a larger value in one part changes that part's entry and no other."""
     from detjax.pallas_kernels.matmul.quantize import amax_of
 
