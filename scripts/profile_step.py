@@ -11,6 +11,10 @@ xprof; a Perfetto JSON trace is written beside it) and prints:
   type add up; forward and backward (ops under a transpose) are separate rows;
 - the top device ops by time, with their scope.
 
+`--synced` waits for each traced step before dispatching the next, as det_tax's synced steps do: the idle
+table then shows where the device waits for the host's dispatch. The first timed line (untraced) stays
+back to back.
+
 `--plain` profiles scripts/plain_step.py's plain-JAX step of the same (dense) config instead (its ops carry no
 module scopes: read its table by op). It runs the plain step as det_tax's plain mode does, with XLA's default
 flags. On the H200 with jax 0.11.2 every variant of --plain tried so far (command buffers off, the step
@@ -135,8 +139,8 @@ def tables(
         # each launch also leaves the device a gap of about a microsecond: the count says how many there are
         f"device ops per step: {len(events) / steps:.0f}, of which {n_small / steps:.0f} under 5 us "
         f"({ms_small:.2f} ms)",
-        # with the steps queued back to back, the device's idle time inside the traced window is what the host
-        # (launches, synchronisation, command-buffer boundaries) costs the step
+        # whether the steps are queued back to back or each is waited for (--synced), the device's idle time
+        # inside the traced window is what the host (launches, synchronisation, command-buffer boundaries) costs
         f"traced window {span / 1e3 / steps:.2f} ms / step: device idle {(span - busy) / 1e3 / steps:.2f} ms / step "
         f"in {len(gaps) / steps:.0f} gaps, {sum(g for g, *_ in gaps if g >= 20) / 1e3 / steps:.2f} ms of it in "
         f"gaps of 20 us or more",
@@ -192,6 +196,12 @@ def main() -> int:
         type=int,
         default=None,
         help="digest leaves of at least this many bytes alone, unstacked (detjax.fingerprint.ALONE_BYTES)",
+    )
+    ap.add_argument(
+        "--synced",
+        action="store_true",
+        help="wait for each traced step before dispatching the next (det_tax's synced step): the device's idle "
+        "time then includes what it waits for the host's dispatch",
     )
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
@@ -264,6 +274,8 @@ def main() -> int:
     with jax.profiler.trace(str(out), create_perfetto_trace=True):
         for i in range(a.steps):
             state, m = step(state, batches[i % 4])
+            if a.synced:
+                jax.block_until_ready((state, m))
         jax.block_until_ready((state, m))
     dt = (time.perf_counter() - t0) / a.steps
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices() if d in devices]
@@ -272,7 +284,8 @@ def main() -> int:
     what = f"{cfg.run.name}{' (plain step)' if a.plain else ''}"
     print(f"{what}: {jax.devices()[0].device_kind}, jax {jax.__version__}, {len(devices)} device(s)")
     print(
-        f"step {1e3 * dt_plain:.2f} ms ({a.steps} steps, wall clock; {1e3 * dt:.2f} ms under the profiler); "
+        f"step {1e3 * dt_plain:.2f} ms ({a.steps} steps back to back, wall clock; {1e3 * dt:.2f} ms under the "
+        f"profiler{', each step waited for' if a.synced else ''}); "
         f"model {flops / 1e12:.2f} TFLOP/step -> MFU {100 * flops_mod.mfu(cfg, dt_plain, len(devices)):.1f} %"
         + ("" if peak is None else f"; peak memory {peak / 2**30:.2f} GiB")
     )
