@@ -204,7 +204,7 @@ def main() -> int:
         "time then includes what it waits for the host's dispatch",
     )
     ap.add_argument("overrides", nargs="*")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()  # overrides may come before or after the flags
 
     here = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(Path(a.src).resolve() if a.src else here))
