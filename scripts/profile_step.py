@@ -132,7 +132,7 @@ def tables(
             small[(scope, pas)][0] += dur
             small[(scope, pas)][1] += 1
     n_small, ms_small = sum(n for _, n in small.values()), sum(ms for ms, _ in small.values())
-    span = (timed[-1][1] - timed[0][0]) if timed else 0.0
+    span = (end - timed[0][0]) if timed else 0.0  # first start to last end (`end`: the latest end seen)
     lines = [
         f"device time per step: {total:.2f} ms (sum over device ops; overlapping streams add up); "
         f"busy {busy / 1e3 / steps:.2f} ms (union of op intervals)",

@@ -68,3 +68,31 @@ def test_time_steps_fields_on_cpu():
     # 1 compile call + (warmup + steps - 1) synced + windows x steps pipelined: 11 calls on batches 0, 1, 2, 0, ...;
     # the last call's output sums the state before its own add
     assert float(out) == 8 * sum(float(batches[i % 3][0]) for i in range(10))
+
+
+def _events(*spans):
+    return [{"name": n, "ts": ts, "dur": dur, "args": {}} for n, ts, dur in spans]
+
+
+def test_profile_tables_count_busy_time_idle_gaps_and_small_ops():
+    """scripts/profile_step.py's summary, which docs/BENCHMARKS.md quotes: busy time is the union of the ops'
+    intervals (an op inside another adds nothing), idle time is the traced window (first start to last end)
+    less that, and each gap is named by the ops on its two sides. Event times are microseconds; the summary
+    prints ms per step."""
+    import profile_step
+
+    # a and b back to back, 10 ms idle, then c with the 2-us op d inside it (another stream): d starts last but
+    # c ends last, so the window is 30 ms
+    text = profile_step.tables(
+        _events(("a", 0.0, 10e3), ("b", 10e3, 5e3), ("c", 25e3, 5e3), ("d", 27e3, 2.0)), {}, "", 1, 5
+    )
+    assert "busy 20.00 ms" in text and "device time per step: 20.00 ms" in text
+    assert "device ops per step: 4, of which 1 under 5 us" in text
+    assert "traced window 30.00 ms / step: device idle 10.00 ms / step in 1 gaps" in text
+    assert "| 10000.0 | b | c |" in text
+    # negative control: c right after b leaves no gap
+    closed = profile_step.tables(
+        _events(("a", 0.0, 10e3), ("b", 10e3, 5e3), ("c", 15e3, 5e3), ("d", 17e3, 2.0)), {}, "", 1, 5
+    )
+    assert "traced window 20.00 ms / step: device idle 0.00 ms / step in 0 gaps" in closed
+    assert "| b | c |" not in closed
