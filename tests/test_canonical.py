@@ -268,9 +268,12 @@ def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
 EP = ["determinism.numerics=canonical", "model.moe.experts_impl=pallas", "model.pattern='E-'", "model.mtp.depth=0"]
 
 
+EP_CANON = [*EP, "determinism.max_tensor=2"]  # the dispatch tests' model with two width chunks
+
+
 def _dispatch_ref():
     """Two canonical steps of the dispatch tests' model on one device."""
-    return _one_step([*EP, "determinism.max_tensor=2", "mesh.devices=1"], (), steps=2)
+    return _one_step([*EP_CANON, "mesh.devices=1"], (), steps=2)
 
 
 def test_expert_dispatch_is_byte_equal_to_one_device(monkeypatch):
@@ -285,13 +288,12 @@ def test_expert_dispatch_is_byte_equal_to_one_device(monkeypatch):
     from detjax.sharding.mesh import build_layout
     from detjax.step import Trainer
 
-    canon = [*EP, "determinism.max_tensor=2"]
     ep4 = ["mesh.expert=4", "mesh.data=2"]
-    cfg = load_config(MESH_CFG, [*canon, *ep4])
+    cfg = load_config(MESH_CFG, [*EP_CANON, *ep4])
     tr = Trainer(cfg, build_layout(cfg, jax.devices()))
     assert tr.expert_split is not None and tr.expert_split.degree == 4
     ref = _dispatch_ref()
-    _assert_step_equal(_one_step([*canon, *ep4], (), steps=2), ref, ep4)
+    _assert_step_equal(_one_step([*EP_CANON, *ep4], (), steps=2), ref, ep4)
 
     local = expert._local
 
@@ -300,7 +302,7 @@ def test_expert_dispatch_is_byte_equal_to_one_device(monkeypatch):
         return local(x, idx, gate, *ws, *ws_and_scales[3:], **kw)
 
     monkeypatch.setattr(expert, "_local", misfiled)
-    bad = _one_step([*canon, *ep4], (), steps=2)
+    bad = _one_step([*EP_CANON, *ep4], (), steps=2)
     assert not _same(bad[1]["digest"], ref[1]["digest"]), "negative control: misfiled gradients should change bits"
 
 
@@ -311,8 +313,8 @@ def test_expert_dispatch_with_expert_width_chunks_is_byte_equal_to_one_device():
     parameters and digests byte for byte. Negative control: default numerics on that mesh give other bits."""
     mesh = ["mesh.tensor=2", "mesh.expert=2", "mesh.data=2", "mesh.sequence_parallel=true"]
     ref = _dispatch_ref()
-    _assert_step_equal(_one_step([*EP, "determinism.max_tensor=2", *mesh], (), steps=2), ref, mesh)
-    default = _one_step([*EP[1:], *mesh], (), steps=2)
+    _assert_step_equal(_one_step([*EP_CANON, *mesh], (), steps=2), ref, mesh)
+    default = _one_step([o for o in EP if not o.startswith("determinism.numerics")] + mesh, (), steps=2)
     assert not _same(default[0], ref[0]), "negative control: default numerics should change the bits"
 
 
