@@ -1,6 +1,9 @@
 """Typed, frozen config tree: YAML + dotted key=value overrides; unknown keys are errors.
 
-This module imports no JAX so that `detjax.train` can set XLA flags before JAX initialises.
+This module imports no JAX so that `detjax.train` can set XLA flags before JAX initialises. It is one file on
+purpose: it is the whole schema, one small dataclass per section with its own validation, so that every key a
+user can set, its default and its comment are read in one place. The rules that read several sections are in
+detjax.config_checks.
 """
 
 from __future__ import annotations
@@ -16,6 +19,14 @@ from typing import Any, Literal
 
 import yaml
 
+from detjax.config_checks import (  # noqa: F401 (the checks' public names are config's)
+    canonical_notes,
+    canonical_problems,
+    canonical_tensor_problems,
+    cross_section_problems,
+    expert_dispatch,
+    fp8_problems,
+)
 from detjax.pallas_kernels import support_problems
 from detjax.sharding.checks import layout_problems
 
@@ -458,10 +469,6 @@ class DebugConfig:
     # ulp at a position drawn from os.urandom, so two runs differ there and only there.
     inject_nondeterminism: InjectConfig = field(default_factory=InjectConfig)
     allow_injection_in_strict: bool = False
-    # false drops the non-finite guard's on-device checks from the step (the losses are still computed, but
-    # nothing stops the run). Only for pricing the guard:
-    # scripts/det_tax.py --modes strict-kernels,strict-kernels+debug.nonfinite_guard=false
-    nonfinite_guard: bool = True
 
     def validate(self) -> None:
         inj = self.inject_nondeterminism
@@ -552,6 +559,9 @@ class DistConfig:
 
 # Sections that may change between a save and a resume: they never touch the trajectory.
 RESUME_MUTABLE_SECTIONS = ("run", "ckpt", "trace", "dist", "eval")
+# Keys that no longer exist, with the one value they may still carry in older run directories' config.yaml
+# (loading drops them) and in the trajectory hash (so those runs keep their hash and resume).
+RETIRED = {"debug.nonfinite_guard": True}  # the guard is always on; scripts/det_tax.py's `+noguard` prices it
 
 
 @dataclass(frozen=True)
@@ -580,47 +590,8 @@ class Config:
         self.run.validate()
         self.ckpt.validate()
         self.determinism.validate()
-        m, t = self.model, self.train
-        if t.seq_len % m.mamba.chunk_size and "M" in m.pattern:
-            _fail(
-                "model.mamba.chunk_size",
-                m.mamba.chunk_size,
-                f"must divide train.seq_len = {t.seq_len}",
-                "choose a chunk_size dividing seq_len",
-            )
-        if self.data.source == "builtin" and m.vocab_size < 259:  # a prepared corpus: checked against its meta
-            _fail(
-                "model.vocab_size",
-                m.vocab_size,
-                "the byte tokenizer needs 256 bytes + BOS/EOS/PAD = 259 ids",
-                "use vocab_size >= 259 (264 is a multiple of 8)",
-            )
-        d = self.determinism
-        if d.mode == "strict" and d.strategy == "kernels" and m.kernels != "pallas":
-            _fail(
-                "determinism.strategy",
-                "kernels",
-                "strict mode without XLA's deterministic flag relies on detjax's fixed-order Pallas kernels",
-                "set model.kernels=pallas, or determinism.strategy=xla_flags",
-            )
-        for problem in canonical_problems(self) + fp8_problems(self):
+        for problem in cross_section_problems(self):
             _fail(*problem)
-        if self.eval.every and (self.mesh.pipeline > 1 or d.canonical):
-            _fail(
-                "eval.every",
-                self.eval.every,
-                "held-out evaluation does not run under pipeline parallelism or canonical numerics yet",
-                "set eval.every=0 for this run, or evaluate a checkpoint of it on another mesh",
-            )
-        if t.on_nonfinite == "skip_step" and not self.debug.nonfinite_guard:
-            _fail(
-                "train.on_nonfinite",
-                "skip_step",
-                "skipping non-finite steps needs the guard's checks, and debug.nonfinite_guard is false",
-                "set debug.nonfinite_guard=true (the default)",
-            )
-        if m.mtp.depth and t.seq_len < 3:
-            _fail("train.seq_len", t.seq_len, "the MTP head needs seq_len >= 3", "raise seq_len or mtp.depth=0")
         for problem in layout_problems(self):
             _fail(*problem)
 
@@ -642,6 +613,9 @@ class Config:
             t.pop("micro_batch")
         if not self.model.fp8.lm_head:  # added later: absent means off, so older configs keep their hash
             d["model"]["fp8"].pop("lm_head")
+        for dotted, value in RETIRED.items():
+            section, key = dotted.split(".")
+            d[section][key] = value
         return d
 
     def hash(self) -> str:
@@ -649,179 +623,6 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------- loading
-
-
-def canonical_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
-    """What canonical numerics cannot (yet) make mesh-invariant, and the shapes its trees need."""
-    d, t, mesh = cfg.determinism, cfg.train, cfg.mesh
-    if d.numerics != "canonical":
-        return []
-    if d.mode != "strict":
-        return [("determinism.numerics", "canonical", "needs determinism.mode=strict", "set determinism.mode=strict")]
-    tensor_problems = canonical_tensor_problems(cfg)
-    if tensor_problems:
-        return tensor_problems
-    if mesh.pipeline > 1 and t.micro_batch != d.canonical_leaf:
-        return [
-            (
-                "train.micro_batch",
-                t.micro_batch,
-                f"a canonical pipeline's microbatches are the leaves of the gradient tree: it must equal "
-                f"determinism.canonical_leaf = {d.canonical_leaf}",
-                f"set train.micro_batch={d.canonical_leaf}",
-            )
-        ]
-    if cfg.trace.level != "none" or cfg.debug.inject_nondeterminism.scope:
-        what = "debug.inject_nondeterminism" if cfg.debug.inject_nondeterminism.scope else "trace.level"
-        return [
-            (
-                what,
-                cfg.trace.level if what == "trace.level" else cfg.debug.inject_nondeterminism.scope,
-                "the tracer's capture and fault injection are not built for canonical numerics' per-leaf tree yet",
-                "trace or inject with determinism.numerics=default",
-            )
-        ]
-    if t.global_batch & (t.global_batch - 1):
-        return [
-            (
-                "train.global_batch",
-                t.global_batch,
-                "must be a power of two under canonical numerics (the gradient tree over sequences is balanced)",
-                "use 8, 16, 32, ... sequences per step",
-            )
-        ]
-    leaf = d.canonical_leaf
-    if leaf < 1 or leaf & (leaf - 1) or t.global_batch % leaf:
-        return [
-            (
-                "determinism.canonical_leaf",
-                leaf,
-                f"must be a power of two dividing train.global_batch = {t.global_batch} (the leaves of the "
-                "gradient tree are whole, equal blocks of sequences)",
-                "use 1, 2, 4, ... up to train.global_batch",
-            )
-        ]
-    return []
-
-
-def canonical_tensor_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
-    """Canonical tensor parallelism's rules (determinism.max_tensor and the chunked dimensions)."""
-    d, mesh, m = cfg.determinism, cfg.mesh, cfg.model
-    big = d.max_tensor
-    if big < 1 or big & (big - 1):
-        return [("determinism.max_tensor", big, "must be a power of two", "use 1, 2, 4 or 8")]
-    if mesh.tensor > 1 and (mesh.tensor & (mesh.tensor - 1) or big % mesh.tensor):
-        return [
-            (
-                "mesh.tensor",
-                mesh.tensor,
-                f"canonical numerics split each tensor-parallel dimension into determinism.max_tensor = {big} "
-                "fixed chunks, and a device must hold a whole number of them",
-                f"set determinism.max_tensor={max(mesh.tensor, 2)} or larger (a power of two; part of the "
-                "trajectory), or use a mesh.tensor that divides it",
-            )
-        ]
-    if mesh.tensor > 1 and mesh.sequence_parallel and mesh.pipeline > 1:
-        return [
-            (
-                "mesh.sequence_parallel",
-                True,
-                "canonical sequence parallelism is not built inside pipeline stages yet (the stages pass the "
-                "whole residual stream)",
-                "set mesh.sequence_parallel=false, or mesh.pipeline=1",
-            )
-        ]
-    if big == 1:
-        return []
-    letters = set(m.pattern) | (set(m.mtp.pattern) if m.mtp.depth else set())
-    dims = [("model.vocab_size", m.vocab_size)]
-    if "*" in letters:
-        dims += [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads)]
-    if "-" in letters:
-        dims.append(("model.ffn_dim", m.ffn_dim))
-    if "E" in letters:
-        dims.append(("model.moe.ffn_dim", m.moe.ffn_dim))
-    if "M" in letters:
-        dims.append(("model.mamba.n_heads", m.mamba.n_heads))
-    for key, size in dims:
-        if size % big:
-            return [
-                (
-                    key,
-                    size,
-                    f"must be divisible by determinism.max_tensor = {big} (it is cut into that many fixed chunks)",
-                    f"use a multiple of {big}, or a smaller determinism.max_tensor",
-                )
-            ]
-    if m.moe.experts_kernels(m.kernels) == "pallas" and "E" in letters and (m.moe.ffn_dim // big) % 16:
-        return [
-            (
-                "model.moe.ffn_dim",
-                m.moe.ffn_dim,
-                f"the Pallas grouped matmul takes each of the determinism.max_tensor = {big} chunks of the experts' "
-                "width, and a chunk must be a multiple of 16",
-                f"use a multiple of {16 * big}, or a smaller determinism.max_tensor",
-            )
-        ]
-    return []
-
-
-def expert_dispatch(cfg: Config) -> bool:
-    """Whether canonical numerics sends each leaf's rows to the devices owning their experts on this config's
-    mesh (detjax.sharding.expert.canonical_expert_moe) rather than sharding the experts' storage only: an
-    `expert` axis, the Pallas grouped matmuls (a group's weight gradient is the same at any row offset), and no
-    pipeline parallelism (there `expert` shards storage only)."""
-    m, mesh = cfg.model, cfg.mesh
-    return (
-        cfg.determinism.canonical
-        and mesh.expert > 1
-        and mesh.pipeline == 1
-        and "E" in m.pattern
-        and m.moe.experts_kernels(m.kernels) == "pallas"
-    )
-
-
-def canonical_notes(cfg: Config) -> list[str]:
-    """What canonical numerics does differently from default numerics on this mesh (the trainer prints them)."""
-    if not cfg.determinism.canonical or cfg.mesh.expert <= 1 or expert_dispatch(cfg):
-        return []
-    return [
-        f"canonical numerics: mesh.expert = {cfg.mesh.expert} shards the expert weights and their optimizer "
-        "state and splits the batch like fsdp; each device runs every expert on its own sequences (no "
-        "all-to-all token dispatch: canonical expert dispatch needs the Pallas grouped matmuls, "
-        "model.kernels=pallas, and no pipeline axis)"
-    ]
-
-
-def fp8_problems(cfg: Config) -> list[tuple[str, Any, str, str]]:
-    """Where model.fp8 has no deterministic path yet (each with the fix)."""
-    if not cfg.model.fp8.enabled:
-        return []
-    off = "or set model.fp8.enabled=false"
-    if cfg.model.fp8.lm_head and cfg.determinism.max_tensor > 1:
-        return [
-            (
-                "model.fp8.lm_head",
-                True,
-                "the vocabulary-chunked LM head of determinism.max_tensor > 1 has no fp8 path yet",
-                "set model.fp8.lm_head=false or determinism.max_tensor=1",
-            )
-        ]
-    if cfg.trace.level != "none":
-        key, value, why, fix = "trace.level", cfg.trace.level, "the tracer's instrumented steps", "trace without fp8"
-    elif cfg.debug.inject_nondeterminism.scope:
-        key, value = "debug.inject_nondeterminism.scope", cfg.debug.inject_nondeterminism.scope
-        why, fix = "fault injection's instrumented steps", "inject faults without fp8"
-    else:
-        return []
-    return [
-        (
-            key,
-            value,
-            f"with model.fp8 enabled: the fp8 scales and amaxes are not carried through {why} yet",
-            f"{fix}, {off}",
-        )
-    ]
 
 
 def _type_name(tp: Any) -> str:
@@ -874,6 +675,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
+        if full in RETIRED and value == RETIRED[full]:  # an older run directory's config: same meaning
+            continue
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f"did you mean '{prefix + '.' if prefix else ''}{near[0]}'?" if near else f"valid: {names}"

@@ -93,13 +93,13 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     # cuDNN's flash attention on its own replays byte-equal under XLA's deterministic-ops flag (XLA asks cuDNN
     # for its deterministic backward) and differs in every replay without it (scripts/cudnn_attention_check.py,
-    # docs/BENCHMARKS.md session 17). But the strict step with it failed at its first execution on jax 0.11.2
+    # docs/benchmarks-history.md set 17). But the strict step with it failed at its first execution on jax 0.11.2
     # (an IndexError from inside XLA's executable), so no strategy offers it yet.
     Refusal(
         "model.attention_impl",
         lambda c: c.model.attention_impl == "cudnn",
         "cuDNN's fused attention is deterministic only under XLA's deterministic-ops flag, and the strict "
-        "step with it fails inside XLA on jax 0.11.2 (docs/BENCHMARKS.md session 17)",
+        "step with it fails inside XLA on jax 0.11.2 (docs/benchmarks-history.md set 17)",
         "use model.attention_impl=reference (the Pallas flash attention under model.kernels=pallas), or "
         "determinism.mode=off",
     ),

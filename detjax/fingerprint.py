@@ -9,23 +9,24 @@ Versions (`DIGEST_VERSION`, written into every fingerprint record and checkpoint
 versions are never compared with each other):
 - 1: each lane hashes the element with a murmur3-finalised hash of its position (four finalisers per
   element). On the H200 the per-step digests cost 8.0 ms of a 181 ms gpu_dense step (6.9 ms with version
-  2: the hash arithmetic is the smaller part of that cost; docs/BENCHMARKS.md session 12).
+  2: the hash arithmetic is the smaller part of that cost; docs/benchmarks-history.md set 12).
 - 2 (current): the position enters through one multiply-add; lane 1 is the murmur3 finaliser of the bits
   xor that, lane 2 a one-round xorshift-multiply of the bits plus it. Both per-element maps are bijections of
   the bits at a fixed position, so a change of any one element changes both sums.
 A third version with one multiply and one xorshift per lane (fewer integer operations) was measured and
 dropped: the step's digests of gpu_dense, timed alone, took 4.60 ms with it against 4.31 with version 2
-(`scripts/digest_bench.py`, docs/BENCHMARKS.md session 18), so the arithmetic is not what they wait on.
+(`scripts/digest_bench.py`, docs/benchmarks-history.md set 18), so the arithmetic is not what they wait on.
 
 Cost: a tree's leaves of one role in different layers are digested by one stacked reduction (`grouped`, the
-same bits as one reduction per leaf): gpu_dense's digests went from 6.9 to 3.1 ms per step (docs/BENCHMARKS.md
-session 14) -- the per-leaf reductions (about 590 of them) were bound by their count, not by bytes. Digesting
-the large leaves alone instead (ALONE_BYTES) was slower again (session 19: 5.6 against 3.2 ms in the step), so
+same bits as one reduction per leaf): gpu_dense's digests went from 6.9 to 3.1 ms per step
+(docs/benchmarks-history.md set 14) -- the per-leaf reductions (about 590 of them) were bound by their count,
+not by bytes. Digesting
+the large leaves alone instead (ALONE_BYTES) was slower again (2026-12-02: 5.6 against 3.2 ms in the step), so
 every leaf may be stacked. In the step three fusions of 0.5-0.65 ms make about half of the 3.2 ms while every other
 digest fusion takes under 0.1 ms per call; with the parameters' non-finite count moved out of the digest (a
-reduction of its own) they stayed, two of them then named as concatenate-reduce fusions (session 19). Writing
+reduction of its own) they stayed, two of them then named as concatenate-reduce fusions (2026-12-02). Writing
 each stack out before its reduction (an optimization barrier) was slower still: 8.7 against 4.5 ms alone, 6.8
-against 3.2 ms in the step (session 20), so XLA's fused concatenate-reduce is the cheaper form.
+against 3.2 ms in the step (2026-12-02), so XLA's fused concatenate-reduce is the cheaper form.
 """
 
 from __future__ import annotations

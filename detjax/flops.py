@@ -61,6 +61,11 @@ def model_flops_per_step(cfg: Config) -> float:
     return 3.0 * (t.global_batch * length * per_token + mtp_tokens)
 
 
+def peak_flops(device_kind: str) -> float | None:
+    """The bf16 dense peak of one device of this kind, or None where none is known (the CPU: MFU is n/a)."""
+    return PEAK_FLOPS_BF16 if any(k in device_kind for k in ("H100", "H200")) else None
+
+
 def mfu(cfg: Config, step_seconds: float, n_devices: int, peak: float = PEAK_FLOPS_BF16) -> float:
     """Model FLOPs utilisation of one step that took `step_seconds` on `n_devices` devices."""
     return model_flops_per_step(cfg) / (step_seconds * n_devices * peak)

@@ -12,20 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from detjax.config import Config
-from detjax.model.fp8 import TokenCE
+from detjax.model.ce import TokenCE, token_ce
 from detjax.sharding import canonical, tensor
-
-
-def token_ce(logits_BLV: jax.Array, targets_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(cross-entropy, logsumexp) of each token, float32 logits over the last axis. The label logit is picked
-    by a masked sum over the vocabulary (no gather, whose transpose would be a scatter-add; no tokens x vocab
-    one-hot: XLA fuses the compare into the reduction, and the backward is one elementwise select)."""
-    logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-    vocab = jax.lax.broadcasted_iota(
-        jnp.int32, (1,) * (logits_BLV.ndim - 1) + logits_BLV.shape[-1:], logits_BLV.ndim - 1
-    )
-    label_BL = jnp.sum(jnp.where(vocab == targets_BL[..., None], logits_BLV, 0.0), axis=-1)
-    return logz_BL - label_BL, logz_BL
 
 
 def token_ce_sum(logits_BLV: jax.Array, targets_BL: jax.Array, canonical_sum: bool = False) -> jax.Array:

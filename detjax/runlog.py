@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from detjax import fingerprint as fp
 from detjax.config import Config
-from detjax.flops import mfu
+from detjax.flops import mfu, peak_flops
 
 
 class NonFiniteError(RuntimeError):
@@ -76,6 +76,7 @@ class RunLog:
         self.param_paths = list(param_paths or [])
         self.devices = list(devices) if devices is not None else jax.devices()[:1]
         self._local = [d for d in self.devices if d.process_index == jax.process_index()]
+        self._peak = peak_flops(self.devices[0].device_kind)  # None: MFU is not reported (n/a)
         self.records = list(history)
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         self._pending: tuple[int, Any, float | None] | None = None
@@ -117,7 +118,7 @@ class RunLog:
             "step": step,
             "step_time_s": dt,
             "tokens_per_s": tok_s,
-            "mfu": mfu(self.cfg, dt, len(self.devices)),
+            "mfu": mfu(self.cfg, dt, len(self.devices), self._peak) if self._peak else None,
             "peak_mem_bytes": peak_memory_bytes(self._local),
         }
         if data_wait is not None:
@@ -153,7 +154,8 @@ class RunLog:
             self._bar.write(
                 f"step {step:5d}  lm_loss {line['lm_loss']:.4f}  mtp {line['mtp_loss']:.4f}  "
                 f"aux {line['aux_loss']:.4f}  gnorm {line['grad_norm']:.3f}  {1e3 * dt:.1f} ms  {tok_s:,.0f} tok/s  "
-                f"MFU {100 * line['mfu']:.1f} %" + _mem(line["peak_mem_bytes"])
+                + ("MFU n/a" if line["mfu"] is None else f"MFU {100 * line['mfu']:.1f} %")
+                + _mem(line["peak_mem_bytes"])
             )
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from detjax import fingerprint as fp
+from detjax import step_canonical
 from detjax.config import Config, ConfigError, expert_dispatch
 from detjax.loss import Objective, token_ce_sum
 from detjax.model import fp8
@@ -28,21 +29,10 @@ from detjax.sharding import rules as ax
 from detjax.sharding.expert import ExpertSplit
 from detjax.sharding.rules import Layout, constrain, tree_shardings
 from detjax.sharding.tensor import TensorSplit
+from detjax.step_canonical import dict_path, is_routed_expert  # noqa: F401 (step's public name)
 
 # Purposes for key derivation: every key is fold_in(seed key, step, purpose, logical index).
 PURPOSE_INIT, PURPOSE_DROPOUT = 0, 1
-# canonical numerics: leaves whose gradients one scan stacks before their pair tree (a power of two; more
-# leaves per device go through a TreeAccumulator in groups of this many)
-STACK = 4
-
-
-ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")  # the routed experts' stacked weights (model.moe.Experts)
-
-
-def is_routed_expert(path: tuple) -> bool:
-    """Whether a parameter path (jax tree path) names a routed expert weight stack."""
-    names = _dict_path(path)
-    return len(names) >= 2 and names[-2] == "experts" and names[-1] in ROUTED_EXPERTS
 
 
 class TrainState(struct.PyTreeNode):
@@ -52,10 +42,6 @@ class TrainState(struct.PyTreeNode):
     rng: jax.Array  # typed key of the run seed; per-step keys are derived, never stored
     # Extra state collections, checkpointed as they are; empty until a feature needs one.
     collections: Any = struct.field(default_factory=dict)
-
-
-def _dict_path(path: tuple) -> tuple[str, ...]:
-    return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
 
 
 def leaf_square_sums(tree: Any) -> list[jax.Array]:
@@ -108,6 +94,9 @@ class Trainer:
                 "mesh.pipeline_virtual=1"
             )
         self.fp8 = cfg.model.fp8.enabled
+        # the non-finite guard's on-device checks; only scripts/det_tax.py's `+noguard` mode turns them off, to
+        # price them (train.on_nonfinite needs them)
+        self.guard_nonfinite = True
         if (
             self.fp8
             and cfg.determinism.mode == "strict"
@@ -199,7 +188,7 @@ class Trainer:
         abstract = self.abstract_state()
         param_sh = tree_shardings(layout, self.param_logical_specs())
         by_path = {
-            _dict_path(p): (sh, leaf.shape)
+            dict_path(p): (sh, leaf.shape)
             for (p, sh), leaf in zip(
                 jax.tree_util.tree_flatten_with_path(param_sh)[0], jax.tree.leaves(abstract.params), strict=True
             )
@@ -207,7 +196,7 @@ class Trainer:
         rep = layout.sharding(())
 
         def opt_leaf(path, leaf):
-            dp = _dict_path(path)
+            dp = dict_path(path)
             for i in range(len(dp)):  # an optimizer leaf mirrors the parameter at the end of its path
                 hit = by_path.get(dp[i:])
                 if hit is not None and hit[1] == leaf.shape:
@@ -236,7 +225,7 @@ class Trainer:
 
         A step makes them once, before its microbatch (or leaf) loop, instead of casting and concatenating
         the float32 masters again in every microbatch's forward and backward (3.2 ms of gpu_dense's step in
-        session 17's profile; the step was 2.6 ms faster with the copies, docs/BENCHMARKS.md session 18). The
+        2026-12-01 profile; the step was 2.6 ms faster with the copies, docs/benchmarks-history.md set 18). The
         same casts and concatenations, so the same bits; the products' gradients still reach the masters.
         With model.fp8 (`fp8_scales`: the step's scale sets), the fp8 projections' weights are copied as
         their products read them -- quantized with the step's scale, with the transposed copy and the amax
@@ -270,7 +259,7 @@ class Trainer:
     ):
         """The training forward of `model` (default: the step's model; canonical numerics: the leaf model),
         reading `compute` (compute_copies of params) where given. `targets_BL`: a fused fp8 head may return
-        the per-token losses instead of logits (detjax.model.fp8.TokenCE)."""
+        the per-token losses instead of logits (detjax.model.ce.TokenCE)."""
         variables = {"params": params} if fp8_scales is None else {"params": params, "fp8": fp8_scales}
         if compute:
             variables["compute"] = compute
@@ -308,7 +297,7 @@ class Trainer:
         one elementwise op. A maximum is exact in any order, and the amaxes are >= 0 or NaN, so this gives the
         bytes of the stacked amaxes' maximum. It saves the stacking's write per projection and microbatch: on
         the GPU, a small kernel of its own each. gpu_dense's fp8 profile has 260 such dynamic-update-slice
-        kernels a step, for 65 projections x 4 microbatches (docs/BENCHMARKS.md session 34)."""
+        kernels a step, for 65 projections x 4 microbatches (docs/benchmarks-history.md set 34)."""
 
         compute = self.compute_copies(params, fp8_scales) if micro_fn is None else None
         running_max = micro_fn is None and bool(jax.tree.leaves(fp8_scales))  # (None has no leaves)
@@ -384,192 +373,12 @@ class Trainer:
         return self.micro_objective(params, tokens_CL1, key, fp8_scales, self.leaf_model, compute)
 
     def canonical_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array, fp8_scales: Any = None):
-        """Gradient and loss-term sums under canonical numerics (docs/DETERMINISM.md, "Canonical numerics"),
-        and the step's fp8 amaxes (None without fp8).
-
-        The leaves of the tree are blocks of C = determinism.canonical_leaf sequences in global batch order.
-        Each of the S batch shards (data x fsdp: device s holds the contiguous block of leaves
-        [s N/S, (s+1) N/S) of the N = G/C leaves) runs inside shard_map, so its program is the explicit
-        per-device one (no partitioner choice inside it): its leaves one at a time (lax.scan: the same
-        batch-C program whatever the mesh or the microbatch size), each with the dropout key of its global
-        leaf index, with the weights whole. Up to STACK leaves' gradients are stacked by the scan and summed
-        by their pair tree; longer blocks push those STACK-leaf subtrees into a TreeAccumulator. The S block
-        sums then meet in the top levels of the same tree (pair_sum over S), on each device's piece of the
-        elements (canonical.reduce_to_shards: an all-to-all, the tree's adds, an all-gather into the stored
-        shards): the same adds, so the same bits, for about the bytes of an all-reduce. With expert dispatch
-        (self.expert_split) each device keeps its experts and their gradients come back one per source
-        device, which meet over their owners in the same tree. fp8 amaxes are maxima over the leaves and
-        devices (exact in any order)."""
-        g_rows, width = batch_GL1.shape
-        leaf = self.cfg.determinism.canonical_leaf
-        axes = self.batch_axes()
-        per_shard = g_rows // leaf // self.batch_shards()  # leaves per device
-        stack = min(per_shard, STACK)
-        groups = per_shard // stack
-        fp8_on = fp8_scales is not None
-
-        def leaf_grad(params, tokens_CL1, key, scales, compute):
-            if fp8_on:  # the amaxes come back as the "gradient" with respect to the scales (detjax.model.fp8)
-                grad = jax.grad(self.leaf_objective, argnums=(0, 3), has_aux=True)
-                (g, amax), terms = grad(params, tokens_CL1, key, scales, compute=compute)
-                return (g, terms), amax
-            g, terms = jax.grad(self.leaf_objective, has_aux=True)(params, tokens_CL1, key, compute=compute)
-            return jax.lax.optimization_barrier((g, terms)), ()
-
-        def amax_max(a_K):
-            return jax.tree.map(lambda a: jnp.max(a, axis=0), a_K)
-
-        def block_sums(params, tokens_NCL1, key, first, scales):
-            compute = self.compute_copies(params, scales)  # once per device and step, before the leaf loop
-
-            def leaf_body(_, xs):
-                tokens_CL1, j = xs
-                return None, leaf_grad(params, tokens_CL1, jax.random.fold_in(key, first + j), scales, compute)
-
-            def group_sum(tokens_KCL1, j0):
-                _, (grads_K, amax_K) = jax.lax.scan(leaf_body, None, (tokens_KCL1, j0 + jnp.arange(stack)))
-                with jax.named_scope("grad_accumulate"):
-                    return canonical.tree_pair_sum(grads_K), amax_max(amax_K)
-
-            tokens_GKCL1 = tokens_NCL1.reshape(groups, stack, *tokens_NCL1.shape[1:])
-            if groups == 1:
-                return group_sum(tokens_GKCL1[0], 0)
-            acc = canonical.TreeAccumulator(groups)
-
-            def group_body(carry, xs):
-                tokens_KCL1, g = xs
-                s, amax = group_sum(tokens_KCL1, g * stack)
-                with jax.named_scope("grad_accumulate"):
-                    return acc.push(carry, s, g), amax
-
-            zeros = (jax.tree.map(jnp.zeros_like, params), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())))
-            out, amax_G = jax.lax.scan(group_body, acc.init(zeros), (tokens_GKCL1, jnp.arange(groups)))
-            return out["total"], amax_max(amax_G)
-
-        def leaves_of(tokens_BL1):
-            return tokens_BL1.reshape(-1, leaf, width)
-
-        def unpack(sums, amax):
-            g_sum, terms = sums
-            return g_sum, terms, (amax if fp8_on else None)
-
-        if self.layout is None:
-            return unpack(*block_sums(params, leaves_of(batch_GL1), step_key, 0, fp8_scales))
-
-        ep = self.expert_split
-        n_ep = ep.degree if ep is not None else 1
-
-        def source_copies(params):  # expert dispatch: this device's experts, one copy per source device
-            def one(path, w):
-                return jnp.broadcast_to(w[None], (n_ep, *w.shape)) if is_routed_expert(path) else w
-
-            return jax.tree_util.tree_map_with_path(one, params) if ep is not None else params
-
-        if ep is not None and axes[-1] != ep.axis:
-            raise AssertionError(f"canonical expert dispatch: the batch axes {axes} do not end with {ep.axis}")
-        rest = axes[:-1] if ep is not None else axes  # the axes over which an expert's owners meet
-
-        # How each gradient's device subtrees meet (the top levels of the tree, docs/DETERMINISM.md), by
-        # canonical.reduce_to_shards into the shards the parameter is stored in (an all-to-all and an
-        # all-gather: about 2 x the shard's bytes per device): "shard", every parameter and the loss terms, over
-        # all batch devices; "expert", a dispatched expert stack, its A per-source subtrees over the owners of
-        # its experts (the tree's terms q*A + a); "stacked", a parameter with a dimension stored over both
-        # `tensor` and a batch axis, whose subtrees leave stacked and meet in pair_sum outside, lowered by XLA
-        # (which moved about 15 x the parameters' bytes per device on dp8 and 9.6 x on fsdp 2 x data 4 for the
-        # whole step: scripts/collective_bytes.py, docs/BENCHMARKS.md session 29). A dispatched expert stack
-        # with such a dimension leaves replicated over the owners.
-        stored = [sh.spec for sh in jax.tree.leaves(tree_shardings(self.layout, self.param_logical_specs()))]
-        paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-
-        def batch_only(spec, over=axes) -> tuple:  # the storage spec's axes among `over`, per dimension
-            return tuple(tuple(n for n in canonical.spec_axes(e) if n in over) or None for e in spec)
-
-        def mixed(spec) -> bool:
-            return any("tensor" in canonical.spec_axes(e) and batch_only((e,))[0] for e in spec)
-
-        route = [
-            "expert" if ep is not None and is_routed_expert(path) else "stacked" if mixed(sp) else "shard"
-            for path, sp in zip(paths, stored, strict=True)
-        ]
-        degrees = {a: self.layout.degrees[a] for a in axes}
-
-        def top_levels(grads, terms):
-            if not axes:  # one batch shard: its subtree is the sum
-                return grads, terms
-            flat = jax.tree.leaves(grads)
-            picked = {r: [i for i, rr in enumerate(route) if rr == r] for r in ("shard", "expert")}
-            sh_specs = [batch_only(stored[i]) for i in picked["shard"]] + [()] * len(terms)
-            sums = canonical.reduce_to_shards([*[flat[i] for i in picked["shard"]], *terms], sh_specs, axes, degrees)
-            e_specs = [() if mixed(stored[i]) else batch_only(stored[i], rest)[1:] for i in picked["expert"]]
-            e_specs = [(None, *sp) for sp in e_specs]  # the local experts' dimension stays as it is
-            rest_degrees = {a: degrees[a] for a in rest}
-            exp = canonical.reduce_to_shards([flat[i] for i in picked["expert"]], e_specs, rest, rest_degrees, n_ep)
-            out = [g[None] for g in flat]
-            for i, v in [*zip(picked["shard"], sums, strict=False), *zip(picked["expert"], exp, strict=True)]:
-                out[i] = v
-            return jax.tree.unflatten(jax.tree.structure(grads), out), tuple(sums[len(picked["shard"]) :])
-
-        def local(params, tokens_BL1, key, scales):
-            first = jax.lax.axis_index(axes) * per_shard if axes else 0
-            (grads, terms), amax = block_sums(source_copies(params), leaves_of(tokens_BL1), key, first, scales)
-            with jax.named_scope("grad_accumulate"):
-                amax = jax.tree.map(lambda a: jax.lax.pmax(a, axes), amax) if axes else amax
-                return top_levels(grads, terms), amax
-
-        # the parameters' specs inside shard_map: whole (P()), or this device's tensor shard, or (dispatched
-        # experts) its experts; the sums leave as the parameters are stored, except the "stacked" ones (one
-        # subtree per device)
-        t_specs = self.tensor_specs() if self.tensor_split is not None and self.tensor_split.degree > 1 else None
-        t_list = jax.tree.leaves(t_specs, is_leaf=lambda x: isinstance(x, P)) if t_specs is not None else None
-        p_list, g_list = [], []
-        for i, (w, r) in enumerate(zip(jax.tree.leaves(params), route, strict=True)):
-            t = tuple(t_list[i]) if t_list is not None else ()
-            t = t + (None,) * (w.ndim - len(t))
-            p_list.append(P(ep.axis, *t[1:]) if r == "expert" else P(*t))
-            if r == "expert" and mixed(stored[i]):
-                r = "expert, replicated"
-            g_list.append({"stacked": P(axes or None, *t), "expert, replicated": p_list[-1]}.get(r, stored[i]))
-        treedef = jax.tree.structure(params)
-        p_spec, g_spec = jax.tree.unflatten(treedef, p_list), jax.tree.unflatten(treedef, g_list)
-        spec = P(axes) if axes else P()
-        (g_sum, terms), amax = jax.shard_map(
-            local,
-            mesh=self.layout.mesh,
-            in_specs=(p_spec, spec, P(), P()),
-            out_specs=((g_spec, (P(),) * 3), P()),
-            check_vma=False,
-        )(params, batch_GL1, step_key, fp8_scales if fp8_on else ())
-        with jax.named_scope("grad_accumulate"):
-            flat = [
-                canonical.pair_sum(g, 0) if r == "stacked" else g
-                for g, r in zip(jax.tree.leaves(g_sum), route, strict=True)
-            ]
-        return unpack((jax.tree.unflatten(treedef, flat), terms), amax)
+        """Gradient and loss-term sums, and fp8 amaxes, under canonical numerics (detjax.step_canonical)."""
+        return step_canonical.canonical_grad_sums(self, params, batch_GL1, step_key, fp8_scales)
 
     def canonical_pipeline_grad_sums(self, params: Any, batch_GL1: jax.Array, step_key: jax.Array, fp8_scales=None):
-        """Canonical numerics' gradient and loss-term sums through the pipeline (config: microbatches of
-        determinism.canonical_leaf sequences): each microbatch is one leaf of the same pair tree as
-        canonical_grad_sums' (detjax.sharding.pipeline, canonical=True), each batch shard pipelining its own
-        block of leaves, so the sums are the one-device run's. The parameters arrive and the gradients leave
-        in the one-device layout, and so do the fp8 scales and amaxes."""
-        t = self.cfg.train
-        stacked = pipeline.stack_params(params, self.cfg)
-        scales = pipeline.stack_params(fp8_scales, self.cfg) if fp8_scales is not None else None
-        micro_tokens = batch_GL1.reshape(t.n_micro, t.micro_batch, -1)
-        g_sum, sums, amax = pipeline.pipeline_grads(
-            self.pipeline_fns(),
-            self.cfg,
-            self.layout,
-            stacked,
-            micro_tokens,
-            step_key,
-            canonical=True,
-            batch_axes=self.batch_axes(),
-            tensor_specs=self.stage_tensor_specs() if self.tensor_split is not None else None,
-            fp8_scales=scales,
-        )
-        amax = pipeline.unstack_params(amax, self.cfg) if amax is not None else None
-        return pipeline.unstack_params(g_sum, self.cfg), sums, amax
+        """The same under pipeline parallelism (detjax.step_canonical)."""
+        return step_canonical.canonical_pipeline_grad_sums(self, params, batch_GL1, step_key, fp8_scales)
 
     def batch_axes(self) -> tuple[str, ...]:
         """The mesh axes the batch is split over (degree > 1), major first."""
@@ -634,7 +443,7 @@ class Trainer:
                 }
                 if new_state.collections:  # fp8 scales and amax histories
                     out["digest"]["collections"] = fp.tree_digest(new_state.collections)
-        if not self.cfg.debug.nonfinite_guard:
+        if not self.guard_nonfinite:
             return out
         with jax.named_scope("nonfinite_guard"):  # its own scope: scripts/profile_step.py --scope prices it
             if not self.cfg.run.fingerprints:  # else the params digest's pass counted them

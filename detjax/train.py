@@ -143,6 +143,176 @@ def _restore(ckptr: Any, trainer: Any, state_sh: Any, batches: Any, policy: dict
     return state, list(meta["fingerprints"])
 
 
+def _announce(cfg: Config, primary: bool) -> None:
+    for w in cfg.train.warnings() if primary else []:
+        print(f"warning: {w}", file=sys.stderr)
+    for note in canonical_notes(cfg) if primary else []:
+        print(f"note: {note}", file=sys.stderr)
+
+
+def _initial_state(
+    trainer: Any, state_sh: Any, batches: Any, ckptr: Any, policy: dict, restore_step: int | None, resume: bool
+) -> tuple[Any, list]:
+    """(state, fingerprint history): restored from `restore_step`, or initialised from the seed."""
+    import jax
+
+    from detjax.step import compile_init
+
+    if restore_step is not None:
+        return _restore(ckptr, trainer, state_sh, batches, policy, restore_step)
+    if resume and ckptr is not None:
+        print(f"no checkpoint in {ckptr.directory}; starting from step 0", file=sys.stderr)
+    return compile_init(trainer, state_sh)(jax.random.key(trainer.cfg.train.seed)), []
+
+
+def _paths(state: Any) -> list[str]:
+    """The parameters' tree paths, as the non-finite report names them."""
+    import jax
+
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
+
+
+def _putter(batch_sh: Any, shape: tuple[int, int]) -> Callable[[Any], Any]:
+    """This process's rows of a batch -> the global batch array on the mesh."""
+    import jax
+
+    def put(batch: Any) -> Any:
+        if jax.process_count() == 1:
+            return jax.device_put(batch, batch_sh)
+        return jax.make_array_from_process_local_data(batch_sh, batch, shape)
+
+    return put
+
+
+def _resume_wanted(cfg: Config, resume: bool | None, resume_step: int | None) -> bool:
+    resume = (cfg.ckpt.resume if resume is None else resume) or resume_step is not None
+    if resume and not cfg.ckpt.enabled:
+        raise ConfigError(
+            "config key 'ckpt.enabled' = False: resume asks for a checkpoint but checkpoints are off. "
+            "Fix: set ckpt.enabled=true"
+        )
+    return resume
+
+
+def _restore_point(
+    cfg: Config, ckptr: Any, resume: bool, resume_step: int | None, run_dir: Path, primary: bool, required: bool
+) -> tuple[Config, int | None]:
+    """(the config with its schedule horizon, the checkpoint step to restore or None to start at step 0)."""
+    from detjax.ckpt import CheckpointError
+
+    restore_step = None
+    if resume and ckptr is not None:
+        restore_step = _pick_step(ckptr, resume_step, run_dir, primary)
+        if restore_step is None and required:
+            raise CheckpointError(
+                f"--resume: {ckptr.directory} holds no complete checkpoint, so there is nothing to resume. "
+                "Fix: check --run-dir, or drop --resume to start a new run"
+            )
+    if restore_step is not None:  # the schedule horizon recorded at the run's first start
+        cfg = adopt_horizon(cfg, ckptr.read_meta(restore_step)["config"])
+    else:
+        cfg = resolve_horizon(cfg)
+    if ckptr is not None:
+        ckptr.cfg = cfg
+    return cfg, restore_step
+
+
+def _policy(cfg: Config, layout: Any) -> dict[str, Any]:
+    """The run's determinism.json record: the mode's policy, the tokenizer, the resolved mesh."""
+    from detjax.data.tokenizer import ByteTokenizer
+
+    policy = determinism.policy_record(cfg)
+    policy["tokenizer"] = {
+        "kind": "bytes (builtin corpus)" if cfg.data.source == "builtin" else "recorded in data.path/meta.json",
+        "sha256": cfg.data.tokenizer_sha256 or ByteTokenizer.sha256,
+    }
+    policy["mesh_resolved"] = {**layout.degrees, "devices": int(layout.mesh.devices.size)}
+    return policy
+
+
+class _Profile:
+    """run.profile_steps=A-B: a jax.profiler trace of steps A..B-1 into RUN/profile."""
+
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        self.range, self.dir, self.on = cfg.run.profile_range(), run_dir / "profile", False
+
+    def before(self, step: int) -> None:
+        import jax
+
+        if self.range is not None and step == self.range[0]:
+            jax.profiler.start_trace(str(self.dir))
+            self.on = True
+
+    def after(self, step: int, state: Any) -> None:
+        import jax
+
+        if self.on and step == self.range[1] - 1:
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+            self.on = False
+
+    def close(self) -> None:  # stopped inside the profiled steps
+        import jax
+
+        if self.on:
+            jax.profiler.stop_trace()
+
+
+def _finish_checkpoints(ckptr: Any, state: Any, batches: Any, log: Any, policy: dict, saved_at: int) -> None:
+    """Save the last state unless it is saved already (or is None: not to be saved), and wait for every save to
+    be complete."""
+    import jax
+
+    if ckptr is None:
+        return
+    if state is not None and int(jax.device_get(state.step)) != saved_at:
+        ckptr.save(state, batches.get_state(), log.records, policy)
+    ckptr.wait()
+    ckptr.close()
+
+
+def _compile_step(
+    cfg: Config, trainer: Any, shardings: tuple, state: Any, policy: dict, run_dir: Path, primary: bool
+) -> Callable:
+    """The jitted train step (wrapped by the tracer when the config asks), checked for ops without a
+    deterministic path; the run's description is written once the check has passed."""
+    import jax
+    import numpy as np
+
+    from detjax import rundir
+    from detjax.step import compile_train_step
+    from detjax.trace.driver import step_runner
+
+    state_sh, batch_sh = shardings
+    step_fn = compile_train_step(trainer, state_sh, batch_sh)
+    shape = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), np.int32, sharding=batch_sh)
+    left = determinism.check_step(cfg, step_fn, state, shape)
+    if left:  # strategy=kernels: the (tiny) dots XLA still runs, each with its reason
+        policy["xla_dots_left"] = [{k: str(v) for k, v in d.items()} for d in left]
+    if primary:
+        rundir.write_description(run_dir, cfg, policy)
+    return step_runner(cfg, trainer, step_fn, run_dir, state_sh, batch_sh)
+
+
+class _HeldOut:
+    """eval.every: the held-out batches' loss sums after every `every`-th step, queued behind the step."""
+
+    def __init__(self, cfg: Config, trainer: Any, shardings: tuple, batches: list) -> None:
+        from detjax.step import compile_eval_step
+
+        self.every, self.batches = cfg.eval.every, batches
+        self.tokens = len(batches) * cfg.train.global_batch * cfg.train.seq_len
+        self.fn = compile_eval_step(trainer, *shardings) if batches else None
+
+    def add(self, step: int, state: Any, metrics: dict) -> dict:
+        if self.fn is None or (step + 1) % self.every:
+            return metrics
+        import jax.numpy as jnp
+
+        sums = jnp.stack([self.fn(state, b) for b in self.batches])
+        return {**metrics, "eval": {"sums": sums, "tokens": self.tokens}}
+
+
 def train(
     cfg: Config,
     run_dir: Path | None = None,
@@ -154,10 +324,8 @@ def train(
     """Train per `cfg`. With resume, continue from the latest complete checkpoint in the run directory (or from
     `resume_step`, whose later checkpoints are then moved aside, never deleted). `require_checkpoint` (the CLI's
     --resume) refuses to start from step 0 when the directory holds no checkpoint; `ckpt.resume: true` alone
-    resumes when there is one and starts fresh otherwise (the pattern of requeued jobs).
-
-    `after_restore(state, batches) -> (state, batches)` exists for negative-control tests only.
-    """
+    resumes when there is one and starts fresh otherwise (the pattern of requeued jobs). `after_restore(state,
+    batches) -> (state, batches)` exists for negative-control tests only."""
     determinism.apply_config_environment(cfg)
     determinism.check_features(cfg)
     from detjax.sharding.distributed import initialize, is_primary
@@ -167,108 +335,50 @@ def train(
     import numpy as np
 
     from detjax import rundir
-    from detjax.ckpt import Checkpointer, CheckpointError, StopSignals
+    from detjax.ckpt import Checkpointer, StopSignals
     from detjax.data.pipeline import BatchIterator, eval_batches, make_dataset, resolve_data
-    from detjax.data.tokenizer import ByteTokenizer
     from detjax.runlog import NonFiniteError, RunLog
     from detjax.sharding.mesh import build_layout
-    from detjax.step import Trainer, compile_eval_step, compile_init, compile_train_step
-    from detjax.trace.driver import step_runner
+    from detjax.step import Trainer
 
     primary = is_primary()
-    for w in cfg.train.warnings() if primary else []:
-        print(f"warning: {w}", file=sys.stderr)
-    for note in canonical_notes(cfg) if primary else []:
-        print(f"note: {note}", file=sys.stderr)
-    resume = cfg.ckpt.resume if resume is None else resume
-    resume = resume or resume_step is not None
-    if resume and not cfg.ckpt.enabled:
-        raise ConfigError(
-            "config key 'ckpt.enabled' = False: resume asks for a checkpoint but checkpoints are off. "
-            "Fix: set ckpt.enabled=true"
-        )
+    _announce(cfg, primary)
+    resume = _resume_wanted(cfg, resume, resume_step)
     cfg = resolve_data(cfg)  # the prepared corpus's tokenizer hash joins the config (and its hash)
     run_dir = rundir.choose(cfg, run_dir, resume, jax.process_count(), must_exist=require_checkpoint)
     with rundir.locked(run_dir, primary):  # one process at a time per run directory
         ckptr = Checkpointer(Path(cfg.ckpt.dir or run_dir / "checkpoints"), cfg) if cfg.ckpt.enabled else None
-        restore_step = None
-        if resume and ckptr is not None:
-            restore_step = _pick_step(ckptr, resume_step, run_dir, primary)
-            if restore_step is None and require_checkpoint:
-                raise CheckpointError(
-                    f"--resume: {ckptr.directory} holds no complete checkpoint, so there is nothing to resume. "
-                    "Fix: check --run-dir, or drop --resume to start a new run"
-                )
-        if restore_step is not None:  # the schedule horizon recorded at the run's first start
-            cfg = adopt_horizon(cfg, ckptr.read_meta(restore_step)["config"])
-        else:
-            cfg = resolve_horizon(cfg)
-        if ckptr is not None:
-            ckptr.cfg = cfg
-        policy = determinism.policy_record(cfg)
-        policy["tokenizer"] = {
-            "kind": "bytes (builtin corpus)" if cfg.data.source == "builtin" else "recorded in data.path/meta.json",
-            "sha256": cfg.data.tokenizer_sha256 or ByteTokenizer.sha256,
-        }
-
+        cfg, restore_step = _restore_point(cfg, ckptr, resume, resume_step, run_dir, primary, require_checkpoint)
         layout = build_layout(cfg)  # impossible meshes fail here, before anything compiles
-        policy["mesh_resolved"] = {**layout.degrees, "devices": int(layout.mesh.devices.size)}
+        policy = _policy(cfg, layout)
         trainer = Trainer(cfg, layout=layout)
         state_sh, batch_sh = trainer.state_shardings(), trainer.batch_sharding()
         shape = (cfg.train.global_batch, cfg.train.seq_len + 1)
         rows = process_rows(batch_sh, shape)
         batches = BatchIterator(make_dataset(cfg, rows=rows))
-        held_out = eval_batches(cfg, rows) if cfg.eval.every else []
-        if restore_step is not None:
-            state, history = _restore(ckptr, trainer, state_sh, batches, policy, restore_step)
-        else:
-            if resume and ckptr is not None:
-                print(f"no checkpoint in {ckptr.directory}; starting from step 0", file=sys.stderr)
-            state, history = compile_init(trainer, state_sh)(jax.random.key(cfg.train.seed)), []
+        state, history = _initial_state(trainer, state_sh, batches, ckptr, policy, restore_step, resume)
         if after_restore is not None:
             state, batches = after_restore(state, batches)
+        run_step = _compile_step(cfg, trainer, (state_sh, batch_sh), state, policy, run_dir, primary)
 
-        step_fn = compile_train_step(trainer, state_sh, batch_sh)
-        left = determinism.check_step(cfg, step_fn, state, jax.ShapeDtypeStruct(shape, np.int32, sharding=batch_sh))
-        if left:  # strategy=kernels: the (tiny) dots XLA still runs, each with its reason
-            policy["xla_dots_left"] = [{k: str(v) for k, v in d.items()} for d in left]
-        if primary:
-            rundir.write_description(run_dir, cfg, policy)
-        run_step = step_runner(cfg, trainer, step_fn, run_dir, state_sh, batch_sh)
-        eval_fn = compile_eval_step(trainer, state_sh, batch_sh) if held_out else None
-
-        def put(batch: Any) -> Any:
-            if jax.process_count() == 1:
-                return jax.device_put(batch, batch_sh)
-            return jax.make_array_from_process_local_data(batch_sh, batch, shape)
-
+        put = _putter(batch_sh, shape)
+        held_out = _HeldOut(
+            cfg, trainer, (state_sh, batch_sh), [put(b) for b in eval_batches(cfg, rows)] if cfg.eval.every else []
+        )
         start = int(jax.device_get(state.step))
         end = min(cfg.train.steps, cfg.run.stop_after) if cfg.run.stop_after else cfg.train.steps
-        param_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
-        held_out = [put(b) for b in held_out]
-        eval_tokens = len(held_out) * cfg.train.global_batch * cfg.train.seq_len
-        log = RunLog(cfg, run_dir, history, start, end, primary, list(layout.mesh.devices.flat), param_paths)
-        stopped_by = "steps" if end == cfg.train.steps else "stop_after"
-        saved_at = start
-        prof = cfg.run.profile_range()
-        tracing = False
+        log = RunLog(cfg, run_dir, history, start, end, primary, list(layout.mesh.devices.flat), _paths(state))
+        stopped_by, saved_at, prof = "steps" if end == cfg.train.steps else "stop_after", start, _Profile(cfg, run_dir)
         with StopSignals() as sig:
             try:
                 for step in range(start, end):
-                    if prof is not None and step == prof[0]:
-                        jax.profiler.start_trace(str(run_dir / "profile"))
-                        tracing = True
+                    prof.before(step)
                     t_data = time.perf_counter()
                     batch = put(np.asarray(next(batches)))
                     data_wait = time.perf_counter() - t_data
                     state, metrics = run_step(step, state, batch)
-                    if eval_fn is not None and (step + 1) % cfg.eval.every == 0:  # queued after the step
-                        sums = jax.numpy.stack([eval_fn(state, b) for b in held_out])
-                        metrics = {**metrics, "eval": {"sums": sums, "tokens": eval_tokens}}
-                    if tracing and step == prof[1] - 1:
-                        jax.block_until_ready(state)
-                        jax.profiler.stop_trace()
-                        tracing = False
+                    metrics = held_out.add(step, state, metrics)  # queued after the step
+                    prof.after(step, state)
                     log.push(step, metrics, data_wait)  # records step - 1, whose metrics are ready: step is queued
                     done = step + 1
                     stop = sig.stop_at(done)
@@ -282,19 +392,12 @@ def train(
                         break
                 log.flush()
             except NonFiniteError:  # the non-finite state is never saved: earlier checkpoints finish, then stop
-                if ckptr is not None:
-                    ckptr.wait()
-                    ckptr.close()
+                _finish_checkpoints(ckptr, None, batches, log, policy, saved_at)
                 log.close()
                 raise
             finally:
-                if tracing:  # stopped inside the profiled steps
-                    jax.profiler.stop_trace()
-            if ckptr is not None:
-                if int(jax.device_get(state.step)) != saved_at:
-                    ckptr.save(state, batches.get_state(), log.records, policy)
-                ckptr.wait()
-                ckptr.close()
+                prof.close()
+            _finish_checkpoints(ckptr, state, batches, log, policy, saved_at)
         log.close()
         if cfg.run.save_final_params and stopped_by == "steps":
             rundir.write_final_params(run_dir, state.params, primary)

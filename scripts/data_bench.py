@@ -12,7 +12,7 @@ about 1.15 B tokens with EOS), and reports its wall time, tokens/s and peak RSS 
 workers, from getrusage). Then it reads batches of configs/gpu_medium.yaml's shape (16 x 2049 tokens) through
 make_dataset at the steps the trainer would (a shuffled window order over the whole corpus) for --seconds, and
 reports tokens/s and that rate over --consume (gpu_medium's tokens/s in training: 32768 / 0.1477 s on one H200,
-docs/BENCHMARKS.md session 10), the reader's RSS after its first batch and at the end, and the corpus's size on
+docs/benchmarks-history.md set 10), the reader's RSS after its first batch and at the end, and the corpus's size on
 disk over both peak RSS figures.
 """
 

@@ -20,8 +20,9 @@ Modes (each a separate process, since XLA reads its flags once):
   canonical   strict-kernels with determinism.numerics=canonical (mesh-invariant sums: leaves of
               determinism.canonical_leaf sequences, one sequence by default, gradients summed by the pair
               tree; e.g. `canonical+determinism.canonical_leaf=4`)
-A mode may carry overrides of its own after "+": `strict-kernels+debug.nonfinite_guard=false` is strict-kernels
-without the non-finite guard (its cost is the difference), and `+xla=FLAG` starts that mode's worker with an XLA
+A mode may carry overrides of its own after "+": `strict-kernels+model.fp8.enabled=true` is strict-kernels in
+fp8; `+noguard` drops the non-finite guard's on-device checks from the step (its cost is the difference:
+`--modes strict-kernels,strict-kernels+noguard`), and `+xla=FLAG` starts that mode's worker with an XLA
 flag (`strict-kernels+xla=--xla_gpu_graph_min_graph_size=1`). Workers never inherit the caller's XLA_FLAGS.
 The trailing key=value arguments apply to every mode; run.fingerprints is on unless they say otherwise.
 Rounds alternate the modes (fastest, strict, ..., fastest, strict, ...) so drift hits all alike. Reported:
@@ -74,7 +75,14 @@ def split_mode(mode: str) -> tuple[str, list[str], list[str]]:
     """A mode's name, its config overrides and its XLA flags (the `xla=FLAG` items after "+")."""
     name, *items = mode.split("+")
     flags = [x[4:] for x in items if x.startswith("xla=")]
-    return name, [x for x in items if not x.startswith("xla=")], flags
+    return name, [x for x in items if not x.startswith("xla=") and x != "noguard"], flags
+
+
+def error_line(out: subprocess.CompletedProcess) -> str:
+    """The line that names a failed worker's error (the last `...Error: ...` line, else the last line)."""
+    lines = (out.stderr.strip() or out.stdout.strip() or "no output").splitlines()
+    errors = [x for x in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", x) or x.startswith("error:")]
+    return (errors or lines)[-1][:300]
 
 
 def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
@@ -100,6 +108,7 @@ def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int
 
     rep = replicated(single_device_mesh())
     trainer = Trainer(cfg)
+    trainer.guard_nonfinite = "noguard" not in mode.split("+")
     state = compile_init(trainer, rep)(jax.random.key(cfg.train.seed))
     step = compile_train_step(trainer, rep, rep)
     ds = make_dataset(cfg)
@@ -173,9 +182,7 @@ def main() -> int:
             line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
             if out.returncode or not line:
                 print(out.stdout[-3000:], out.stderr[-3000:], file=sys.stderr)
-                lines = (out.stderr.strip() or out.stdout.strip() or "no output").splitlines()
-                errors = [x for x in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", x) or x.startswith("error:")]
-                failed[mode] = (errors or lines)[-1][:300]
+                failed[mode] = error_line(out)
                 print(f"round {r} {mode:7s} FAILED (exit {out.returncode}): {failed[mode]}", flush=True)
                 continue
             res = json.loads(line[0][7:])

@@ -26,7 +26,7 @@ for part in $PARTS; do
       python3 scripts/mesh_sweep.py --config $CFG --meshes $CELLS --repeats 2 "${COMMON[@]}" \
         --out "$OUT/sweep" --json "$OUT/sweep.json" 2>&1 | tail -20 ;;
     canonical)
-      # every cell, as the CPU sweep of docs/MESHES.md (session 22): feature chunks for tensor 8, one-sequence
+      # every cell, as the CPU sweep of docs/MESHES.md (2026-12-02): feature chunks for tensor 8, one-sequence
       # microbatches (a canonical pipeline's leaves)
       python3 scripts/mesh_sweep.py --config $CFG --meshes $CELLS --repeats 1 "${COMMON[@]}" \
         determinism.numerics=canonical determinism.max_tensor=8 model.n_kv_heads=8 train.micro_batch=1 \

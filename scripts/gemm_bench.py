@@ -169,7 +169,7 @@ def all_shapes():
 
 def table(reps: int, rounds: int = 1) -> None:
     """The table (first round) and each round's aggregate; with rounds > 1 also the median aggregate, since
-    two tables on one machine can differ by a few percent (docs/BENCHMARKS.md, session 15)."""
+    two tables on one machine can differ by a few percent (docs/benchmarks-history.md set 15)."""
     print(
         "| config | projection | M x K x N | product | Pallas ms | XLA ms | XLA/Pallas | Pallas TFLOP/s | XLA TFLOP/s |"
     )
@@ -357,8 +357,8 @@ MOSAIC_VARIANTS = {  # (warpgroup tile columns of "nt", pipeline stages, wgmmas 
 def mosaic_variants(reps: int, only: str = "") -> None:
     """The Mosaic kernel's speed knobs (mosaic.mosaic_matmul's wg_n, stages, delay, stream) on gpu_dense's
     shapes at M rows, each variant timed alternately with the first listed (one pipeline per tile, wg_n 128,
-    4 stages; delay 1 for fp8 (mosaic.FP8_DELAY), 0 for bf16: the settings before session 28) and its output
-    compared bytewise with the first's. (Sessions 24's wg_n 256 variants were 2-5 x slower and are no longer
+    4 stages; delay 1 for fp8 (mosaic.FP8_DELAY), 0 for bf16: the settings before 2026-12-03) and its output
+    compared bytewise with the first's. (2026-12-02 wg_n 256 variants were 2-5 x slower and are no longer
     listed.) Each line also gives the Mosaic kernel's device time per product from a profiler trace (the
     partial sums' XLA adds of a chunked dw not included), which host timing's noise cannot blur; `only`: the
     shapes whose name contains it. fp8: the three products as the model poses them to kernel.fp8_nt

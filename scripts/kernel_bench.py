@@ -96,8 +96,8 @@ def main() -> int:
         xla = attn_fb(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
         measure("flash attention fwd+bwd", fa, xla, (q, kk, vv), "jax.nn.dot_product_attention")
     if "ssd" in which:  # one gpu_small Mamba2 layer per microbatch: B 8, L 1024, H 16, P 64, N 64, chunk 64
-        from detjax.model.ssd import ssd_chunked
         from detjax.pallas_kernels.ssd.ops import ssd
+        from detjax.pallas_kernels.ssd.reference import ssd_chunked
 
         ks = jax.random.split(jax.random.key(7), 5)
         xs = jax.random.normal(ks[0], (8, 1024, 16, 64)) * 0.1

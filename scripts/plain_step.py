@@ -55,7 +55,7 @@ class GpuSampler:
     """Samples the GPU's SM clock, power draw and temperature (nvidia-smi, one query every `period_s`, from a
     thread) while the `with` block runs; `.summary` is then parse_smi's dict, or None where nvidia-smi is missing
     or fails (the CPU). A compute-bound kernel's time follows the SM clock, which the GPU lowers under a high
-    power draw, so two modes' step times are compared knowing their clocks (docs/BENCHMARKS.md session 34).
+    power draw, so two modes' step times are compared knowing their clocks (docs/benchmarks-history.md set 34).
     The GPU queried is the first of CUDA_VISIBLE_DEVICES (else GPU 0): the device det_tax's workers use."""
 
     def __init__(self, period_s: float = 0.25, query: list[str] | None = None) -> None:

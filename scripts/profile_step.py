@@ -19,7 +19,7 @@ back to back.
 module scopes: read its table by op). It runs the plain step as det_tax's plain mode does, with XLA's default
 flags. On the H200 with jax 0.11.2 every variant of --plain tried so far (command buffers off, the step
 compiled ahead of time, and this one) failed inside XLA under the profiler (IndexError), while the same step
-ran without it in det_tax (docs/BENCHMARKS.md sessions 17 and 18).
+ran without it in det_tax (docs/benchmarks-history.md sets 17 and 18).
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def main() -> int:
     if cfg is None:
         return 2
     # CUDA-graph command buffers hide which HLO op each kernel belongs to. The plain step keeps XLA's defaults:
-    # it has no scopes to map, and it failed inside XLA with them off (docs/BENCHMARKS.md session 17).
+    # it has no scopes to map, and it failed inside XLA with them off (docs/benchmarks-history.md set 17).
     if not a.keep_command_buffers and not a.plain:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
     import jax

@@ -59,26 +59,24 @@ FLASH_DKV = [  # dK/dV: block_k keys per program, block_q query rows per loop st
     {"block_q": 128, "block_k": 128, "num_warps": 8, "num_stages": 2},
     {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
 ]
-RMSNORM_FWD = [
-    {"rows": 8, "block_rows": 8, "num_warps": 4, "num_stages": 1},
-    {"rows": 32, "block_rows": 8, "num_warps": 4, "num_stages": 2},
-    {"rows": 64, "block_rows": 8, "num_warps": 4, "num_stages": 2},
-    {"rows": 32, "block_rows": 16, "num_warps": 8, "num_stages": 2},
-    {"rows": 64, "block_rows": 16, "num_warps": 8, "num_stages": 2},
-    {"rows": 16, "block_rows": 16, "num_warps": 8, "num_stages": 1},
-    {"rows": 4, "block_rows": 4, "num_warps": 4, "num_stages": 1},
-]
-RMSNORM_BWD = [
-    {"rows": 8, "block_rows": 8, "num_warps": 4, "num_stages": 1},
-    {"rows": 32, "block_rows": 8, "num_warps": 4, "num_stages": 2},
-    {"rows": 64, "block_rows": 8, "num_warps": 4, "num_stages": 2},
-    {"rows": 64, "block_rows": 8, "num_warps": 8, "num_stages": 2},
-    {"rows": 32, "block_rows": 16, "num_warps": 8, "num_stages": 2},
-    {"rows": 64, "block_rows": 16, "num_warps": 8, "num_stages": 2},
-    {"rows": 128, "block_rows": 16, "num_warps": 8, "num_stages": 2},
-    {"rows": 128, "block_rows": 8, "num_warps": 4, "num_stages": 3},
-]
-RMSNORM_WGRAD = [{"block_cols": 128}, {"block_cols": 32}, {"block_cols": 16}]
+RMSNORM_WIDTHS = (1024, 1536, 2048, 4096)  # the shape matrix's d_model values
+
+
+def rmsnorm_candidates(dp: int) -> list[dict]:
+    """Tile candidates of width class dp: sub-blocks of 1024-8192 elements, 4-16 warps, 1-32 sub-blocks a
+    program (the backward's chunk of the weight gradient's token sum is `rows`)."""
+    out = []
+    for br in (1, 2, 4, 8, 16, 32):
+        if not 1024 <= br * dp <= 8192:
+            continue
+        for warps in (4, 8, 16):
+            if br * dp // (32 * warps) < 4:  # fewer than 4 elements of a row block per thread
+                continue
+            for nsub in (1, 4, 16):
+                out.append({"rows": br * nsub, "block_rows": br, "num_warps": warps, "num_stages": 2})
+    return out
+
+
 SSD_WARPS = [4, 2, 8]
 GMM = [
     {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3},
@@ -254,29 +252,63 @@ def sweep_flash(reps: int, forward: bool = True, old_src: str | None = None) -> 
         print(f"  flash new vs old tree, o, lse, dq, dk, dv byte-equal: {same}", flush=True)
 
 
-def sweep_rmsnorm(reps: int) -> None:
+def sweep_rmsnorm(reps: int, widths=RMSNORM_WIDTHS) -> None:
+    """Per width class: every candidate's device time for the forward (float32 stream in, bf16 out) and the
+    backward with the stream's float32 cotangent added (ops.rmsnorm_stream, as the blocks run it; the weight
+    gradient's tree included), as effective bandwidth over the bytes each must move, against XLA's fused
+    jnp RMSNorm (fwd + bwd, nondeterministic choices its own). 4 x 2048 tokens, one microbatch of the matrix."""
     from detjax.pallas_kernels.rmsnorm import kernel as rk
+    from detjax.pallas_kernels.rmsnorm.reference import rmsnorm_ref
 
-    # one microbatch of 4 x 2048 tokens at d_model 1024, as a block's norm sees it: the float32 residual
-    # stream in, bf16 out (the projections' dtype), the bf16 gradient back; "+add": with the stream's
-    # float32 cotangent added in the backward, as the model's blocks run it (ops.rmsnorm_stream). Device
-    # times are the named kernel's alone.
-    n, d = 8192, 1024
-    ks = jax.random.split(jax.random.key(1), 4)
-    x, dy = _stack(ks[0], (n, d), jnp.float32), _stack(ks[1], (n, d), jnp.bfloat16)
-    w, g = _stack(ks[2], (d,), jnp.float32), _stack(ks[3], (n, d), jnp.float32)
+    n = 8192
+    for d in widths:
+        dp = rk.width_class(d)
+        ks = jax.random.split(jax.random.key(1), 4)
+        x, dy = _stack(ks[0], (n, d), jnp.float32), _stack(ks[1], (n, d), jnp.bfloat16)
+        w, g = _stack(ks[2], (d,), jnp.float32), _stack(ks[3], (n, d), jnp.float32)
+        rstd = [rk.rmsnorm_fwd(a, b, eps=1e-5, interpret=False)[1] for a, b in zip(x, w, strict=True)]
 
-    def fwd(x, w):
-        return rk.rmsnorm_fwd(x, w, eps=1e-5, interpret=False, out_dtype=jnp.bfloat16)
+        def fwd(x, w):
+            return rk.rmsnorm_fwd(x, w, eps=1e-5, interpret=False, out_dtype=jnp.bfloat16)
 
-    def bwd(x, w, dy, g=None):
-        _, rstd = rk.rmsnorm_fwd(x, w, eps=1e-5, interpret=False, out_dtype=jnp.bfloat16)
-        return rk.rmsnorm_bwd(x, w, rstd, dy, g, interpret=False)
+        def bwd(x, w, r, dy, g):
+            return rk.rmsnorm_bwd(x, w, r, dy, g, interpret=False)
 
-    _sweep("rmsnorm fwd", rk.TILES, "fwd", RMSNORM_FWD, [("fwd", fwd, (x, w))], reps, "rmsnorm_fwd")
-    bwds = [("fwd+bwd", bwd, (x, w, dy)), ("fwd+bwd+add", bwd, (x, w, dy, g))]
-    _sweep("rmsnorm bwd (+fwd)", rk.TILES, "bwd", RMSNORM_BWD, bwds, reps, "rmsnorm_bwd")
-    _sweep("rmsnorm wgrad (+fwd+bwd)", rk.TILES, "wgrad", RMSNORM_WGRAD, [("fwd+bwd", bwd, (x, w, dy))], reps)
+        def xla(x, w, dy, g):
+            y, vjp = jax.vjp(lambda x, w: rmsnorm_ref(x, w, 1e-5).astype(jnp.bfloat16), x, w)
+            dx, dw = vjp(dy)
+            return y, dx + g, dw
+
+        fwd_gb, bwd_gb = n * d * (4 + 2) / 1e9, n * d * (4 + 2 + 4 + 4) / 1e9  # bytes that must move
+        xla_ms = _device_ms(_many(xla), (x, w, dy, g), reps, "")
+        print(f"  rmsnorm d={d} (class {dp}): XLA fused jnp fwd+bwd+add {xla_ms:.4f} ms (device)", flush=True)
+        for which, fn, args, gb in (("fwd", fwd, (x, w), fwd_gb), ("bwd", bwd, (x, w, rstd, dy, g), bwd_gb)):
+            keep = dict(rk.TILES[which][dp])
+            rows = []
+            try:
+                for cand in [keep] + [c for c in rmsnorm_candidates(dp) if c != keep]:
+                    rk.TILES[which][dp] = cand
+                    jax.clear_caches()
+                    try:
+                        f = _many(fn)
+                        same = _bytes(f(*args)) == _bytes(f(*args))
+                        ms = _device_ms(f, args, reps, "")
+                        rows.append((ms, cand, same))
+                    except Exception as e:  # a candidate that does not compile is a row too
+                        print(f"    {which} {cand} failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+            finally:
+                rk.TILES[which][dp] = keep
+                jax.clear_caches()
+            for ms, cand, same in sorted(rows, key=lambda r: r[0])[:5]:
+                pinned = " (pinned)" if cand == keep else ""
+                print(
+                    f"    {which} {ms:.4f} ms = {gb / ms:.2f} TB/s{pinned} {cand}"
+                    + ("" if same else " (REPLAY DIFFERS)"),
+                    flush=True,
+                )
+            pin = [r for r in rows if r[1] == keep]
+            if pin:
+                print(f"    {which} pinned {pin[0][0]:.4f} ms = {gb / pin[0][0]:.2f} TB/s {keep}", flush=True)
 
 
 def sweep_ssd(reps: int, old_src: str | None) -> None:
@@ -438,6 +470,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm,quantize,swiglu,rope")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--widths", default=",".join(map(str, RMSNORM_WIDTHS)), help="RMSNorm widths to sweep")
     ap.add_argument("--old-src", default=None, help="an older tree: time and compare its ssd / flash kernels")
     a = ap.parse_args()
     if jax.default_backend() != "gpu":
@@ -448,7 +481,7 @@ def main() -> int:
     if "flash" in which or "flash-bwd" in which:
         sweep_flash(a.reps, forward="flash" in which, old_src=a.old_src)
     if "rmsnorm" in which:
-        sweep_rmsnorm(a.reps)
+        sweep_rmsnorm(a.reps, [int(x) for x in a.widths.split(",")])
     if "ssd" in which:
         sweep_ssd(a.reps, a.old_src)
     if "gmm" in which:

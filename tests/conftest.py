@@ -1,4 +1,4 @@
-"""Test session setup. XLA reads XLA_FLAGS once, so they are set here, before anything imports jax."""
+"""Test setup. XLA reads XLA_FLAGS once, so they are set here, before anything imports jax."""
 
 import os
 import sys
@@ -65,11 +65,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def tiny_path() -> Path:
     return TINY
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def python() -> str:
     return sys.executable

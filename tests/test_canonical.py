@@ -469,7 +469,7 @@ batch = jax.random.randint(jax.random.key(1), (16, cfg.train.seq_len + 1), 0, 26
 key = tr.step_key(state)
 out = {}
 for stack in (4, 1):
-    st.STACK = stack
+    st.step_canonical.STACK = stack
     fn = jax.jit(lambda p, b, k: tr.canonical_grad_sums(p, b, k)[:2])
     out[stack] = [np.asarray(x).view(np.uint32) for x in jax.tree.leaves(fn(state.params, batch, key))]
 other = [np.asarray(x).view(np.uint32) for x in jax.tree.leaves(fn(state.params, batch.at[3, 5].set(7), key))]

@@ -63,3 +63,11 @@ def test_weight_count_matches_the_model(tiny_path):
         + t.global_batch * (length - 1) * (2 * mtp + sum(extra(x, length - 1) for x in m.mtp.pattern))
     )
     assert model_flops_per_step(cfg) == pytest.approx(want, rel=1e-12)
+
+
+def test_peak_is_known_for_hopper_only():
+    """MFU needs a peak: the H100/H200 bf16 figure; the CPU (and any other kind) has none, so MFU is n/a."""
+    from detjax.flops import peak_flops
+
+    assert peak_flops("NVIDIA H200") == peak_flops("NVIDIA H100 80GB HBM3") == PEAK_FLOPS_BF16
+    assert peak_flops("cpu") is None and peak_flops("TFRT_CPU_0") is None

@@ -237,8 +237,8 @@ def test_mosaic_loop_slices_no_scale_set(tiny_path, monkeypatch):
     """On the Mosaic path (forced here: it is traced, not run) the microbatch loop slices no projection's scale
     set (s_x, s_w, s_g): each quantization kernel reads its element itself (quantize.scale_input). On the GPU
     XLA emits such a slice as a device-to-device copy, one per quantization and microbatch: 512 a step in
-    gpu_dense's fp8 profile, where 1804275's step sliced 20 times in this loop (docs/BENCHMARKS.md, session
-    35). And it reduces the amaxes once per scale set (below). Checked in the jaxpr."""
+    gpu_dense's fp8 profile, where 1804275's step sliced 20 times in this loop (docs/benchmarks-history.md
+    set 35). And it reduces the amaxes once per scale set (below). Checked in the jaxpr."""
     from detjax.pallas_kernels.matmul import kernel
 
     monkeypatch.setattr(kernel, "use_mosaic_fp8", lambda *a: True)

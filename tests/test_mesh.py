@@ -326,7 +326,7 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path, pyth
     mesh.append("model.pattern=*E*E")
     base = [python, "-m", "detjax.train", "--config", str(MESH_CFG), "run.progress=false", *mesh]
 
-    def env(n_dev: int) -> dict:  # the session's flags (codegen settings included), another device count
+    def env(n_dev: int) -> dict:  # this process's flags (codegen settings included), another device count
         e = dict(os.environ, JAX_PLATFORMS="cpu")
         keep = [f for f in e.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device")]
         e["XLA_FLAGS"] = " ".join([*keep, f"--xla_force_host_platform_device_count={n_dev}"])

@@ -9,11 +9,11 @@ import pytest
 from flax import linen as nn
 
 from detjax.config import ModelConfig, MoEConfig
-from detjax.model.attention import attention_reference
 from detjax.model.dispatch import permute_rows
 from detjax.model.layers import embed_lookup
 from detjax.model.lm import HybridLM
 from detjax.model.moe import MoE, moe_dense_reference, route
+from detjax.pallas_kernels.flash_attention.reference import attention_reference
 
 
 def test_attention_matches_jax_dot_product_attention():

@@ -69,13 +69,42 @@ def _u32(tree):
     return [np.asarray(a).view(np.uint32 if a.dtype.itemsize == 4 else np.uint16) for a in jax.tree.leaves(tree)]
 
 
+def _small_tiles(rk, monkeypatch):
+    """Programs of 32 rows walked in 8-row sub-blocks at every width class (several programs on tiny inputs)."""
+    small = {"rows": 32, "block_rows": 8, "num_warps": 4, "num_stages": 1}
+    monkeypatch.setattr(rk, "TILES", {k: dict.fromkeys(v, small) for k, v in rk.TILES.items()})
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("d", [384, 1536])
+def test_rmsnorm_takes_widths_that_are_not_powers_of_two(monkeypatch, d):
+    """Widths such as 1536 run as power-of-two column chunks (3 x 512): equal to the reference, on 72 rows (not
+    a whole number of 32-row programs); the weight gradient adds the programs' chunk sums by the pairwise tree.
+    Negative control: a serial walk over the same chunk sums gives other bytes."""
+    from detjax.pallas_kernels.rmsnorm import kernel as rk
+
+    _small_tiles(rk, monkeypatch)
+    x, w, g = _rms_inputs(3, n=72, d=d)
+    assert _rel(rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5)) <= TOL_FWD
+    grads = _rms_grads(lambda x, w: rmsnorm(x, w, 1e-5), x, w, g)
+    for a, b in zip(grads, _rms_grads(lambda x, w: rmsnorm_ref(x, w, 1e-5), x, w, g), strict=True):
+        assert _rel(a, b) <= TOL_GRAD
+    # one token per 32-row chunk carries a gradient, so each chunk's sum is that token's product exactly
+    # and only the order across chunks is left: the tree ((c0 + c2) + c1), not the walk ((c0 + c1) + c2)
+    one = jnp.zeros((72, 1)).at[jnp.array([5, 40, 70])].set(1.0)
+    _, rstd = rk.rmsnorm_fwd(x, w, eps=1e-5, interpret=interpret_mode())
+    c = np.asarray((g * one) * (x * rstd))[[5, 40, 70]]
+    dw = _u32(_rms_grads(lambda x, w: rmsnorm(x, w, 1e-5), x, w, g * one)[1])[0]
+    assert np.array_equal(dw, ((c[0] + c[2]) + c[1]).view(np.uint32))
+    assert not np.array_equal(dw, ((c[0] + c[1]) + c[2]).view(np.uint32))
+    jax.clear_caches()
+
+
 def test_rmsnorm_multi_block_tiles_pad_rows_and_write_the_compute_dtype(monkeypatch):
     from detjax.pallas_kernels.rmsnorm import kernel as rk
 
     # programs of 32 rows walked in 8-row sub-blocks; 72 rows is not a whole number of programs (zero-padded)
-    tiles = {**rk.TILES, "fwd": {**rk.TILES["fwd"], "rows": 32}, "bwd": {**rk.TILES["bwd"], "rows": 32}}
-    monkeypatch.setattr(rk, "TILES", tiles)
-    jax.clear_caches()
+    _small_tiles(rk, monkeypatch)
     x, w, g = _rms_inputs(2, n=72)
     assert _rel(rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5)) <= TOL_FWD
     grads = _rms_grads(lambda x, w: rmsnorm(x, w, 1e-5), x, w, g)
@@ -404,7 +433,7 @@ def test_harness_compares_bytes_not_values():
 @pytest.mark.gpu
 def test_atomic_scatter_add_negative_control(python):
     """On the GPU, XLA's scatter-add (atomics) differs between replays when the deterministic flag is off —
-    the harness can see a race. Runs in a fresh process: this session has the strict flags set."""
+    the harness can see a race. Runs in a fresh process: this process has the strict flags set."""
     import os
     import subprocess
 
@@ -454,7 +483,6 @@ KERNEL_NAMES = {
     "matmul_dw",
     "rmsnorm_fwd",
     "rmsnorm_bwd",
-    "rmsnorm_wgrad_ordered_sum",
     "segment_sum",
     "ssd_fwd",
     "ssd_bwd",

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from detjax.model.ssd import segsum, ssd_chunked, ssd_quadratic, ssd_sequential
+from detjax.pallas_kernels.ssd.reference import segsum, ssd_chunked, ssd_quadratic, ssd_sequential
 
 TOL = 2e-5
 

@@ -57,7 +57,7 @@ class StreamSource:
     A random-access source for Grain's MapDataset. The records are read with ArrayRecord's reader, at most
     MAX_OPEN shard files open at once (least recently used closed first; 256 shards of the default size are
     16 Gi tokens). Grain's own ArrayRecordDataSource, used before, kept about 0.2 MB per shard file for the
-    life of the process (measured, docs/BENCHMARKS.md session 11), which on a corpus of thousands of shards
+    life of the process (measured, docs/benchmarks-history.md set 11), which on a corpus of thousands of shards
     would grow every process's memory with the corpus; an open reader here costs a few KB."""
 
     MAX_OPEN = 256

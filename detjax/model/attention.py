@@ -7,29 +7,15 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.model.fp8 import scale_var
-from detjax.model.layers import normal_init, param, pinned_softmax, proj, proj_many
+from detjax.model.layers import chunk_products, normal_init, param, proj, proj_many
 from detjax.pallas_kernels.flash_attention.ops import flash_attention, flash_fits
+from detjax.pallas_kernels.flash_attention.reference import attention_reference
 from detjax.pallas_kernels.rope import ops as rope_ops
 from detjax.pallas_kernels.rope.reference import rope
 from detjax.sharding import rules as ax
 from detjax.sharding import tensor as tp_ops
 from detjax.sharding.rules import constrain
 from detjax.sharding.tensor import TensorSplit
-
-
-def attention_reference(q_BLHQ, k_BSKQ, v_BSKQ) -> jax.Array:
-    """Causal GQA in plain jnp; softmax in float32 with pinned sums (layers.pinned_softmax). Returns (B, L, H, Q)
-    in the input dtype."""
-    bsz, length, heads, qd = q_BLHQ.shape
-    kv = k_BSKQ.shape[2]
-    q_BLKGQ = q_BLHQ.reshape(bsz, length, kv, heads // kv, qd)
-    scores_BKGLS = jnp.einsum("blkgq,bskq->bkgls", q_BLKGQ, k_BSKQ, preferred_element_type=jnp.float32)
-    scores_BKGLS = scores_BKGLS * (qd**-0.5)
-    causal_LS = jnp.tril(jnp.ones((length, k_BSKQ.shape[1]), dtype=bool))
-    scores_BKGLS = jnp.where(causal_LS[None, None, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
-    probs_BKGLS = pinned_softmax(scores_BKGLS).astype(v_BSKQ.dtype)  # sums in one order in every program
-    out_BLKGQ = jnp.einsum("bkgls,bskq->blkgq", probs_BKGLS, v_BSKQ, preferred_element_type=jnp.float32)
-    return out_BLKGQ.reshape(bsz, length, heads, qd).astype(q_BLHQ.dtype)
 
 
 class Attention(nn.Module):
@@ -73,11 +59,11 @@ class Attention(nn.Module):
                 specs = ["bld,dhq->blhq", "bld,dkq->blkq", "bld,dkq->blkq"]
                 q_BLHQ, k_BLKQ, v_BLKQ = (
                     y.astype(dtype)
-                    for y in tp_ops.chunk_products(specs, dtype, kernels, x_BLD, [w_q_DHQ, w_k_DKQ, w_v_DKQ], s_qkv)
+                    for y in chunk_products(specs, dtype, kernels, x_BLD, [w_q_DHQ, w_k_DKQ, w_v_DKQ], s_qkv)
                 )
                 q_BLHQ, k_BLKQ = rope(q_BLHQ, theta), rope(k_BLKQ, theta)
                 o_BLHQ = (flash_attention if flash else attention_reference)(q_BLHQ, k_BLKQ, v_BLKQ)
-                return tp_ops.chunk_products(["blhq,hqd->bld"], dtype, kernels, o_BLHQ, [w_o_HQD], s_o)[0]
+                return chunk_products(["blhq,hqd->bld"], dtype, kernels, o_BLHQ, [w_o_HQD], s_o)[0]
 
             w_c = [tp_ops.chunked(w, 1, n) for w in (w_q_DHQ, w_k_DKQ, w_v_DKQ)] + [tp_ops.chunked(w_o_HQD, 0, n)]
             parts = tp_ops.per_chunk(chunk, tp_ops.fanout(tp, x_BLD), *w_c, *scales)

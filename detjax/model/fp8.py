@@ -1,5 +1,9 @@
 """FP8 projections with delayed scaling (model.fp8), the recipe Hopper users expect.
 
+One module on purpose: every fp8 product (dense, fused SwiGLU, grouped experts, the LM head with its
+cross-entropy, the q/k/v product with RoPE) shares the quantization, scale and amax rules below, and a rule
+changed in one place must change for all of them.
+
 A projection y = x @ w runs as x8 @ w8 with fp32 accumulation, where x8 = e4m3(x * s_x), w8 = e4m3(w * s_w)
 and the result is divided by s_x * s_w; its backward quantizes the incoming gradient to e5m2(dy * s_g) and
 runs dx = g8 @ w8^T, dw = x8^T @ g8 the same way. Every projection has a scale vector s = (s_x, s_w, s_g) in
@@ -41,11 +45,11 @@ to whole tiles (detjax.pallas_kernels.gmm.mosaic); elsewhere they multiply the f
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from detjax.model.ce import token_ce
 from detjax.pallas_kernels.matmul.quantize import amax_of
 from detjax.pallas_kernels.matmul.quantize import quantize as _quantize
 
@@ -252,13 +256,6 @@ def _mosaic_grads(g8, g8_NM, x8_KM, w8, mkn: tuple[int, int, int], inv_dx, inv_d
 
 
 # ------------------------------------------------------------------ the LM head fused with its cross-entropy
-class TokenCE(NamedTuple):
-    """What the model returns in place of logits when its LM head computed the loss itself (fp8_head_ce): the
-    per-token cross-entropy (B, L), float32. detjax.loss sums it as it sums logsumexp - label."""
-
-    ce_BL: jax.Array
-
-
 def fused_head_ce(w_KN: jax.Array, kernels: str) -> bool:
     """Whether an fp8 LM head runs as fp8_head_ce (its products on the Mosaic path)."""
     return _mosaic_path(w_KN, kernels)
@@ -268,22 +265,21 @@ def fused_head_ce(w_KN: jax.Array, kernels: str) -> bool:
 def fp8_head_ce(x_MK, w_KN, wq, scale_3, targets_M, out_dtype, kernels: str) -> jax.Array:
     """Per-token cross-entropy (float32, (m,)) of the fp8 LM head's logits x @ w for the targets (model.fp8
     with lm_head, on the Mosaic path: fused_head_ce). The forward is fp8_matmul's (logits rounded to
-    out_dtype, then widened to float32) followed by detjax.loss.token_ce. The backward never stores the
+    out_dtype, then widened to float32) followed by detjax.model.ce.token_ce. The backward never stores the
     logits' float32 gradient: one kernel (quantize.ce_grad_quantize_transposed) computes dce * (softmax -
     onehot) from the out_dtype logits and the rows' logsumexp in float32 and writes its e5m2 copies and amax,
     which the dx and dw products read as fp8_matmul's backward reads the quantized dy. `wq`: the weight's
-    copy (weight_copy) or None. Against fp8_matmul(widen=True) + loss.token_ce: the same ce; the gradients
+    copy (weight_copy) or None. Against fp8_matmul(widen=True) + ce.token_ce: the same ce; the gradients
     differ only in that the logits' gradient is quantized from float32 directly, where that path rounds it
     to out_dtype first, and in the exp's implementation (XLA's or the kernel's)."""
     return _head_ce_fwd(x_MK, w_KN, wq, scale_3, targets_M, out_dtype, kernels)[0]
 
 
 def _head_ce_fwd(x_MK, w_KN, wq, scale_3, targets_M, out_dtype, kernels):
-    from detjax.loss import token_ce  # (detjax.loss imports this module)
     from detjax.pallas_kernels.matmul.kernel import fp8_nt
 
     if not _mosaic_path(w_KN, kernels):
-        raise ValueError("fp8_head_ce needs the Mosaic fp8 path (fp8.fused_head_ce); use fp8_matmul and loss.token_ce")
+        raise ValueError("fp8_head_ce needs the Mosaic fp8 path (fp8.fused_head_ce); use fp8_matmul and ce.token_ce")
     (m, k), n = x_MK.shape, w_KN.shape[1]
     pm, pk, pn = _mosaic_pads(m, k, n)
     x8, x8_KM, amax_x = _quantize_padded(x_MK, scale_3, 0, E4M3, pm, pk)
@@ -681,7 +677,7 @@ def update_collection(coll: dict, amax_tree, margin: int) -> dict:
 
     All projections at once: their histories, amaxes and scales are packed along one leading axis, so the
     update is one shift and one next_scales on the GPU, not one small kernel of each per projection (gpu_dense's
-    fp8 profile had about 130 a step, docs/BENCHMARKS.md session 34). Every op is elementwise or a maximum over
+    fp8 profile had about 130 a step, docs/benchmarks-history.md set 34). Every op is elementwise or a maximum over
     one history, so these are the bytes of the update per projection. The collection is replicated on every
     mesh (Trainer.state_shardings), so packing moves no data between devices."""
     hists, treedef = jax.tree.flatten(coll["amax_history"])

@@ -19,6 +19,7 @@ from detjax.model.fp8 import (
     weight_copy,
 )
 from detjax.pallas_kernels.matmul.ops import compute_copy, dense, dense_many, fuse
+from detjax.pallas_kernels.ordered import pinned_normalize, pinned_softmax, tree_sum_last  # noqa: F401 (the model's names)
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm, rmsnorm_stream
 from detjax.pallas_kernels.rope.ops import split_rope
@@ -151,7 +152,7 @@ def _xla_dense(spec: str, dtype: jnp.dtype, x_dtype, w_dtype, x: jax.Array, w: j
     """XLA's einsum in `dtype` with float32 accumulation (model.kernels=xla). Its own backward keeps both
     backward products in `dtype` with float32 accumulation, as the Pallas matmul's does: JAX's transpose of a
     dtype x dtype -> float32 dot multiplies the float32 cotangent with the other operand, which XLA runs as
-    float32 (TF32) GEMMs on the GPU at about half the bf16 rate (docs/BENCHMARKS.md session 11). The weight
+    float32 (TF32) GEMMs on the GPU at about half the bf16 rate (docs/benchmarks-history.md set 11). The weight
     gradient is returned in the weight's dtype (the float32 master) without a round trip through `dtype`."""
     return _xla_dense_fwd(spec, dtype, x_dtype, w_dtype, x, w)[0]
 
@@ -203,51 +204,13 @@ def proj_many(
     return [proj(s, x, w, dtype) for s, w in zip(specs, ws, strict=True)]
 
 
-# --------------------------------------------------------------------------- sums whose order XLA cannot pick
-# A reduce op's summation order is XLA's choice, and it differs between programs (the fusion decides: e.g.
-# a one-device program and an eight-device one of the same per-sequence math). Written as halving
-# elementwise adds, a sum has one order everywhere, and so does its gradient when every broadcast of it is
-# transposed by the same tree (`pinned_broadcast`).
-def tree_sum_last(x: jax.Array) -> jax.Array:
-    """Sum over the last axis, keepdims: pairs of halves added elementwise (zero-padded to a power of two;
-    zeros add exactly)."""
-    n = x.shape[-1]
-    width = 1 << max(n - 1, 0).bit_length()
-    if width != n:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
-    while x.shape[-1] > 1:
-        h = x.shape[-1] // 2
-        x = x[..., :h] + x[..., h:]
-    return x
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def pinned_broadcast(s: jax.Array, n: int) -> jax.Array:
-    """s (..., 1) -> (..., n); its transpose sums the cotangent with tree_sum_last (not a reduce op)."""
-    return jnp.broadcast_to(s, (*s.shape[:-1], n))
-
-
-def _pinned_broadcast_fwd(s, n):
-    return pinned_broadcast(s, n), None
-
-
-def _pinned_broadcast_bwd(n, _, g):
-    return (tree_sum_last(g),)
-
-
-pinned_broadcast.defvjp(_pinned_broadcast_fwd, _pinned_broadcast_bwd)
-
-
-def pinned_normalize(x: jax.Array) -> jax.Array:
-    """x / sum(x) over the last axis, the sum (and its gradient's) tree_sum_last."""
-    # the divisor behind a barrier: XLA may otherwise turn the division by a broadcast into a multiplication by
-    # its reciprocal in some programs and not in others (other bits)
-    return x / jax.lax.optimization_barrier(pinned_broadcast(tree_sum_last(x), x.shape[-1]))
-
-
-def pinned_softmax(x: jax.Array) -> jax.Array:
-    """Softmax over the last axis whose sums, forward and backward, are tree_sum_last."""
-    return pinned_normalize(jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))))  # max: exact
+def chunk_products(specs: list[str], dtype, kernels: str, x: jax.Array, ws: list, scale=None) -> list[jax.Array]:
+    """One chunk's projections of x by ws (float32 partials): tensor.chunk_product each, or with an fp8 scale
+    vector (one of max_copies') ONE fp8 product over the weights side by side with that scale set, as the unchunked
+    model fuses them (detjax.model.fp8.fp8_dense_many; dx and the partials in float32)."""
+    if scale is None:
+        return [tp_ops.chunk_product(spec, dtype, kernels, x, w) for spec, w in zip(specs, ws, strict=True)]
+    return fp8_dense_many(specs, x, ws, jnp.float32, scale, kernels)
 
 
 class RMSNorm(nn.Module):
@@ -366,12 +329,10 @@ class MLP(nn.Module):
                 s_gate_up, s_down = s or (None, None)
                 gate_BLF, up_BLF = (
                     y.astype(dtype)
-                    for y in tp_ops.chunk_products(
-                        ["bld,df->blf"] * 2, dtype, kern, x_BLD, [w_gate_DF, w_up_DF], s_gate_up
-                    )
+                    for y in chunk_products(["bld,df->blf"] * 2, dtype, kern, x_BLD, [w_gate_DF, w_up_DF], s_gate_up)
                 )
                 h_BLF = nn.silu(gate_BLF) * up_BLF
-                return tp_ops.chunk_products(["blf,fd->bld"], dtype, kern, h_BLF, [w_down_FD], s_down)[0]
+                return chunk_products(["blf,fd->bld"], dtype, kern, h_BLF, [w_down_FD], s_down)[0]
 
             w_c = (tp_ops.chunked(w_gate_DF, 1, n), tp_ops.chunked(w_up_DF, 1, n), tp_ops.chunked(w_down_FD, 0, n))
             parts = tp_ops.per_chunk(chunk, tp_ops.fanout(tp, x_BLD), *w_c, *scales)

@@ -10,7 +10,8 @@ from flax import linen as nn
 
 from detjax.config import ModelConfig
 from detjax.model.attention import Attention
-from detjax.model.fp8 import TokenCE, fp8_head_ce, fused_head_ce, scale_var
+from detjax.model.ce import TokenCE
+from detjax.model.fp8 import fp8_head_ce, fused_head_ce, scale_var
 from detjax.model.layers import DTYPES, MLP, Embed, RMSNorm, copy_of, normal_init, param, proj
 from detjax.model.mamba2 import Mamba2
 from detjax.model.moe import MoE

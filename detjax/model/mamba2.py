@@ -10,9 +10,9 @@ from flax import linen as nn
 
 from detjax.config import MambaConfig
 from detjax.model.fp8 import scale_var
-from detjax.model.layers import normal_init, param, proj, proj_many
-from detjax.model.ssd import ssd_chunked
+from detjax.model.layers import chunk_products, normal_init, param, proj, proj_many
 from detjax.pallas_kernels.ssd.ops import ssd
+from detjax.pallas_kernels.ssd.reference import ssd_chunked
 from detjax.sharding import canonical
 from detjax.sharding import rules as ax
 from detjax.sharding import tensor as tp_ops
@@ -181,7 +181,7 @@ class Mamba2(nn.Module):
             specs = ["bld,dhp->blhp", "bld,dhp->blhp", "bld,dh->blh"]
             z_BLHP, x_BLHP, dt_BLH = (
                 y.astype(dtype)
-                for y in tp_ops.chunk_products(specs, dtype, kernels, x_BLD, [w_z, w_x, w_dt], s[0] if s else None)
+                for y in chunk_products(specs, dtype, kernels, x_BLD, [w_z, w_x, w_dt], s[0] if s else None)
             )
             x_BLHP = nn.silu(causal_conv(x_BLHP.astype(jnp.float32), w_conv_x, b_conv_x, True))
             dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + tp_ops.expand(dt_bias, tokens))
@@ -201,7 +201,7 @@ class Mamba2(nn.Module):
 
         def out_chunk(y_BLHP, r_BL, norm_HP, w_out_HPD, *s):
             y_BLHP = y_BLHP * r_BL[..., None, None] * tp_ops.expand(norm_HP, tokens)
-            return tp_ops.chunk_products(["blhp,hpd->bld"], dtype, kernels, y_BLHP, [w_out_HPD], s[0] if s else None)[0]
+            return chunk_products(["blhp,hpd->bld"], dtype, kernels, y_BLHP, [w_out_HPD], s[0] if s else None)[0]
 
         parts = tp_ops.per_chunk(
             out_chunk,

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from detjax.pallas_kernels.ordered import pad_to_power_of_two
+
 
 def is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
@@ -44,12 +46,7 @@ LEVELS = 4
 def pair_sum(x: jax.Array, axis: int = 0) -> jax.Array:
     """Sum over `axis` as a balanced binary tree of adjacent pairs (the axis is removed)."""
     axis = axis % x.ndim
-    n = x.shape[axis]
-    width = 1 << max(n - 1, 0).bit_length()
-    if width != n:
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, width - n)
-        x = jnp.pad(x, pad)
+    x = pad_to_power_of_two(x, axis)
     while x.shape[axis] > 1:
         m = x.shape[axis]
         g = 1 << min(LEVELS, m.bit_length() - 1)  # terms per block this pass (m is a power of two)

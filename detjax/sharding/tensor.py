@@ -364,17 +364,6 @@ def _product_bwd(spec, dtype, kernels, res, g):
 chunk_product.defvjp(_product_fwd, _product_bwd)
 
 
-def chunk_products(specs: list[str], dtype, kernels: str, x: jax.Array, ws: list, scale=None) -> list[jax.Array]:
-    """One chunk's projections of x by ws (float32 partials): chunk_product each, or with an fp8 scale vector
-    (one of max_copies') ONE fp8 product over the weights side by side with that scale set, as the unchunked
-    model fuses them (detjax.model.fp8.fp8_dense_many; dx and the partials in float32)."""
-    if scale is None:
-        return [chunk_product(spec, dtype, kernels, x, w) for spec, w in zip(specs, ws, strict=True)]
-    from detjax.model.fp8 import fp8_dense_many
-
-    return fp8_dense_many(specs, x, ws, jnp.float32, scale, kernels)
-
-
 def max_over(split: TensorSplit, x: jax.Array) -> jax.Array:
     """Elementwise maximum of x over the tensor axis (exact in any order)."""
     if split.degree == 1:

@@ -1,5 +1,5 @@
 """Offline comparison of two runs' trace streams: align by run-independent identity, classify the first
-mismatch of each stream (the method of ../shared/seeds/001: inputs match + outputs differ = candidate
+mismatch of each stream (inputs match + outputs differ = candidate
 origin; inputs differ = downstream receiver; none of the former = origin outside the capture)."""
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ kernel instead (mosaic.py, `use_mosaic`): the same bits, faster on large weights
 weights of at least MOSAIC_FP8_MIN_SIZE elements run that kernel with fp8 wgmma (`fp8_nt`), by the same rule
 with 128-element reduction blocks.
 
-Speed (H200, `python3 scripts/gemm_bench.py --rounds 3`, docs/BENCHMARKS.md session 16): over every
+Speed (H200, `python3 scripts/gemm_bench.py --rounds 3`, docs/benchmarks-history.md set 16): over every
 projection shape of gpu_dense / gpu_medium, weighted by use, 0.989 / 0.989 x the speed of XLA's autotuned
 GEMMs (median of three passes, all of them 0.974 or more), where the Triton kernel alone gave 0.935 / 0.942.
 """
@@ -54,7 +54,7 @@ DW_UNCHUNKED_SIZE = 1 << 23  # weights with this many elements or more: dw in on
 def dw_row_chunk(k: int, n: int) -> int:
     """Tokens per chunk of the weight-gradient reduction of a (k, n) weight (0: one loop, no chunks). Weights
     of at most 2**20 elements fill the GPU with 2048-row chunks; larger ones are faster with 4096 (fewer
-    float32 partial sums to write and add; sweep in docs/BENCHMARKS.md, session 15)."""
+    float32 partial sums to write and add; sweep in docs/benchmarks-history.md set 15)."""
     size = k * n
     return 0 if size >= DW_UNCHUNKED_SIZE else 2048 if size <= 1 << 20 else 4096
 
@@ -125,7 +125,7 @@ def use_mosaic(a_dtype, b_dtype, k: int, n: int, interpret: bool) -> bool:
     Hopper GPU and a weight of at least MOSAIC_MIN_SIZE elements, where it was as fast as the Triton kernel or
     faster (up to 1.17 x: the LM head); smaller weights, float32 and fp8 products and other devices run the
     Triton kernel. Both kernels give the same bits (byte-equal on the H200 for every product of gpu_dense and
-    gpu_medium, docs/BENCHMARKS.md session 16), so this choice, like the tile set, changes speed, never bits."""
+    gpu_medium, docs/benchmarks-history.md set 16), so this choice, like the tile set, changes speed, never bits."""
     return not interpret and a_dtype == b_dtype == jnp.bfloat16 and k * n >= MOSAIC_MIN_SIZE and mosaic.available()
 
 

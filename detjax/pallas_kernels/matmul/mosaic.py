@@ -4,7 +4,7 @@ warpgroups) and a persistent grid of one CTA per SM. The pipeline is streamed (S
 shared-memory slots over all of an SM's tiles, so the memory warpgroup loads the next tile's blocks while the
 compute warpgroups write a tile; the older form, one pipeline per tile that fills and drains each time, gives
 the same bits and stays for comparison (stream=False; on the H200 the streamed one made gpu_dense's step
-0.5-1.7 % faster, docs/BENCHMARKS.md session 28).
+0.5-1.7 % faster, docs/benchmarks-history.md set 28).
 
 The reduction rule is the Triton kernel's (kernel.py): every output tile is owned by ONE warpgroup, which
 reduces R by one ascending loop over blocks of BLOCK_R = 64 into a float32 accumulator that starts at zero
@@ -23,10 +23,10 @@ contiguous (the caller lays them out), in 128-element reduction blocks (one 128-
 Used by kernel.matmul_kernel for bfloat16 products of weights of at least kernel.MOSAIC_MIN_SIZE elements on
 Hopper GPUs (compute capability 9.0), where it gives the Triton kernel's bits (byte-equal on the H200 for
 every product of gpu_dense and gpu_medium) at up to 1.17 x its speed; smaller weights, float32 products (the
-MoE router) and every other device use the Triton kernel (docs/BENCHMARKS.md, session 16). model.fp8's
-products of weights of at least kernel.MOSAIC_FP8_MIN_SIZE elements use it through kernel.fp8_nt (session 22;
+MoE router) and every other device use the Triton kernel (docs/benchmarks-history.md set 16). model.fp8's
+products of weights of at least kernel.MOSAIC_FP8_MIN_SIZE elements use it through kernel.fp8_nt (2026-12-02;
 other bits than the Triton kernel's fp8 products, whose backward multiplies in bf16), and the MoE experts' fp8
-grouped products through its grouped modes (gmm/mosaic.py, session 25). On CPU the tests run it
+grouped products through its grouped modes (gmm/mosaic.py, 2026-12-02). On CPU the tests run it
 under Pallas' Mosaic GPU interpreter, whose dot is not wgmma: that checks the indexing and the chunk rule,
 not the GPU's bits.
 """
@@ -44,7 +44,7 @@ BLOCK_R = 64  # bf16 reduction block (block_r): four k = 16 wgmma steps per pipe
 TILE = 128  # each compute warpgroup's output tile is TILE x TILE; a CTA's two warpgroups sit side by side
 SWIZZLE = 128  # bytes: a 64-element bf16 row, the widest swizzle
 STAGES = 4  # pipeline depth (4 x (128 x 64 + 64 x 256) bf16 = 192 KiB of shared memory)
-FP8_DELAY = 1  # fp8 products keep one wgmma in flight (same bits; 0.98-1.09 x per product of gpu_dense, session 24)
+FP8_DELAY = 1  # fp8 products keep one wgmma in flight (same bits; 0.98-1.09 x per product of gpu_dense, 2026-12-02)
 SNAKE_WIDTH = 8  # tiles per band of the persistent loop's order (L2 locality; no effect on bits)
 STREAM = True  # the streamed pipeline (streamed_body) by default; False: tiled_body, one pipeline per tile
 INTERPRET_SMS = 2  # "SMs" under Pallas' interpreter (CPU): few, so small tests give an SM several tiles

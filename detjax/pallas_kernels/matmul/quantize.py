@@ -3,7 +3,7 @@
 Hopper's fp8 wgmma reads both operands with the reduced dimension contiguous, so the weight gradient
 dw = x^T @ dy needs x and dy transposed, and the forward needs the weight transposed (kernel.fp8_nt). XLA's
 transposes of one-byte arrays ran at about a quarter of the H200's memory bandwidth and took a quarter of
-gpu_dense's fp8 step (docs/BENCHMARKS.md, session 22). This kernel reads v once and writes
+gpu_dense's fp8 step (docs/benchmarks-history.md set 22). This kernel reads v once and writes
 q = fp8(clip(v * scale)) in both layouts, zero-padded to the product's tiles (so no pad copy follows), plus the
 largest |v| of each tile.
 
@@ -50,7 +50,7 @@ def scale_input(scale: jax.Array, scale_index: int | None) -> tuple[jax.Array, p
     goes in as a (1,) array. With scale_index, `scale` is a 1-D scale set (a projection's (s_x, s_w, s_g)) and
     the kernel reads element scale_index through the BlockSpec. Slicing the set outside the kernel instead costs a
     device-to-device copy per call on the GPU, since XLA emits a contiguous slice as a memcpy: 512 a step in
-    gpu_dense's fp8 profile (docs/BENCHMARKS.md, session 35). The kernel reads the same float either way."""
+    gpu_dense's fp8 profile (docs/benchmarks-history.md set 35). The kernel reads the same float either way."""
     if scale_index is None:
         return jnp.asarray(scale, jnp.float32).reshape(1), pl.BlockSpec((1,), lambda *_: (0,))
     s = jnp.asarray(scale, jnp.float32)
@@ -63,7 +63,7 @@ def amax_of(*parts: jax.Array) -> jax.Array:
     """(len(parts),) float32: the maximum of each part -- an amax, or the per-tile amaxes a quantization kernel
     returns with amax_tiles=True -- in one reduction: the parts are zero-padded to one length, stacked and
     reduced along the rows. On the GPU each jnp.max of a kernel's tiles is a kernel launch of its own (about
-    1 us; gpu_dense's fp8 step had about 500 a step, docs/BENCHMARKS.md session 35), so model.fp8's products
+    1 us; gpu_dense's fp8 step had about 500 a step, docs/benchmarks-history.md set 35), so model.fp8's products
     keep the tiles and reduce a product's three amaxes together in its backward. Every amax is >= 0 or NaN
     (a maximum of |v|), so the zeros change no maximum: the bytes of each part's own jnp.max."""
     flat = [jnp.ravel(p).astype(jnp.float32) for p in parts]

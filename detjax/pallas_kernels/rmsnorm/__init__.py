@@ -1,7 +1,14 @@
-from detjax.pallas_kernels.support import Problem, pow2_at_least
+from detjax.pallas_kernels.support import Problem
+
+WIDEST = 16384  # the widest width class with pinned tiles in kernel.TILES
 
 
 def supports(m) -> list[Problem]:
-    """RMSNorm rows span the whole feature dim in one power-of-two block (row counts that are not a multiple
-    of the kernel's row block, e.g. the MTP head's L-1 rows, take the jnp path)."""
-    return pow2_at_least("model.d_model", m.d_model, 32, "RMSNorm")
+    """The RMSNorm kernel takes widths that are a power of two >= 32 or a multiple of 128, up to WIDEST (rows
+    are loaded in power-of-two column chunks; row counts that are not a multiple of 8, e.g. a decode step's,
+    take the jnp path)."""
+    d = m.d_model
+    if d > WIDEST or not (d >= 32 and d & (d - 1) == 0 or d % 128 == 0):
+        why = f"the Pallas RMSNorm needs a power of two >= 32 or a multiple of 128, at most {WIDEST}"
+        return [("model.d_model", d, why, "use e.g. 1536 or 2048, or model.kernels=reference")]
+    return []

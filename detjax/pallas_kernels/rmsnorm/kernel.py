@@ -1,12 +1,20 @@
-"""Fused RMSNorm forward and backward in Pallas.
+"""Fused RMSNorm forward and backward in Pallas, for any feature width that is a power of two or a multiple
+of 128.
 
-Tiles (pinned, recorded in TILES; no autotuning): each program owns `rows` consecutive rows and walks them in
-sub-blocks of `block_rows` rows (the whole feature dim in one block), in ascending order. A row's own sums
-(its mean square, and the backward's mean of dxhat * xhat) are reduced inside one sub-block, so their order
-depends on the pinned tile only. The weight gradient is reduced over rows without atomics -- "separate
-writers in space, then order once": each program adds its sub-blocks' sums in ascending order into one
-private slot (starting from +0), and a second kernel adds the slots in ascending order. Row counts that are
-not a whole number of `rows` are padded with zero rows, which add exact zeros to the weight gradient.
+Tiles (pinned per width class in TILES; no autotuning): a program owns `rows` consecutive rows and walks them
+in sub-blocks of `block_rows` rows, in ascending order. A sub-block spans the whole feature dim, loaded as
+column chunks of a power-of-two width (Triton's tensors are powers of two): one chunk when the width is a
+power of two, else the widest power-of-two chunk that divides it (1536 = 3 x 512). A row's own sums (its mean
+square, and the backward's mean of dxhat * xhat) are reduced inside each chunk and the chunks' sums added in
+ascending order, so their order depends on the width and the pinned tile only. Row counts that are not a whole
+number of `rows` are padded with zero rows, which add exact zeros to the weight gradient.
+
+The weight gradient's sum over tokens has no atomics -- "separate writers in space, then order once": each
+program adds its sub-blocks' column sums in ascending order into one private slot (a fixed chunk of `rows`
+tokens), and the slots are combined by a fixed pairwise tree (ordered.tree_sum), not a serial walk.
+
+Speed: scripts/tile_sweep.py --kernels rmsnorm on the H200, every width of the shape matrix
+(docs/BENCHMARKS.md, "RMSNorm").
 """
 
 from __future__ import annotations
@@ -18,56 +26,52 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from detjax.pallas_kernels.backend import triton_params
+from detjax.pallas_kernels.ordered import tree_sum
+from detjax.pallas_kernels.rmsnorm import WIDEST
 
-# scripts/tile_sweep.py on the H200 (docs/BENCHMARKS.md). A change here changes bits (the row sums' and the
-# weight gradient's reduction order): it is a new trajectory.
+# Per width class (the feature dim rounded up to a power of two). Classes 1024, 2048 and 4096 are the fastest
+# of scripts/tile_sweep.py --kernels rmsnorm on the H200 (docs/BENCHMARKS.md); the others keep a sub-block near
+# 4096 elements (about 16 of each operand a thread) and are not swept. A change here changes bits (the row
+# sums' and the weight gradient's reduction order): it is a new trajectory.
 TILES = {
-    "fwd": {"rows": 8, "block_rows": 8, "num_warps": 4, "num_stages": 1},
-    "bwd": {"rows": 32, "block_rows": 8, "num_warps": 4, "num_stages": 2},
-    "wgrad": {"block_cols": 32},
+    "fwd": {
+        128: {"rows": 32, "block_rows": 32, "num_warps": 8, "num_stages": 2},
+        256: {"rows": 16, "block_rows": 16, "num_warps": 8, "num_stages": 2},
+        512: {"rows": 8, "block_rows": 8, "num_warps": 8, "num_stages": 2},
+        1024: {"rows": 8, "block_rows": 2, "num_warps": 4, "num_stages": 2},
+        2048: {"rows": 4, "block_rows": 1, "num_warps": 8, "num_stages": 2},
+        4096: {"rows": 4, "block_rows": 1, "num_warps": 8, "num_stages": 2},
+        8192: {"rows": 4, "block_rows": 1, "num_warps": 16, "num_stages": 2},
+        16384: {"rows": 4, "block_rows": 1, "num_warps": 16, "num_stages": 2},
+    },
+    "bwd": {
+        128: {"rows": 128, "block_rows": 32, "num_warps": 8, "num_stages": 2},
+        256: {"rows": 64, "block_rows": 16, "num_warps": 8, "num_stages": 2},
+        512: {"rows": 64, "block_rows": 8, "num_warps": 8, "num_stages": 2},
+        1024: {"rows": 32, "block_rows": 4, "num_warps": 8, "num_stages": 2},
+        2048: {"rows": 16, "block_rows": 1, "num_warps": 4, "num_stages": 2},
+        4096: {"rows": 16, "block_rows": 1, "num_warps": 8, "num_stages": 2},
+        8192: {"rows": 16, "block_rows": 1, "num_warps": 16, "num_stages": 2},
+        16384: {"rows": 8, "block_rows": 1, "num_warps": 16, "num_stages": 2},
+    },
 }
 MIN_ROWS = 8  # the layers use the kernel for row counts that are multiples of this (see `fits`)
 
 
-def _fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, eps: float, br: int, nsub: int):
-    w = w_ref[...].astype(jnp.float32)
-
-    def body(s, carry):
-        rows = pl.ds(pl.multiple_of(s * br, br), br)
-        x = x_ref[rows, :].astype(jnp.float32)
-        rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + eps)
-        y_ref[rows, :] = (x * rstd * w).astype(y_ref.dtype)
-        rstd_ref[rows, :] = rstd
-        return carry
-
-    jax.lax.fori_loop(0, nsub, body, 0)
+def width_class(d: int) -> int:
+    """The tile class of feature dim d: d rounded up to a power of two, at least 128."""
+    return max(128, 1 << max(d - 1, 0).bit_length())
 
 
-def _bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, *refs, br: int, nsub: int, stream: bool):
-    g_ref, dx_ref, dw_part_ref = refs if stream else (None, *refs)
-    w = w_ref[...].astype(jnp.float32)
-
-    def body(s, acc):
-        rows = pl.ds(pl.multiple_of(s * br, br), br)
-        x = x_ref[rows, :].astype(jnp.float32)
-        rstd = rstd_ref[rows, :]
-        dy = dy_ref[rows, :].astype(jnp.float32)
-        xhat = x * rstd
-        dxhat = dy * w
-        dx = (rstd * (dxhat - xhat * jnp.mean(dxhat * xhat, axis=1, keepdims=True))).astype(dx_ref.dtype)
-        if stream:  # the stream's own cotangent, added as the residual add's transpose would add it
-            dx = dx + g_ref[rows, :]
-        dx_ref[rows, :] = dx
-        return acc + jnp.sum(dy * xhat, axis=0, keepdims=True)
-
-    # this program's private slot: its sub-blocks' sums in ascending order, from +0
-    dw_part_ref[...] = jax.lax.fori_loop(0, nsub, body, jnp.zeros(dw_part_ref.shape, jnp.float32))
-
-
-def _ordered_sum_kernel(part_ref, out_ref, *, n: int):
-    # fixed ascending order over the slots (a loop, not an unrolled chain: n can be ~1000)
-    acc = jax.lax.fori_loop(1, n, lambda i, acc: acc + part_ref[pl.ds(i, 1), :], part_ref[pl.ds(0, 1), :])
-    out_ref[...] = acc
+def chunk_width(d: int) -> int:
+    """The column chunk a row is loaded in: d itself when it is a power of two, else the widest power of two
+    dividing it (at least 128: the width must be a multiple of 128)."""
+    if d & (d - 1) == 0:
+        return d
+    c = d & -d
+    if c < 128:
+        raise ValueError(f"rmsnorm kernel: feature dim {d} is neither a power of two nor a multiple of 128")
+    return c
 
 
 def fits(rows: int) -> bool:
@@ -75,12 +79,75 @@ def fits(rows: int) -> bool:
     return rows % MIN_ROWS == 0
 
 
-def _tiles(which: str, d: int) -> tuple[int, int]:
-    t = TILES[which]
-    r, br = t["rows"], t["block_rows"]
-    if d & (d - 1) or r % br:
-        raise ValueError(f"rmsnorm kernel needs a power-of-two feature dim and rows % block_rows == 0; got d={d}, {t}")
-    return r, br
+def _tiles(which: str, d: int) -> tuple[int, dict]:
+    t = TILES[which].get(width_class(d))
+    if t is None:
+        raise ValueError(f"rmsnorm kernel: feature dim {d} is wider than the widest pinned tile ({WIDEST})")
+    if t["rows"] % t["block_rows"]:
+        raise ValueError(f"rmsnorm kernel: rows % block_rows must be 0 in {which} tile {t}")
+    return t["rows"], t
+
+
+def _chunks(ref, rows, c: int, nc: int) -> list:
+    """The sub-block `rows` of ref as float32 column chunks of width c, in ascending order."""
+    if nc == 1:
+        return [ref[rows, :].astype(jnp.float32)]
+    return [ref[rows, pl.ds(j * c, c)].astype(jnp.float32) for j in range(nc)]
+
+
+def _store_chunks(ref, rows, c: int, vals: list) -> None:
+    if len(vals) == 1:
+        ref[rows, :] = vals[0].astype(ref.dtype)
+        return
+    for j, v in enumerate(vals):
+        ref[rows, pl.ds(j * c, c)] = v.astype(ref.dtype)
+
+
+def _row_sum(parts: list, d: int):
+    """sum over the row of each chunk's values, the chunks' sums added in ascending order, divided by d."""
+    total = jnp.sum(parts[0], axis=1, keepdims=True)
+    for p in parts[1:]:
+        total = total + jnp.sum(p, axis=1, keepdims=True)
+    return total / d
+
+
+def _fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, eps: float, br: int, nsub: int, c: int, nc: int):
+    ws = _chunks(w_ref, slice(None), c, nc)
+    d = c * nc
+
+    def body(s, carry):
+        rows = pl.ds(pl.multiple_of(s * br, br), br)
+        xs = _chunks(x_ref, rows, c, nc)
+        rstd = jax.lax.rsqrt(_row_sum([x * x for x in xs], d) + eps)
+        _store_chunks(y_ref, rows, c, [x * rstd * w for x, w in zip(xs, ws, strict=True)])
+        rstd_ref[rows, :] = rstd
+        return carry
+
+    jax.lax.fori_loop(0, nsub, body, 0)
+
+
+def _bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, *refs, br: int, nsub: int, c: int, nc: int, stream: bool):
+    g_ref, dx_ref, dw_part_ref = refs if stream else (None, *refs)
+    ws = _chunks(w_ref, slice(None), c, nc)
+    d = c * nc
+
+    def body(s, acc):
+        rows = pl.ds(pl.multiple_of(s * br, br), br)
+        rstd = rstd_ref[rows, :]
+        xhat = [x * rstd for x in _chunks(x_ref, rows, c, nc)]
+        dys = _chunks(dy_ref, rows, c, nc)
+        dxhat = [dy * w for dy, w in zip(dys, ws, strict=True)]
+        mean = _row_sum([a * b for a, b in zip(dxhat, xhat, strict=True)], d)
+        dx = [(rstd * (a - b * mean)).astype(dx_ref.dtype) for a, b in zip(dxhat, xhat, strict=True)]
+        if stream:  # the stream's own cotangent, added as the residual add's transpose would add it
+            gs = [g_ref[rows, :]] if nc == 1 else [g_ref[rows, pl.ds(j * c, c)] for j in range(nc)]
+            dx = [a + g for a, g in zip(dx, gs, strict=True)]
+        _store_chunks(dx_ref, rows, c, dx)
+        return tuple(a + jnp.sum(dy * xh, axis=0, keepdims=True) for a, dy, xh in zip(acc, dys, xhat, strict=True))
+
+    # this program's private slot: its sub-blocks' column sums in ascending order, from +0
+    zero = tuple(jnp.zeros((1, c), jnp.float32) for _ in range(nc))
+    _store_chunks(dw_part_ref, slice(None), c, list(jax.lax.fori_loop(0, nsub, body, zero)))
 
 
 def _pad_rows(x: jax.Array, mult: int) -> jax.Array:
@@ -92,12 +159,12 @@ def _pad_rows(x: jax.Array, mult: int) -> jax.Array:
 def rmsnorm_fwd(x_ND, w_D, *, eps: float, interpret: bool, out_dtype=None):
     """y = x * rsqrt(mean(x^2) + eps) * w (in `out_dtype`, default x's) and the row rstd (float32)."""
     n, d = x_ND.shape
-    r, br = _tiles("fwd", d)
+    r, t = _tiles("fwd", d)
+    c = chunk_width(d)
     xp = _pad_rows(x_ND, r)
     np_ = xp.shape[0]
-    t = TILES["fwd"]
     y, rstd = pl.pallas_call(
-        functools.partial(_fwd_kernel, eps=eps, br=br, nsub=r // br),
+        functools.partial(_fwd_kernel, eps=eps, br=t["block_rows"], nsub=r // t["block_rows"], c=c, nc=d // c),
         grid=(np_ // r,),
         in_specs=[pl.BlockSpec((r, d), lambda i: (i, 0)), pl.BlockSpec((1, d), lambda i: (0, 0))],
         out_specs=[pl.BlockSpec((r, d), lambda i: (i, 0)), pl.BlockSpec((r, 1), lambda i: (i, 0))],
@@ -120,17 +187,18 @@ def rmsnorm_bwd(x_ND, w_D, rstd_N1, dy_ND, g_ND=None, *, interpret: bool):
     it afterwards where the compiler keeps dx's last product and the add apart (the H200's Triton does; the
     CPU's interpreted kernel may fuse them into an fma)."""
     n, d = x_ND.shape
-    r, br = _tiles("bwd", d)
+    r, t = _tiles("bwd", d)
+    c = chunk_width(d)
     if g_ND is not None and (g_ND.shape != x_ND.shape or g_ND.dtype != x_ND.dtype):
         got, want = f"{g_ND.shape} {g_ND.dtype}", f"{x_ND.shape} {x_ND.dtype}"
         raise ValueError(f"rmsnorm_bwd: g {got} must have x's shape and dtype {want}")
     xp, rp, dyp = _pad_rows(x_ND, r), _pad_rows(rstd_N1, r), _pad_rows(dy_ND, r)
     nb = xp.shape[0] // r
-    t = TILES["bwd"]
     rows = pl.BlockSpec((r, d), lambda i: (i, 0))
     stream = () if g_ND is None else (_pad_rows(g_ND, r),)
+    br = t["block_rows"]
     dx, parts = pl.pallas_call(
-        functools.partial(_bwd_kernel, br=br, nsub=r // br, stream=g_ND is not None),
+        functools.partial(_bwd_kernel, br=br, nsub=r // br, c=c, nc=d // c, stream=g_ND is not None),
         grid=(nb,),
         in_specs=[rows, pl.BlockSpec((1, d), lambda i: (0, 0)), pl.BlockSpec((r, 1), lambda i: (i, 0)), rows]
         + [rows] * len(stream),
@@ -140,14 +208,4 @@ def rmsnorm_bwd(x_ND, w_D, rstd_N1, dy_ND, g_ND=None, *, interpret: bool):
         interpret=interpret,
         compiler_params=triton_params(t["num_warps"], t["num_stages"], interpret),
     )(xp, w_D.reshape(1, d), rp, dyp, *stream)
-    bd = min(d, TILES["wgrad"]["block_cols"])
-    dw = pl.pallas_call(
-        functools.partial(_ordered_sum_kernel, n=nb),
-        grid=(d // bd,),
-        in_specs=[pl.BlockSpec((nb, bd), lambda j: (0, j))],
-        out_specs=pl.BlockSpec((1, bd), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((1, d), jnp.float32),
-        name="rmsnorm_wgrad_ordered_sum",
-        interpret=interpret,
-    )(parts)
-    return (dx if nb * r == n else dx[:n]), dw.reshape(d)
+    return (dx if nb * r == n else dx[:n]), tree_sum(parts, 0).reshape(d)

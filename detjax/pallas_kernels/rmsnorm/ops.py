@@ -2,7 +2,7 @@
 rmsnorm_stream(x, w): (x, rmsnorm(x, w)) for a pre-norm residual block, whose stream x is both normed and
 added to the block's output; its backward adds the stream's cotangent to the norm's input gradient inside the
 kernel, without that pass: XLA's bytes up to the compiler contracting the kernel's last product and the add
-into an fma (the H200's does not: 0 of 33.5 M elements differ, docs/BENCHMARKS.md session 32; the CPU's
+into an fma (the H200's does not: 0 of 33.5 M elements differ, docs/benchmarks-history.md set 32; the CPU's
 interpreted kernel may, one rounding apart).
 
 `out_dtype` writes y in that dtype straight from the kernel's float32 result: the same bits as computing y in

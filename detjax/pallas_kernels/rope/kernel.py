@@ -3,7 +3,7 @@
 The block's q, k and v come out of one product over the concatenated weights, y = [q | k | v] (tokens,
 (H + 2K) Q), and RoPE rotates q and k. The backward hands that product the cotangent of y: RoPE's backward
 on dq and dk, beside dv. XLA ran it as one fusion that recomputed the angles' cos and sin per element
-(`loop_add_fusion_114`, 2.26 ms of gpu_dense's step at 35 us a call: docs/BENCHMARKS.md, session 30). This
+(`loop_add_fusion_114`, 2.26 ms of gpu_dense's step at 35 us a call: docs/benchmarks-history.md set 30). This
 kernel reads dq, dk and dv once, with cos and sin from a (L, Q/2) table, and writes
 - dy in the compute dtype (`rope_grad_concat`: the bf16 product's incoming gradient), or
 - dy's fp8 copies in both layouts and its amax (`rope_grad_quantize_transposed`: the fp8 product's
@@ -33,7 +33,7 @@ from detjax.pallas_kernels.matmul.quantize import _tiles_call, quantize
 from detjax.pallas_kernels.rope.reference import rope_grad
 
 # Speed only (elementwise: no tile changes a bit). block_n holds whole heads; block_m divides the sequence.
-# `python3 scripts/tile_sweep.py --kernels rope` on the H200 (docs/BENCHMARKS.md, session 31): the e5m2 variant
+# `python3 scripts/tile_sweep.py --kernels rope` on the H200 (docs/benchmarks-history.md set 31): the e5m2 variant
 # 19.6 us a call at gpu_dense's shape (128 x 128, 8 warps: 26.9); the bf16 variant 14.5-15.5 us with every tile.
 TILES = {"block_m": 32, "block_n": 128, "num_warps": 4}
 

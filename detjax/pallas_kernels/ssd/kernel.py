@@ -22,7 +22,7 @@ Fixed-order reductions:
 - dx, da: one writer per (batch row, head) and row; the sums over the chunk's rows are tile-local dots.
 - dB, dC are shared by all heads, so each program writes its head's contribution to a private slot
   (B, H, L, N); the slots are then added in ascending head order ("separate writers in space, then order
-  once", ../shared/seeds/001). No atomics anywhere.
+  once"). No atomics anywhere.
 - cumsum and its transpose are masked row sums; moving a (Q, 1) column to a (1, Q) row is a masked sum
   with exactly one nonzero term, so both views hold the same bits.
 dt, A and D are outside the kernel (a = A*dt and x*dt are formed by the caller), so ddt, dA and dD come

@@ -1,6 +1,6 @@
 """ssd(x, a, b, c, chunk): the Mamba2 SSD scan as a Pallas kernel with a fixed-order backward.
 
-Same contract as detjax.model.ssd.ssd_chunked: x (B, L, H, P) already multiplied by dt, a = A*dt (B, L, H),
+Same contract as ssd.reference.ssd_chunked: x (B, L, H, P) already multiplied by dt, a = A*dt (B, L, H),
 B and C (B, L, N) shared by all heads; float32 out (B, L, H, P).
 """
 

@@ -1,0 +1,171 @@
+"""The shape matrix: deterministic step time against the step a user would otherwise run, over many shapes.
+
+    python3 scripts/shape_matrix.py                                  # the whole matrix (hours on one H200)
+    python3 scripts/shape_matrix.py --cells dense:2048:128:4096,hybrid:1536:128:2048 --steps 10
+    python3 scripts/shape_matrix.py --list                           # the cells and their derived shapes
+
+A cell is PATTERN:D_MODEL:HEAD_DIM:SEQ_LEN. Its shape is derived, not tuned: heads = d_model / head_dim,
+kv heads = heads / 2, ffn 4 x d_model (dense) ; the hybrid repeats "M*EM*E-" with Mamba2 heads of 64 and 8
+experts of width d_model (top 2, shared expert); 32768 tokens a step (global batch 32768 / seq_len, four
+microbatches, or one sequence each at 8192); vocab 32768. The block count is the largest (a whole number of
+pattern repeats, at most 32 blocks) whose model FLOPs (detjax.flops) take <= 0.8 s a step at 40 % MFU.
+
+Per cell, det_tax's workers run, each a fresh process (no compilation cache, no autotune cache):
+`plain` (dense) or `fastest` (hybrid), then `strict-kernels` twice. Reported per cell: pipelined step time
+and MFU of each, the ratio strict-kernels / baseline, peak memory, and the cold-start L1 verdict (the two
+strict-kernels processes' last-step params digests equal). A cell whose mode fails prints the error.
+A worker builds its data, compiles and times its steps: 2-4 minutes for a 0.9 B dense cell on the H200
+(2026-12-04), so a cell with its L1 pair takes about ten minutes and the whole matrix some hours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+D_MODELS = (1024, 1536, 2048, 4096)
+HEAD_DIMS = (64, 128)
+SEQ_LENS = (2048, 4096, 8192)
+PATTERNS = {"dense": "*-", "hybrid": "M*EM*E-"}
+TOKENS_PER_STEP = 32768
+STEP_BUDGET_S, MFU_GUESS, MAX_BLOCKS = 0.8, 0.40, 32
+
+
+def cell_overrides(kind: str, d: int, hd: int, seq: int, blocks: int | None = None) -> list[str]:
+    """The config overrides (on configs/gpu_dense.yaml) of one cell; `blocks` None: chosen by the budget."""
+    heads = d // hd
+    gb = TOKENS_PER_STEP // seq
+    mb = max(1, gb // 4)
+    base = [
+        f"model.d_model={d}",
+        f"model.head_dim={hd}",
+        f"model.n_heads={heads}",
+        f"model.n_kv_heads={max(1, heads // 2)}",
+        f"model.ffn_dim={4 * d}",
+        f"train.seq_len={seq}",
+        f"train.global_batch={gb}",
+        f"train.micro_batch={mb}",
+        "run.tensorboard=false",
+    ]
+    if kind == "hybrid":
+        base += [
+            f"model.mamba.n_heads={2 * d // 64}",
+            "model.mamba.d_state=64",
+            "model.mamba.chunk_size=64",
+            f"model.moe.ffn_dim={d}",
+            "model.moe.n_experts=8",
+            "model.moe.top_k=2",
+        ]
+    unit = PATTERNS[kind]
+    if blocks is None:
+        blocks = choose_blocks(kind, base)
+    return base + [f"model.pattern={unit * (blocks // len(unit))}"]
+
+
+def choose_blocks(kind: str, base: list[str]) -> int:
+    from detjax.config import load_config
+    from detjax.flops import PEAK_FLOPS_BF16, model_flops_per_step
+
+    unit = PATTERNS[kind]
+    best = len(unit)
+    for reps in range(1, MAX_BLOCKS // len(unit) + 1):
+        cfg = load_config("configs/gpu_dense.yaml", base + [f"model.pattern={unit * reps}"])
+        if model_flops_per_step(cfg) / (MFU_GUESS * PEAK_FLOPS_BF16) > STEP_BUDGET_S:
+            break
+        best = reps * len(unit)
+    return best
+
+
+def all_cells() -> list[str]:
+    return [f"{k}:{d}:{hd}:{s}" for k in PATTERNS for d in D_MODELS for hd in HEAD_DIMS for s in SEQ_LENS]
+
+
+def run_worker(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    det_tax = str(Path(__file__).with_name("det_tax.py"))
+    cmd = [sys.executable, det_tax, "--config", "configs/gpu_dense.yaml", "--steps", str(steps)]
+    cmd += ["--warmup", str(warmup), "--worker", mode, *overrides]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    print(f"  {mode}: worker done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if out.returncode or not line:
+        from det_tax import error_line  # scripts/ is on sys.path when this file runs as a script
+
+        return {"error": error_line(out)}
+    return json.loads(line[0][7:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default=None, help="comma-separated PATTERN:D:HEAD_DIM:SEQ (default: all)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-l1", action="store_true", help="one strict-kernels process per cell, no L1 verdict")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="key=value applied to every cell and mode")
+    a = ap.parse_args()
+    cells = a.cells.split(",") if a.cells else all_cells()
+    from detjax.config import load_config
+    from detjax.flops import PEAK_FLOPS_BF16, model_flops_per_step
+
+    print(
+        "| cell | blocks | params (M) | baseline | base ms | base MFU | strict-kernels ms | MFU | ratio "
+        "| peak GiB (base / det) | cold-start L1 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    bad = 0
+    for cell in cells:
+        kind, d, hd, seq = cell.split(":")
+        ov = cell_overrides(kind, int(d), int(hd), int(seq)) + a.overrides
+        cfg = load_config("configs/gpu_dense.yaml", ov)
+        flops = model_flops_per_step(cfg)
+        nblocks = len(cfg.model.pattern)
+        params = _param_count(cfg) / 1e6
+        if a.list:
+            print(f"| {cell} | {nblocks} | {params:.0f} | {' '.join(ov)} |")
+            continue
+        base_mode = "plain" if kind == "dense" else "fastest"
+        base = run_worker(base_mode, ov, a.steps, a.warmup)
+        dets = [run_worker("strict-kernels", ov, a.steps, a.warmup) for _ in range(1 if a.no_l1 else 2)]
+        named = [(base_mode, base)] + [("strict-kernels", r) for r in dets]
+        errs = [f"{n}: {r['error']}" for n, r in named if "error" in r]
+        if errs:
+            bad += 1
+            print(f"| {cell} | {nblocks} | {params:.0f} | {base_mode} | failed: {'; '.join(errs)} |||||||", flush=True)
+            continue
+        bms = base["pipelined_ms"]
+        dms = statistics.median(r["pipelined_ms"] for r in dets)
+        mfu = [flops / (t / 1e3) / PEAK_FLOPS_BF16 for t in (bms, dms)]
+        digests = {json.dumps(r.get("digests"), sort_keys=True) for r in dets}
+        l1 = "n/a" if a.no_l1 else ("equal" if len(digests) == 1 else "DIFFER")
+        peak = [(r.get("peak_mem_bytes") or 0) / 2**30 for r in (base, dets[0])]
+        print(
+            f"| {cell} | {nblocks} | {params:.0f} | {base_mode} | {bms:.1f} | {100 * mfu[0]:.1f} % | {dms:.1f} "
+            f"| {100 * mfu[1]:.1f} % | {dms / bms:.3f} x | {peak[0]:.1f} / {peak[1]:.1f} | {l1} |",
+            flush=True,
+        )
+    if not a.list:
+        dev = base.get("device", "?") if cells else "?"
+        print(f"\n{dev}, jax {base.get('jax', '?')}, {a.steps} timed steps after {a.warmup} warm-up, pipelined")
+    return 1 if bad else 0
+
+
+def _param_count(cfg) -> int:
+    import jax
+
+    from detjax.step import Trainer
+
+    return sum(x.size for x in jax.tree.leaves(Trainer(cfg).abstract_state().params))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
