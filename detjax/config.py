@@ -20,12 +20,15 @@ from typing import Any, Literal
 import yaml
 
 from detjax.config_checks import (  # noqa: F401 (the checks' public names are config's)
+    auto_canonical_leaf,
     canonical_notes,
     canonical_problems,
     canonical_tensor_problems,
     cross_section_problems,
     expert_dispatch,
     fp8_problems,
+    leaf_note,
+    with_canonical_leaf,
 )
 from detjax.pallas_kernels import support_problems
 from detjax.sharding.checks import layout_problems
@@ -339,10 +342,12 @@ class DeterminismConfig:
     numerics: Literal["default", "canonical"] = "default"
     # Canonical numerics: sequences per leaf of the gradient tree (a power of two dividing train.global_batch).
     # A leaf is one batch-`canonical_leaf` program (its tokens reduced inside the kernels, its aux loss one
-    # load-balancing group, one dropout key), so it is part of the trajectory; data x fsdp may be at most
-    # global_batch / canonical_leaf. 1 = one sequence per leaf (least memory, most mesh freedom); larger
-    # leaves run bigger products (faster on a GPU).
-    canonical_leaf: int = 1
+    # load-balancing group, one dropout key), so it is part of the trajectory; data x fsdp x expert may be at
+    # most global_batch / canonical_leaf. 1 = one sequence per leaf (least memory, most mesh freedom); larger
+    # leaves run bigger products (faster on a GPU: one sequence per leaf cost +62 % on gpu_medium, the
+    # microbatch +5 %). 0 = auto, resolved when a run starts (and recorded in its config): train.micro_batch, at
+    # most global_batch / (data x fsdp x expert) of the mesh it starts on (config_checks.auto_canonical_leaf).
+    canonical_leaf: int = 0
     # Canonical numerics: the largest tensor degree the run may use (a power of two). With max_tensor = M > 1
     # every dimension tensor parallelism splits (heads, MLP and expert widths, vocabulary) is cut into M fixed
     # chunks and every sum over it is the chunk tree of detjax.sharding.tensor, on one device as on M, so
@@ -362,7 +367,7 @@ class DeterminismConfig:
                 "applies only under determinism.numerics=canonical",
                 "remove it, or set determinism.numerics=canonical",
             )
-        if self.canonical_leaf != 1 and self.numerics != "canonical":
+        if self.canonical_leaf not in (0, 1) and self.numerics != "canonical":
             _fail(
                 "determinism.canonical_leaf",
                 self.canonical_leaf,
@@ -613,6 +618,8 @@ class Config:
             t.pop("micro_batch")
         if not self.model.fp8.lm_head:  # added later: absent means off, so older configs keep their hash
             d["model"]["fp8"].pop("lm_head")
+        if not self.determinism.canonical:  # the leaf is not part of default numerics; 1 keeps older hashes
+            d["determinism"]["canonical_leaf"] = 1
         for dotted, value in RETIRED.items():
             section, key = dotted.split(".")
             d[section][key] = value

@@ -61,7 +61,7 @@ def canonical_problems(cfg: Config) -> list[Problem]:
     tensor_problems = canonical_tensor_problems(cfg)
     if tensor_problems:
         return tensor_problems
-    if mesh.pipeline > 1 and t.micro_batch != d.canonical_leaf:
+    if mesh.pipeline > 1 and d.canonical_leaf and t.micro_batch != d.canonical_leaf:
         return [
             (
                 "train.micro_batch",
@@ -91,17 +91,50 @@ def canonical_problems(cfg: Config) -> list[Problem]:
             )
         ]
     leaf = d.canonical_leaf
-    if leaf < 1 or leaf & (leaf - 1) or t.global_batch % leaf:
+    if leaf < 0 or leaf and (leaf & (leaf - 1) or t.global_batch % leaf):
         return [
             (
                 "determinism.canonical_leaf",
                 leaf,
                 f"must be a power of two dividing train.global_batch = {t.global_batch} (the leaves of the "
                 "gradient tree are whole, equal blocks of sequences)",
-                "use 1, 2, 4, ... up to train.global_batch",
+                "use 1, 2, 4, ... up to train.global_batch, or 0 (auto)",
             )
         ]
     return []
+
+
+def auto_canonical_leaf(cfg: Config, batch_shards: int) -> int:
+    """determinism.canonical_leaf = 0 (auto) on a mesh whose batch is split `batch_shards` ways (data x fsdp x
+    expert): the microbatch (rounded down to a power of two), at most global_batch / batch_shards, so every
+    device holds whole leaves. Under pipeline parallelism a leaf is a microbatch."""
+    t = cfg.train
+    if cfg.mesh.pipeline > 1:
+        return t.micro_batch
+    leaf = 1 << (max(t.micro_batch, 1).bit_length() - 1)
+    return max(1, min(leaf, t.global_batch // max(batch_shards, 1)))
+
+
+def with_canonical_leaf(cfg: Config, batch_shards: int) -> Config:
+    """cfg with an auto canonical leaf resolved for this mesh (unchanged when it is set, or not canonical)."""
+    import dataclasses
+
+    d = cfg.determinism
+    if not d.canonical or d.canonical_leaf:
+        return cfg
+    leaf = auto_canonical_leaf(cfg, batch_shards)
+    return dataclasses.replace(cfg, determinism=dataclasses.replace(d, canonical_leaf=leaf))
+
+
+def leaf_note(cfg: Config) -> str:
+    """What the resolved canonical leaf keeps invariant (the trainer prints it when the leaf was auto)."""
+    leaf, gb = cfg.determinism.canonical_leaf, cfg.train.global_batch
+    return (
+        f"canonical numerics: leaves of {leaf} sequences (determinism.canonical_leaf=0: auto). The trajectory is "
+        f"the same on every mesh whose data x fsdp x expert degree divides {gb // leaf}, with any tensor degree "
+        f"dividing determinism.max_tensor; to keep it when train.micro_batch or the mesh changes beyond that, set "
+        f"determinism.canonical_leaf={leaf} (a resume adopts the leaf its run started with)"
+    )
 
 
 def canonical_tensor_problems(cfg: Config) -> list[Problem]:

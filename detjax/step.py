@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from detjax import fingerprint as fp
 from detjax import step_canonical
-from detjax.config import Config, ConfigError, expert_dispatch
+from detjax.config import Config, ConfigError, expert_dispatch, with_canonical_leaf
 from detjax.loss import Objective, token_ce_sum
 from detjax.model import fp8
 from detjax.model.layers import DTYPES, module_copies
@@ -61,6 +61,9 @@ class Trainer:
     """Model, optimizer, objective and the pieces of the train step for one config and layout."""
 
     def __init__(self, cfg: Config, layout: Layout | None = None) -> None:
+        # an auto canonical leaf for this layout (detjax.train resolves it before, so its run records the number)
+        shards = math.prod(layout.degrees[a] for a in ("data", "fsdp", "expert")) if layout is not None else 1
+        cfg = with_canonical_leaf(cfg, shards)
         self.cfg = cfg
         self.layout = layout
         self.pipelined = layout is not None and layout.degrees["pipeline"] > 1
@@ -77,7 +80,7 @@ class Trainer:
         self.expert_split = ExpertSplit(cfg.mesh.expert) if layout is not None and expert_dispatch(cfg) else None
         self.leaf_model = HybridLM(cfg.model, None, self.tensor_split, self.expert_split) if self.canonical else None
         shards = self.batch_shards()
-        leaves = cfg.train.global_batch // cfg.determinism.canonical_leaf
+        leaves = cfg.train.global_batch // max(cfg.determinism.canonical_leaf, 1)  # (0: not canonical numerics)
         if self.canonical and (not canonical.is_power_of_two(shards) or leaves % shards):
             raise ConfigError(
                 f"config key 'determinism.numerics' = 'canonical': the batch is split over {shards} devices "

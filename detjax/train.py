@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import shutil
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from detjax import determinism
-from detjax.config import Config, ConfigError, canonical_notes, dump_config, load_config
+from detjax.config import Config, ConfigError, canonical_notes, dump_config, leaf_note, load_config, with_canonical_leaf
 
 
 @dataclass
@@ -48,6 +49,15 @@ def adopt_horizon(cfg: Config, saved: dict[str, Any]) -> Config:
     t = saved.get("train", {})
     horizon = int(t.get("decay_steps") or t.get("steps") or 0)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, decay_steps=horizon)) if horizon else cfg
+
+
+def adopt_leaf(cfg: Config, saved: dict[str, Any]) -> Config:
+    """On resume: the canonical leaf the run resolved at its first start, when this config leaves it auto (0)."""
+    d = cfg.determinism
+    leaf = int(saved.get("determinism", {}).get("canonical_leaf") or 0)
+    if not d.canonical or d.canonical_leaf or not leaf:
+        return cfg
+    return dataclasses.replace(cfg, determinism=dataclasses.replace(d, canonical_leaf=leaf))
 
 
 def resolve_horizon(cfg: Config) -> Config:
@@ -195,9 +205,17 @@ def _resume_wanted(cfg: Config, resume: bool | None, resume_step: int | None) ->
 
 
 def _restore_point(
-    cfg: Config, ckptr: Any, resume: bool, resume_step: int | None, run_dir: Path, primary: bool, required: bool
+    cfg: Config,
+    ckptr: Any,
+    layout: Any,
+    resume: bool,
+    resume_step: int | None,
+    run_dir: Path,
+    primary: bool,
+    required: bool,
 ) -> tuple[Config, int | None]:
-    """(the config with its schedule horizon, the checkpoint step to restore or None to start at step 0)."""
+    """(the config with its schedule horizon and canonical leaf, the checkpoint step to restore or None to start
+    at step 0)."""
     from detjax.ckpt import CheckpointError
 
     restore_step = None
@@ -208,10 +226,15 @@ def _restore_point(
                 f"--resume: {ckptr.directory} holds no complete checkpoint, so there is nothing to resume. "
                 "Fix: check --run-dir, or drop --resume to start a new run"
             )
-    if restore_step is not None:  # the schedule horizon recorded at the run's first start
-        cfg = adopt_horizon(cfg, ckptr.read_meta(restore_step)["config"])
+    auto_leaf = cfg.determinism.canonical and not cfg.determinism.canonical_leaf
+    if restore_step is not None:  # the schedule horizon (and auto leaf) recorded at the run's first start
+        saved = ckptr.read_meta(restore_step)["config"]
+        cfg = adopt_leaf(adopt_horizon(cfg, saved), saved)
     else:
         cfg = resolve_horizon(cfg)
+    cfg = with_canonical_leaf(cfg, math.prod(layout.degrees[a] for a in ("data", "fsdp", "expert")))
+    if auto_leaf and primary:
+        print(f"note: {leaf_note(cfg)}", file=sys.stderr)
     if ckptr is not None:
         ckptr.cfg = cfg
     return cfg, restore_step
@@ -345,11 +368,12 @@ def train(
     _announce(cfg, primary)
     resume = _resume_wanted(cfg, resume, resume_step)
     cfg = resolve_data(cfg)  # the prepared corpus's tokenizer hash joins the config (and its hash)
-    run_dir = rundir.choose(cfg, run_dir, resume, jax.process_count(), must_exist=require_checkpoint)
+    must = require_checkpoint
+    run_dir = rundir.choose(cfg, run_dir, resume, jax.process_count(), must_exist=must)
     with rundir.locked(run_dir, primary):  # one process at a time per run directory
-        ckptr = Checkpointer(Path(cfg.ckpt.dir or run_dir / "checkpoints"), cfg) if cfg.ckpt.enabled else None
-        cfg, restore_step = _restore_point(cfg, ckptr, resume, resume_step, run_dir, primary, require_checkpoint)
         layout = build_layout(cfg)  # impossible meshes fail here, before anything compiles
+        ckptr = Checkpointer(Path(cfg.ckpt.dir or run_dir / "checkpoints"), cfg) if cfg.ckpt.enabled else None
+        cfg, restore_step = _restore_point(cfg, ckptr, layout, resume, resume_step, run_dir, primary, must)
         policy = _policy(cfg, layout)
         trainer = Trainer(cfg, layout=layout)
         state_sh, batch_sh = trainer.state_shardings(), trainer.batch_sharding()

@@ -4,6 +4,7 @@ reader's throughput against a step's consumption.
     python scripts/data_bench.py --mb 1100 --workdir /tmp/db [--workers 0] [--seconds 20] [--consume 221800]
         [--doc-chars 4096]
     python scripts/data_bench.py --workdir /tmp/db --reader-only    # the reader again, on WORKDIR/shards
+    python scripts/data_bench.py --mb 1100 --workdir /tmp/db --format parquet   # or jsonl: the same documents
 
 Writes MB megabytes of text (the builtin generator's sentences, one document per line, or documents of about
 --doc-chars characters) to WORKDIR/text, runs
@@ -38,22 +39,36 @@ def rss_mb() -> float:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def write_text(path: Path, mb: int, doc_chars: int) -> int:
-    """MB megabytes of the generator's sentences: one sentence per line, or lines of about doc_chars characters
-    (sentences joined by spaces) when doc_chars > 0."""
+def write_text(path: Path, mb: int, doc_chars: int, fmt: str = "text") -> int:
+    """MB megabytes of the generator's sentences: one sentence per document, or documents of about doc_chars
+    characters (sentences joined by spaces) when doc_chars > 0; as lines of text, as jsonl records {"text": ...}
+    or as a parquet file's `text` column (row groups of 1000 documents per write). -> the documents' bytes."""
     from detjax.data.corpus import sentences
 
     pool = list(sentences(50_000, seed=7))
     sep = " " if doc_chars else "\n"
     per_line = max(1, doc_chars // (sum(map(len, pool[:1000])) // 1000 + 1)) if doc_chars else 1
     n = i = 0
+    writer = None
     with path.open("w") as f:
         while n < mb << 20:
             rows = pool[(i * 7919) % 49_000 : (i * 7919) % 49_000 + 1000]
-            chunk = "\n".join(sep.join(rows[j : j + per_line]) for j in range(0, 1000, per_line)) + "\n"
-            f.write(chunk)
-            n += len(chunk)
+            docs = [sep.join(rows[j : j + per_line]) for j in range(0, 1000, per_line)]
+            if fmt == "parquet":
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+
+                table = pa.table({"text": docs})
+                writer = writer or pq.ParquetWriter(path, table.schema)
+                writer.write_table(table)
+            elif fmt == "jsonl":
+                f.write("".join(json.dumps({"text": d}) + "\n" for d in docs))
+            else:
+                f.write("\n".join(docs) + "\n")
+            n += sum(len(d.encode()) + 1 for d in docs)
             i += 1
+    if writer is not None:
+        writer.close()
     return n
 
 
@@ -66,6 +81,7 @@ def main() -> int:
     ap.add_argument("--consume", type=float, default=32768 / 0.1477)
     ap.add_argument("--reader-only", action="store_true", help="time the reader on WORKDIR/shards from an earlier run")
     ap.add_argument("--doc-chars", type=int, default=0, help="documents of about N characters (0: one sentence)")
+    ap.add_argument("--format", choices=("text", "jsonl", "parquet"), default="text", help="the corpus's file format")
     a = ap.parse_args()
     wd = Path(a.workdir)
     if a.reader_only:
@@ -74,10 +90,14 @@ def main() -> int:
     shutil.rmtree(wd, ignore_errors=True)
     (wd / "text").mkdir(parents=True)
     t0 = time.perf_counter()
-    size = write_text(wd / "text" / "corpus.txt", a.mb, a.doc_chars)
-    print(f"wrote {size / 2**20:.0f} MB of text in {time.perf_counter() - t0:.0f} s", flush=True)
-    cmd = [sys.executable, "-m", "detjax.data.prepare", "--input", str(wd / "text" / "*.txt"), "--output",
-           str(wd / "shards"), "--split-lines", "--workers", str(a.workers)]  # fmt: skip
+    name = {"text": "corpus.txt", "jsonl": "corpus.jsonl", "parquet": "corpus.parquet"}[a.format]
+    size = write_text(wd / "text" / name, a.mb, a.doc_chars, a.format)
+    on_disk = (wd / "text" / name).stat().st_size
+    print(f"wrote {size / 2**20:.0f} MB of documents ({on_disk / 2**20:.0f} MB as {a.format}) in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
+    cmd = [sys.executable, "-m", "detjax.data.prepare", "--input", str(wd / "text" / name), "--output",
+           str(wd / "shards"), "--workers", str(a.workers)]  # fmt: skip
+    cmd += ["--split-lines"] if a.format == "text" else []
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     dt = time.perf_counter() - t0

@@ -18,8 +18,8 @@ Modes (each a separate process, since XLA reads its flags once):
   strict-kernels  determinism.mode=strict, strategy=kernels: the Pallas kernels (every GEMM included), no
               XLA deterministic flag, XLA autotuning off; the step is checked for scatter and XLA GEMMs
   canonical   strict-kernels with determinism.numerics=canonical (mesh-invariant sums: leaves of
-              determinism.canonical_leaf sequences, one sequence by default, gradients summed by the pair
-              tree; e.g. `canonical+determinism.canonical_leaf=4`)
+              determinism.canonical_leaf sequences, by default the microbatch (0: auto), gradients summed by
+              the pair tree; e.g. `canonical+determinism.canonical_leaf=1`)
 A mode may carry overrides of its own after "+": `strict-kernels+model.fp8.enabled=true` is strict-kernels in
 fp8; `+noguard` drops the non-finite guard's on-device checks from the step (its cost is the difference:
 `--modes strict-kernels,strict-kernels+noguard`), and `+xla=FLAG` starts that mode's worker with an XLA

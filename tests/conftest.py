@@ -65,11 +65,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def tiny_path() -> Path:
     return TINY
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def python() -> str:
     return sys.executable

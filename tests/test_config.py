@@ -131,3 +131,28 @@ def test_profile_steps_writes_a_profiler_trace(tiny_path, tmp_path):
     for bad in ("3-1", "x", "2-2"):
         with pytest.raises(ConfigError, match=r"'run.profile_steps' .*must be 'A-B' with 0 <= A < B\. Fix: "):
             load_config(tiny_path, [f"run.profile_steps={bad}"])
+
+
+def test_auto_canonical_leaf_is_the_microbatch_within_the_mesh():
+    """determinism.canonical_leaf=0 (the default) resolves to train.micro_batch (a power of two at most), at
+    most global_batch / (data x fsdp x expert); the resolved config is the explicit one, hash included; a
+    resume adopts the leaf its run started with; default numerics keep the hash of before the auto leaf."""
+    from detjax.config import auto_canonical_leaf, with_canonical_leaf
+    from detjax.step import Trainer
+    from detjax.train import adopt_leaf
+
+    canon = ["determinism.numerics=canonical", "run.tensorboard=false"]
+    cfg = load_config("configs/gpu_medium.yaml", canon)  # global batch 16 in microbatches of 4
+    assert cfg.determinism.canonical_leaf == 0
+    assert [auto_canonical_leaf(cfg, s) for s in (1, 2, 4, 8, 16)] == [4, 4, 4, 2, 1]
+    odd = ["train.micro_batch=3", "train.global_batch=48"]  # not a power of two: the leaf is 2
+    assert auto_canonical_leaf(load_config("configs/gpu_medium.yaml", [*canon[1:], *odd]), 1) == 2
+    explicit = load_config("configs/gpu_medium.yaml", canon + ["determinism.canonical_leaf=4"])
+    assert with_canonical_leaf(cfg, 1) == explicit and with_canonical_leaf(explicit, 8) == explicit
+    assert with_canonical_leaf(cfg, 1).hash() == explicit.hash() != with_canonical_leaf(cfg, 8).hash()
+    assert Trainer(cfg).cfg.determinism.canonical_leaf == 4  # a Trainer resolves an auto leaf itself
+    assert adopt_leaf(cfg, {"determinism": {"canonical_leaf": 2}}).determinism.canonical_leaf == 2
+    assert adopt_leaf(explicit, {"determinism": {"canonical_leaf": 2}}) == explicit  # set: kept
+    # the leaf is not part of default numerics: their hashes are those of the configs before the auto leaf
+    assert load_config("configs/tiny.yaml").hash() == "1c32bb4cfe70a95e"
+    assert load_config("configs/gpu_medium.yaml").hash() == "0c415bb0ae2ccb32"

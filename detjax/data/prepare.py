@@ -1,14 +1,17 @@
 """`python -m detjax.data.prepare --input 'GLOB' --output DIR [--train-bpe N | --tokenizer FILE]`: text -> token shards.
 
-Streams the documents (each file one document, or each non-empty line with --split-lines; files in sorted path
-order), tokenizes them in parallel worker processes (results taken in input order, so the output is a pure
-function of the inputs and the tokenizer, whatever the worker count), and writes two token streams, `train` and
-`eval`: a document goes to `eval` when the hash of its text falls under --eval-fraction (a deterministic split
-by document hash). Each stream is cut into records of --block-tokens tokens (the last one shorter) in the
-narrowest unsigned dtype that holds the vocabulary, in ArrayRecord shards of --blocks-per-shard records.
-Memory stays bounded: at most two batches of documents per worker in flight, one block per stream and the open
-shard writers' buffers (ArrayRecord's writer holds up to about 16 MB, whatever the shard size); a document is
-held whole while it is tokenized, so the largest document also sets the bound.
+Streams the documents of the inputs (detjax.data.sources: UTF-8 text files, each one document or each
+non-empty line with --split-lines; jsonl / jsonl.gz and parquet files and saved Hugging Face `datasets`
+directories, the document in --text-field; inputs in sorted path order; bad records fail the run, or with
+--bad-records skip are left out and counted), tokenizes them in parallel worker processes (results taken in
+input order, so the output is a pure function of the inputs and the tokenizer, whatever the worker count), and
+writes two token streams, `train` and `eval`: a document goes to `eval` when the hash of its text falls under
+--eval-fraction (a deterministic split by document hash). Each stream is cut into records of --block-tokens
+tokens (the last one shorter) in the narrowest unsigned dtype that holds the vocabulary, in ArrayRecord shards
+of --blocks-per-shard records. Memory stays bounded: at most two batches of documents per worker in flight,
+one block per stream and the open shard writers' buffers (ArrayRecord's writer holds up to about 16 MB,
+whatever the shard size); a document is held whole while it is tokenized, so the largest document also sets
+the bound.
 
 DIR/meta.json records the format, the tokenizer (kind, sha256, vocabulary size, EOS id), the dtype, the block
 size and every shard's record and token counts; DIR/tokenizer.json holds a BPE tokenizer. Train with
@@ -34,7 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from detjax.data import sources
 from detjax.data import tokenizer as tk
+from detjax.data.sources import BadRecords, SourceError
 
 FORMAT = 2
 SPLITS = ("train", "eval")
@@ -44,17 +49,17 @@ class PrepareError(ValueError):
     pass
 
 
-def documents(paths: list[str], split_lines: bool) -> Iterator[str]:
-    """Every document of the inputs, streamed (a file is read line by line with --split-lines)."""
-    for p in paths:
-        if split_lines:
-            with open(p, encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    line = line.rstrip("\n")
-                    if line.strip():
-                        yield line
-        else:
-            yield Path(p).read_text(encoding="utf-8", errors="replace")
+def documents(paths: list[Path], split_lines: bool, text_field: str = "text", bad: BadRecords | None = None):
+    """Every document of the inputs, streamed (detjax.data.sources.documents)."""
+    return sources.documents(paths, split_lines, text_field, bad or BadRecords("fail"))
+
+
+def input_paths(pattern: str) -> list[Path]:
+    """The glob's files and saved `datasets` directories, in sorted order (files inside such a directory are
+    its own; other directories hold inputs, they are not one)."""
+    found = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
+    datasets_dirs = [p for p in found if p.is_dir() and sources.kind_of_dir(p)]
+    return [p for p in found if (p.is_file() or p in datasets_dirs) and not any(d in p.parents for d in datasets_dirs)]
 
 
 def is_eval(text: str, fraction: float) -> bool:
@@ -159,11 +164,14 @@ def prepare(
     block_tokens: int = 1 << 16,
     blocks_per_shard: int = 1024,
     workers: int = 0,
+    text_field: str = "text",
+    bad_records: str = "fail",
 ) -> dict[str, Any]:
     """Write the shards and meta.json (see the module docstring); -> the meta record."""
-    paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    paths = input_paths(pattern)
     if not paths:
         raise PrepareError(f"--input {pattern!r} matches no files. Fix: quote the glob and check the path")
+    bad = BadRecords(bad_records)
     if not 0 <= eval_fraction < 1:
         raise PrepareError(f"--eval-fraction {eval_fraction} is not in [0, 1). Fix: e.g. 0.01")
     if block_tokens < 1 or blocks_per_shard < 1:
@@ -173,7 +181,8 @@ def prepare(
     if any(out.glob("*.arrayrecord")) or (out / "meta.json").exists():
         raise PrepareError(f"{out} already holds shards; refusing to mix. Fix: pick an empty directory")
     if train_bpe:
-        train_docs = (d for d in documents(paths, split_lines) if not is_eval(d, eval_fraction))
+        first_pass = BadRecords(bad_records)  # the bad records are counted once, in the tokenizing pass
+        train_docs = (d for d in documents(paths, split_lines, text_field, first_pass) if not is_eval(d, eval_fraction))
         tok: tk.ByteTokenizer | tk.BPETokenizer = tk.train_bpe(train_docs, train_bpe)
     else:
         tok = tk.load(tokenizer)
@@ -182,7 +191,7 @@ def prepare(
         (out / "tokenizer.json").write_text(tok_json, encoding="utf-8")
     dtype = tk.id_dtype(tok.vocab_size)
     streams = {s: _Stream(out, s, dtype, block_tokens, blocks_per_shard) for s in SPLITS}
-    batches = _batches(documents(paths, split_lines), max_chars=1 << 20)
+    batches = _batches(documents(paths, split_lines, text_field, bad), max_chars=1 << 20)
     workers = workers or min(os.cpu_count() or 1, 16)
     if workers == 1:
         _init_worker(tok_json, eval_fraction)
@@ -206,6 +215,8 @@ def prepare(
         "block_tokens": block_tokens,
         "eval_fraction": eval_fraction,
         "inputs": len(paths),
+        "text_field": text_field,
+        "bad_records_skipped": dict(sorted(bad.counts.items())),
         "splits": {s: streams[s].close() for s in SPLITS},
     }
     if not meta["splits"]["train"]["tokens"]:
@@ -216,7 +227,11 @@ def prepare(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m detjax.data.prepare", description=__doc__.splitlines()[0])
-    ap.add_argument("--input", required=True, help="glob of UTF-8 text files (quote it)")
+    ap.add_argument(
+        "--input", required=True, help="glob (quote it) of text, jsonl[.gz] or parquet files, or saved `datasets` dirs"
+    )
+    ap.add_argument("--text-field", default="text", help="the document's field (jsonl) or column (parquet, datasets)")
+    ap.add_argument("--bad-records", choices=("fail", "skip"), default="fail", help="fail on a bad record, or skip it")
     ap.add_argument("--output", required=True, help="directory for the shards (must hold none yet)")
     ap.add_argument("--split-lines", action="store_true", help="one document per non-empty line")
     g = ap.add_mutually_exclusive_group()
@@ -238,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
             block_tokens=a.block_tokens,
             blocks_per_shard=a.blocks_per_shard,
             workers=a.workers,
+            text_field=a.text_field,
+            bad_records=a.bad_records,
         )
-    except (PrepareError, tk.TokenizerError) as e:
+    except (PrepareError, SourceError, tk.TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     sp = meta["splits"]
@@ -248,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{sp['eval']['tokens']:,} eval tokens ({sp['eval']['documents']:,} documents) as {meta['dtype']} to "
         f"{a.output} (tokenizer {meta['tokenizer']['kind']}, {meta['tokenizer']['vocab_size']} ids)"
     )
+    if meta["bad_records_skipped"]:
+        print(f"skipped bad records: {', '.join(f'{n} {k}' for k, n in meta['bad_records_skipped'].items())}")
     print(f"use: data.source=arrayrecord data.path={a.output} model.vocab_size>={meta['tokenizer']['vocab_size']}")
     return 0
 
