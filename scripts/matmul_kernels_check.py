@@ -6,7 +6,7 @@ at the end when every product ran. Needs a Hopper GPU.
 
     python3 scripts/matmul_kernels_check.py
 
-docs/benchmarks-history.md set 16 ran this logic as a session script before it was tidied into this file (same
+docs/benchmarks-history.md set 16 ran this logic as a one-off script before it was tidied into this file (same
 products, inputs, timing and comparison).
 """
 
