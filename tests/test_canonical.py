@@ -250,7 +250,8 @@ def _assert_step_equal(got, ref, what) -> None:
     assert digests[0] == digests[1], what
 
 
-@pytest.mark.extended  # ~115 s on 2 cores; the default run has the hybrid against one device on tensor 2 x data 4
+@pytest.mark.extended  # ~115 s on 2 cores; the default run has a canonical hybrid step against one device on
+# expert 4 x data 2 (test_expert_dispatch_is_byte_equal_to_one_device)
 def test_one_step_is_byte_equal_across_meshes_and_microbatch_sizes():
     """Canonical: two steps (the second is the first with a nonzero learning rate, so AdamW's update counts)
     on one device and on fsdp 2 x expert 2 x data 2 with another microbatch size give the same parameters and
@@ -343,6 +344,9 @@ def _tp_step(mesh: list[str]):
     return _TP_REF[key]
 
 
+@pytest.mark.extended  # ~115 s; the default run has canonical tensor parallelism against one device in kind:
+# test_fp8_with_tensor_parallelism_is_mesh_invariant and test_pallas_kernels_in_tensor_chunks (tensor 2), and
+# test_sequence_parallel_mixers_end_in_a_reduce_scatter (the sequence-parallel program)
 def test_tensor_parallel_is_byte_equal_to_one_device():
     """Canonical tensor parallelism (determinism.max_tensor = 8): tensor 2 x data 4 with sequence parallelism
     gives the one-device run's two steps of the hybrid (Mamba2 heads, attention heads, MoE expert widths,
