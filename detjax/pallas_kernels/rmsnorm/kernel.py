@@ -13,8 +13,9 @@ The weight gradient's sum over tokens has no atomics -- "separate writers in spa
 program adds its sub-blocks' column sums in ascending order into one private slot (a fixed chunk of `rows`
 tokens), and the slots are combined by a fixed pairwise tree (ordered.tree_sum), not a serial walk.
 
-Speed: scripts/tile_sweep.py --kernels rmsnorm on the H200, every width of the shape matrix
-(docs/BENCHMARKS.md, "RMSNorm").
+Speed (H200, 2026-12-04, `python3 scripts/tile_sweep.py --kernels rmsnorm`, 8192 tokens): 3.5-3.8 TB/s forward
+and 3.0-3.5 TB/s backward with the stream's add at widths 1024, 1536, 2048 and 4096, together 1.4-1.5 x faster
+than XLA's fused jnp norm (docs/BENCHMARKS.md, "RMSNorm").
 """
 
 from __future__ import annotations
