@@ -14,8 +14,8 @@ program adds its sub-blocks' column sums in ascending order into one private slo
 tokens), and the slots are combined by a fixed pairwise tree (ordered.tree_sum), not a serial walk.
 
 Speed (H200, 2026-12-04, `python3 scripts/tile_sweep.py --kernels rmsnorm`, 8192 tokens): 3.5-3.8 TB/s forward
-and 3.0-3.5 TB/s backward with the stream's add at widths 1024, 1536, 2048 and 4096, together 1.4-1.5 x faster
-than XLA's fused jnp norm (docs/BENCHMARKS.md, "RMSNorm").
+and 3.0-3.5 TB/s backward with the stream's add at widths 1024, 1536, 2048 and 4096; forward and backward
+together 1.01-1.09 x as fast as XLA's fused jnp norm (docs/BENCHMARKS.md, "RMSNorm").
 """
 
 from __future__ import annotations
