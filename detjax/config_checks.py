@@ -115,14 +115,16 @@ def auto_canonical_leaf(cfg: Config, batch_shards: int) -> int:
     return max(1, min(leaf, t.global_batch // max(batch_shards, 1)))
 
 
-def with_canonical_leaf(cfg: Config, batch_shards: int) -> Config:
-    """cfg with an auto canonical leaf resolved for this mesh (unchanged when it is set, or not canonical)."""
+def with_canonical_leaf(cfg: Config, degrees: dict[str, int]) -> Config:
+    """cfg with an auto canonical leaf resolved for a mesh of these degrees (a layout's; {} for one device),
+    unchanged when the leaf is set or the numerics are not canonical."""
     import dataclasses
+    import math
 
     d = cfg.determinism
     if not d.canonical or d.canonical_leaf:
         return cfg
-    leaf = auto_canonical_leaf(cfg, batch_shards)
+    leaf = auto_canonical_leaf(cfg, math.prod(degrees.get(a, 1) for a in ("data", "fsdp", "expert")))
     return dataclasses.replace(cfg, determinism=dataclasses.replace(d, canonical_leaf=leaf))
 
 

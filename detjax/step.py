@@ -62,8 +62,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, layout: Layout | None = None) -> None:
         # an auto canonical leaf for this layout (detjax.train resolves it before, so its run records the number)
-        shards = math.prod(layout.degrees[a] for a in ("data", "fsdp", "expert")) if layout is not None else 1
-        cfg = with_canonical_leaf(cfg, shards)
+        cfg = with_canonical_leaf(cfg, layout.degrees if layout is not None else {})
         self.cfg = cfg
         self.layout = layout
         self.pipelined = layout is not None and layout.degrees["pipeline"] > 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import shutil
 import sys
 import time
@@ -232,7 +231,7 @@ def _restore_point(
         cfg = adopt_leaf(adopt_horizon(cfg, saved), saved)
     else:
         cfg = resolve_horizon(cfg)
-    cfg = with_canonical_leaf(cfg, math.prod(layout.degrees[a] for a in ("data", "fsdp", "expert")))
+    cfg = with_canonical_leaf(cfg, layout.degrees)
     if auto_leaf and primary:
         print(f"note: {leaf_note(cfg)}", file=sys.stderr)
     if ckptr is not None:

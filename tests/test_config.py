@@ -148,8 +148,8 @@ def test_auto_canonical_leaf_is_the_microbatch_within_the_mesh():
     odd = ["train.micro_batch=3", "train.global_batch=48"]  # not a power of two: the leaf is 2
     assert auto_canonical_leaf(load_config("configs/gpu_medium.yaml", [*canon[1:], *odd]), 1) == 2
     explicit = load_config("configs/gpu_medium.yaml", canon + ["determinism.canonical_leaf=4"])
-    assert with_canonical_leaf(cfg, 1) == explicit and with_canonical_leaf(explicit, 8) == explicit
-    assert with_canonical_leaf(cfg, 1).hash() == explicit.hash() != with_canonical_leaf(cfg, 8).hash()
+    assert with_canonical_leaf(cfg, {}) == explicit and with_canonical_leaf(explicit, {"data": 8}) == explicit
+    assert with_canonical_leaf(cfg, {}).hash() == explicit.hash() != with_canonical_leaf(cfg, {"data": 8}).hash()
     assert Trainer(cfg).cfg.determinism.canonical_leaf == 4  # a Trainer resolves an auto leaf itself
     assert adopt_leaf(cfg, {"determinism": {"canonical_leaf": 2}}).determinism.canonical_leaf == 2
     assert adopt_leaf(explicit, {"determinism": {"canonical_leaf": 2}}) == explicit  # set: kept

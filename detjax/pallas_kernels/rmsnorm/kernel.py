@@ -89,19 +89,19 @@ def _tiles(which: str, d: int) -> tuple[int, dict]:
     return t["rows"], t
 
 
+def _cols(c: int, nc: int) -> list:
+    """The column indexers of a row's chunks of width c, in ascending order (the whole row when nc == 1)."""
+    return [slice(None)] if nc == 1 else [pl.ds(j * c, c) for j in range(nc)]
+
+
 def _chunks(ref, rows, c: int, nc: int) -> list:
     """The sub-block `rows` of ref as float32 column chunks of width c, in ascending order."""
-    if nc == 1:
-        return [ref[rows, :].astype(jnp.float32)]
-    return [ref[rows, pl.ds(j * c, c)].astype(jnp.float32) for j in range(nc)]
+    return [ref[rows, col].astype(jnp.float32) for col in _cols(c, nc)]
 
 
 def _store_chunks(ref, rows, c: int, vals: list) -> None:
-    if len(vals) == 1:
-        ref[rows, :] = vals[0].astype(ref.dtype)
-        return
-    for j, v in enumerate(vals):
-        ref[rows, pl.ds(j * c, c)] = v.astype(ref.dtype)
+    for col, v in zip(_cols(c, len(vals)), vals, strict=True):
+        ref[rows, col] = v.astype(ref.dtype)
 
 
 def _row_sum(parts: list, d: int):
@@ -141,7 +141,7 @@ def _bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, *refs, br: int, nsub: int, c: in
         mean = _row_sum([a * b for a, b in zip(dxhat, xhat, strict=True)], d)
         dx = [(rstd * (a - b * mean)).astype(dx_ref.dtype) for a, b in zip(dxhat, xhat, strict=True)]
         if stream:  # the stream's own cotangent, added as the residual add's transpose would add it
-            gs = [g_ref[rows, :]] if nc == 1 else [g_ref[rows, pl.ds(j * c, c)] for j in range(nc)]
+            gs = [g_ref[rows, col] for col in _cols(c, nc)]
             dx = [a + g for a, g in zip(dx, gs, strict=True)]
         _store_chunks(dx_ref, rows, c, dx)
         return tuple(a + jnp.sum(dy * xh, axis=0, keepdims=True) for a, dy, xh in zip(acc, dys, xhat, strict=True))
