@@ -29,7 +29,7 @@ from detjax.sharding import rules as ax
 from detjax.sharding.expert import ExpertSplit
 from detjax.sharding.rules import Layout, constrain, tree_shardings
 from detjax.sharding.tensor import TensorSplit
-from detjax.step_canonical import dict_path, is_routed_expert  # noqa: F401 (step's public name)
+from detjax.step_canonical import dict_path
 
 # Purposes for key derivation: every key is fold_in(seed key, step, purpose, logical index).
 PURPOSE_INIT, PURPOSE_DROPOUT = 0, 1
