@@ -1,4 +1,9 @@
-"""`python -m detjax.export RUN OUT.safetensors [--step N]`: a run's parameters as a safetensors file.
+"""`python -m detjax.export RUN OUT [--format detjax|hf] [--step N]`: a run's parameters as safetensors.
+
+`--format hf` writes a Hugging Face transformers checkpoint directory instead (config.json, model.safetensors,
+tokenizer files) that `AutoModelForCausalLM.from_pretrained(OUT)` loads: Llama for a dense `*-` pattern,
+GraniteMoeHybrid for Mamba2/attention hybrids in (mixer, feed-forward) pairs (detjax.export_hf says what maps
+and what is refused). The rest of this docstring is about the default format.
 
 Tensor names are the parameter paths with dots: `['layer_0']['mixer']['w_qkv']` becomes `layer_0.mixer.w_qkv`
 (`python -m detjax.export RUN OUT --list` prints them with shapes and dtypes). Values are the fp32 masters,
@@ -32,6 +37,12 @@ DTYPES = {
     np.dtype("int8"): "I8",
     np.dtype("bool"): "BOOL",
 }
+try:  # bfloat16 comes with JAX (ml_dtypes); `--dtype bfloat16` needs it
+    import ml_dtypes
+
+    DTYPES[np.dtype(ml_dtypes.bfloat16)] = "BF16"
+except ImportError:  # pragma: no cover - JAX always brings it
+    pass
 _FROM = {v: k for k, v in DTYPES.items()}
 
 
@@ -80,7 +91,11 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m detjax.export", description=__doc__.splitlines()[0].split(": ", 1)[1])
     ap.add_argument("run", help="a run directory (config.yaml + final_params.npz or checkpoints/)")
-    ap.add_argument("out", help="the .safetensors file to write")
+    ap.add_argument("out", help="the .safetensors file to write (--format hf: the directory to write)")
+    ap.add_argument("--format", choices=("detjax", "hf"), default="detjax", help="detjax's names, or transformers'")
+    ap.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="--format hf: the weights' dtype"
+    )
     ap.add_argument("--step", type=int, default=None, help="export checkpoint step N instead of the final params")
     ap.add_argument("--list", action="store_true", help="print each tensor's name, shape and dtype")
     args = ap.parse_args(argv)
@@ -100,12 +115,51 @@ def main(argv: list[str] | None = None) -> int:
     tensors = {
         tensor_name(jax.tree_util.keystr(p)): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
     }
+    if args.format == "hf":
+        return _export_hf(cfg, tensors, Path(args.out), args.dtype, args.list)
     meta = {"config_hash": cfg.hash(), "model": json.dumps(cfg.to_dict()["model"], sort_keys=True), "format": "detjax"}
     write_safetensors(args.out, tensors, meta)
-    if args.list:
+    _report(tensors, args.out, args.list)
+    return 0
+
+
+def _report(tensors: dict[str, np.ndarray], out, listing: bool) -> None:
+    if listing:
         for name in sorted(tensors):
             print(f"{name}  {list(tensors[name].shape)}  {tensors[name].dtype}")
-    print(f"wrote {len(tensors)} tensors ({sum(t.nbytes for t in tensors.values()):,} bytes) to {args.out}")
+    print(f"wrote {len(tensors)} tensors ({sum(t.nbytes for t in tensors.values()):,} bytes) to {out}")
+
+
+def _export_hf(cfg, tensors: dict[str, np.ndarray], out: Path, dtype: str, listing: bool) -> int:
+    from detjax.export_hf import ExportError, convert, write_tokenizer
+    from detjax.sample import SampleError, run_tokenizer
+
+    try:
+        ck = convert(cfg.to_dict()["model"], tensors, cfg.train.seq_len)
+        tok = run_tokenizer(cfg)
+    except (ExportError, SampleError) as e:
+        print(f"error: cannot export as a transformers checkpoint: {e}", file=sys.stderr)
+        return 2
+    if out.exists() and not out.is_dir():
+        print(f"error: {out} is a file; --format hf writes a directory. Fix: pass a directory path", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        ck.tensors = {k: v.astype(ml_dtypes.bfloat16) if v.dtype == np.float32 else v for k, v in ck.tensors.items()}
+        ck.config["torch_dtype"] = "bfloat16"
+    specials = write_tokenizer(out, tok)
+    ck.config.update({k: v for k, v in specials.items() if v is not None})
+    ck.config["detjax_config_hash"] = cfg.hash()
+    (out / "config.json").write_text(json.dumps(ck.config, indent=2, sort_keys=True) + "\n")
+    gen = {k: v for k, v in specials.items() if v is not None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_safetensors(out / "model.safetensors", ck.tensors, {"format": "pt", "detjax_config_hash": cfg.hash()})
+    family = ck.config["architectures"][0]
+    for note in ck.notes:
+        print(f"note: {note}")
+    _report(ck.tensors, f"{out} ({family})", listing)
     return 0
 
 

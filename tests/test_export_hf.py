@@ -1,0 +1,165 @@
+"""`python -m detjax.export RUN OUT --format hf`: the checkpoint transformers loads gives detjax's logits.
+
+The mapping and its refusals need numpy only and run everywhere. The logits tests need torch and transformers
+(`pip install -e '.[hf]'`) and are skipped without them: a tiny model of each family (Llama for a dense `*-`
+pattern; GraniteMoeHybrid with Mamba2 and attention, with MLP and with MoE feed-forwards), every parameter
+randomised (norm scales, dt bias and skip included, so a misplaced vector shows), run through detjax's forward
+in float32 and through the exported checkpoint in transformers on the CPU. A permuted weight is the negative
+control: the same comparison fails on it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from detjax.config import load_config
+from detjax.data.tokenizer import ByteTokenizer
+from detjax.export import main as export_main
+from detjax.export import tensor_name
+from detjax.export_hf import ExportError, byte_tokenizer_json, convert, family, pairs
+
+LENGTH = 32  # a multiple of the tiny Mamba2 chunk (16)
+
+
+def tiny_cfg(pattern: str, *extra: str):
+    overrides = [f"model.pattern={pattern}", "model.compute_dtype=float32", "model.dropout=0.0"]
+    return load_config("configs/tiny.yaml", [*overrides, f"train.seq_len={LENGTH}", *extra])
+
+
+def random_params(cfg, seed: int = 0) -> dict:
+    """The model's parameters with every leaf drawn at random (vectors around their init, not constant)."""
+    from flax import linen as nn
+
+    from detjax.model.lm import HybridLM
+
+    params = nn.meta.unbox(HybridLM(cfg.model).init(jax.random.key(seed), jnp.zeros((1, LENGTH), jnp.int32))["params"])
+    leaves, tree = jax.tree.flatten(params)
+    rng = np.random.default_rng(seed)
+    out = []
+    for x in leaves:
+        x = np.asarray(x)
+        noise = rng.standard_normal(x.shape).astype(np.float32)
+        out.append(x + 0.1 * noise if x.ndim <= 2 and x.size < 4096 else x * (1 + 0.1 * noise))
+    return jax.tree.unflatten(tree, [jnp.asarray(x) for x in out])
+
+
+def flat(params) -> dict[str, np.ndarray]:
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {tensor_name(jax.tree_util.keystr(p)): np.asarray(x) for p, x in leaves}
+
+
+# --------------------------------------------------------------------------- mapping and refusals (numpy only)
+
+
+def test_pairs_and_families():
+    assert pairs("M-*E") == [(0, 1), (2, 3)]
+    assert family(tiny_cfg("*-*-").to_dict()["model"]) == "llama"
+    assert family(tiny_cfg("M-*-").to_dict()["model"]) == "granitemoehybrid"
+    assert family(tiny_cfg("ME*E").to_dict()["model"]) == "granitemoehybrid"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "extra", "needle"),
+    [
+        ("M*E-", (), "block 1 is '*' where a feed-forward"),  # the default tiny pattern: two mixers in a row
+        ("-*-*", (), "block 0 is '-' where a mixer"),
+        ("M-*", (), "the pattern ends"),
+        ("M-*E", (), "mixes MLP (-) and MoE (E)"),
+        ("ME*E", ("model.moe.router=sigmoid",), "router 'sigmoid'"),
+        ("ME*E", ("model.moe.shared_expert=false",), "shared_expert is off"),
+    ],
+)
+def test_what_does_not_map_is_refused_by_name(pattern, extra, needle):
+    cfg = tiny_cfg(pattern, *extra)
+    with pytest.raises(ExportError, match=None) as e:
+        convert(cfg.to_dict()["model"], flat(random_params(cfg)), LENGTH)
+    assert needle in str(e.value)
+
+
+def test_every_parameter_is_placed_once():
+    """Each detjax parameter lands in the checkpoint (the MTP head excepted, with a note), and the element count
+    is the same on both sides."""
+    cfg = tiny_cfg("ME*E")
+    t = flat(random_params(cfg))
+    ck = convert(cfg.to_dict()["model"], t, LENGTH)
+    kept = sum(v.size for k, v in t.items() if not k.startswith(("mtp_", "w_mtp")))
+    assert sum(v.size for v in ck.tensors.values()) == kept
+    assert ck.notes and "MTP" in ck.notes[0]
+
+
+def test_byte_tokenizer_json_encodes_bytes():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(byte_tokenizer_json())
+    for text in ("The cat sat.", "héllo wörld ☃\n\t  x", ""):
+        assert tok.encode(text, add_special_tokens=False).ids == list(ByteTokenizer().encode(text, eos=False))
+        assert tok.decode(list(ByteTokenizer().encode(text, eos=False))) == text
+
+
+def test_cli_refuses_the_default_pattern(tmp_path, capsys):
+    run = write_run(tmp_path / "run", tiny_cfg("M*E-"))
+    assert export_main([str(run), str(tmp_path / "hf"), "--format", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot export as a transformers checkpoint: model.pattern 'M*E-'")
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()
+
+
+def write_run(run, cfg, seed: int = 0):
+    """A run directory as the trainer leaves one: config.yaml and final_params.npz."""
+    from detjax.config import dump_config
+    from detjax.rundir import flat_params
+
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(dump_config(cfg))
+    np.savez(run / "final_params.npz", **flat_params(random_params(cfg, seed)))
+    return run
+
+
+# --------------------------------------------------------------------------- logits in transformers
+
+
+@pytest.mark.parametrize("pattern", ["*-*-", "M-*-", "ME*E"])
+def test_exported_logits_match_in_transformers(pattern, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from detjax.model.lm import HybridLM
+
+    cfg = tiny_cfg(pattern)
+    run = write_run(tmp_path / "run", cfg, seed=3)
+    out = tmp_path / "hf"
+    assert export_main([str(run), str(out), "--format", "hf"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [{"*-*-": "LlamaForCausalLM"}.get(pattern, "GraniteMoeHybridForCausalLM")]
+
+    ids = np.random.default_rng(1).integers(0, 259, (2, LENGTH)).astype(np.int32)
+    params = random_params(cfg, 3)
+    want = np.asarray(HybridLM(cfg.model).apply({"params": params}, jnp.asarray(ids))[0])
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+    def hf_logits(m):
+        with torch.no_grad():
+            return m(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+
+    got = hf_logits(model)
+    scale = np.abs(want).max()
+    assert got.shape == want.shape and scale > 0.1
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale)
+
+    # negative control: two query heads' columns swapped in the first attention layer's q_proj
+    layer = next(i for i, c in enumerate(pattern[::2]) if c == "*")
+    q = model.model.layers[layer].self_attn.q_proj.weight
+    hd = cfg.model.head_dim
+    with torch.no_grad():
+        q[:hd], q[hd : 2 * hd] = q[hd : 2 * hd].clone(), q[:hd].clone()
+    assert np.abs(hf_logits(model) - want).max() > 100 * 2e-5 * scale
+
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "The cat sat on the mat. ☃"
+    assert tok(text)["input_ids"] == list(ByteTokenizer().encode(text, eos=False))
+    assert tok.eos_token_id == ByteTokenizer.eos_id
