@@ -39,8 +39,11 @@ TOKENS_PER_STEP = 32768
 STEP_BUDGET_S, MFU_GUESS, MAX_BLOCKS = 0.8, 0.40, 32
 
 
-def cell_overrides(kind: str, d: int, hd: int, seq: int, blocks: int | None = None) -> list[str]:
-    """The config overrides (on configs/gpu_dense.yaml) of one cell; `blocks` None: chosen by the budget."""
+def cell_overrides(
+    kind: str, d: int, hd: int, seq: int, blocks: int | None = None, max_blocks: int = MAX_BLOCKS
+) -> list[str]:
+    """The config overrides (on configs/gpu_dense.yaml) of one cell; `blocks` None: chosen by the budget, at
+    most `max_blocks`."""
     heads = d // hd
     gb = TOKENS_PER_STEP // seq
     mb = max(1, gb // 4)
@@ -66,17 +69,17 @@ def cell_overrides(kind: str, d: int, hd: int, seq: int, blocks: int | None = No
         ]
     unit = PATTERNS[kind]
     if blocks is None:
-        blocks = choose_blocks(kind, base)
+        blocks = choose_blocks(kind, base, max_blocks)
     return base + [f"model.pattern={unit * (blocks // len(unit))}"]
 
 
-def choose_blocks(kind: str, base: list[str]) -> int:
+def choose_blocks(kind: str, base: list[str], max_blocks: int = MAX_BLOCKS) -> int:
     from detjax.config import load_config
     from detjax.flops import PEAK_FLOPS_BF16, model_flops_per_step
 
     unit = PATTERNS[kind]
     best = len(unit)
-    for reps in range(1, MAX_BLOCKS // len(unit) + 1):
+    for reps in range(1, max(1, max_blocks // len(unit)) + 1):
         cfg = load_config("configs/gpu_dense.yaml", base + [f"model.pattern={unit * reps}"])
         if model_flops_per_step(cfg) / (MFU_GUESS * PEAK_FLOPS_BF16) > STEP_BUDGET_S:
             break
@@ -111,6 +114,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-l1", action="store_true", help="one strict-kernels process per cell, no L1 verdict")
     ap.add_argument("--list", action="store_true")
+    ap.add_argument(
+        "--max-blocks",
+        type=int,
+        default=MAX_BLOCKS,
+        help="cap the block count (fewer blocks compile faster; the per-block costs, which the ratio is about, stay)",
+    )
     ap.add_argument("overrides", nargs="*", help="key=value applied to every cell and mode")
     a = ap.parse_args()
     cells = a.cells.split(",") if a.cells else all_cells()
@@ -125,7 +134,7 @@ def main() -> int:
     bad = 0
     for cell in cells:
         kind, d, hd, seq = cell.split(":")
-        ov = cell_overrides(kind, int(d), int(hd), int(seq)) + a.overrides
+        ov = cell_overrides(kind, int(d), int(hd), int(seq), max_blocks=a.max_blocks) + a.overrides
         cfg = load_config("configs/gpu_dense.yaml", ov)
         flops = model_flops_per_step(cfg)
         nblocks = len(cfg.model.pattern)
