@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="torch device for the transformers model (cpu, cuda)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--step", type=int, default=None, help="evaluate checkpoint step N instead of the final params")
+    ap.add_argument("--pad-layers", action="store_true", help="export with zero-weight partners (detjax.export_hf)")
     ap.add_argument("--output", default=None, help="the results JSON (default RUN/lm_eval.json)")
     args = ap.parse_args(argv)
     try:
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from detjax.export import main as export_main
 
     out = export_dir(run, args.step)
-    rc = export_main([str(run), str(out), "--format", "hf", "--dtype", args.dtype] + _step(args.step))
+    pad = ["--pad-layers"] if args.pad_layers else []
+    rc = export_main([str(run), str(out), "--format", "hf", "--dtype", args.dtype, *pad] + _step(args.step))
     if rc:
         return rc
     manager = TaskManager(include_path=args.include_path) if args.include_path else TaskManager()

@@ -96,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="--format hf: the weights' dtype"
     )
+    ap.add_argument(
+        "--pad-layers",
+        action="store_true",
+        help="--format hf: give blocks without a (mixer, feed-forward) partner a zero-weight one (detjax.export_hf)",
+    )
     ap.add_argument("--step", type=int, default=None, help="export checkpoint step N instead of the final params")
     ap.add_argument("--list", action="store_true", help="print each tensor's name, shape and dtype")
     args = ap.parse_args(argv)
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor_name(jax.tree_util.keystr(p)): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
     }
     if args.format == "hf":
-        return _export_hf(cfg, tensors, Path(args.out), args.dtype, args.list)
+        return _export_hf(cfg, tensors, Path(args.out), args.dtype, args.list, args.pad_layers)
     meta = {"config_hash": cfg.hash(), "model": json.dumps(cfg.to_dict()["model"], sort_keys=True), "format": "detjax"}
     write_safetensors(args.out, tensors, meta)
     _report(tensors, args.out, args.list)
@@ -130,12 +135,12 @@ def _report(tensors: dict[str, np.ndarray], out, listing: bool) -> None:
     print(f"wrote {len(tensors)} tensors ({sum(t.nbytes for t in tensors.values()):,} bytes) to {out}")
 
 
-def _export_hf(cfg, tensors: dict[str, np.ndarray], out: Path, dtype: str, listing: bool) -> int:
+def _export_hf(cfg, tensors: dict[str, np.ndarray], out: Path, dtype: str, listing: bool, pad: bool) -> int:
     from detjax.export_hf import ExportError, convert, write_tokenizer
     from detjax.sample import SampleError, run_tokenizer
 
     try:
-        ck = convert(cfg.to_dict()["model"], tensors, cfg.train.seq_len)
+        ck = convert(cfg.to_dict()["model"], tensors, cfg.train.seq_len, pad)
         tok = run_tokenizer(cfg)
     except (ExportError, SampleError) as e:
         print(f"error: cannot export as a transformers checkpoint: {e}", file=sys.stderr)

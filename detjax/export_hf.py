@@ -13,8 +13,12 @@ layers it can be written as exactly:
   detjax's softmax then top-k then normalise), its experts SwiGLU.
 
 Nemotron-H, the family detjax's letters come from, does not fit: its MLP and experts are un-gated squared
-ReLU, detjax's are SwiGLU. Patterns with two mixers or two feed-forwards in a row (the default `M*E-`) have
-no transformers family and are refused with the first block that does not pair. The MTP head has no
+ReLU, detjax's are SwiGLU. A pattern with two mixers or two feed-forwards in a row (the default `M*E-`, the
+gpu_medium pattern), or with both MLP and MoE feed-forwards, is not a sequence of GraniteMoeHybrid layers as
+it stands: it is refused with the first block that does not pair, unless `pad` (`--pad-layers`) gives every
+block without a partner a partner of zero weights (an attention, an MLP or a MoE of zeros adds exactly zero
+to the residual stream) and pads narrower MLPs with zero units to the one shared width. The function is the
+same; the checkpoint is larger and transformers spends compute on the zero parts. The MTP head has no
 counterpart and is left out with a note; everything else maps weight for weight (transposed to torch's
 (out, in) layout), in float32 by default (the masters' bytes) or bfloat16.
 
@@ -43,39 +47,46 @@ class HFCheckpoint:
     notes: list[str] = field(default_factory=list)
 
 
-def pairs(pattern: str) -> list[tuple[int, int]]:
-    """The (mixer, feed-forward) block index pairs of a pattern, or ExportError naming the first block out of
-    place."""
-    out = []
-    for j in range(0, len(pattern), 2):
-        m = pattern[j]
-        f = pattern[j + 1] if j + 1 < len(pattern) else None
-        if m not in MIXERS:
-            raise ExportError(
-                f"model.pattern {pattern!r}: block {j} is {m!r} where a mixer (M or *) must start a layer; "
-                "transformers layers are (mixer, feed-forward) pairs, so the pattern must alternate them (e.g. 'M-*E')"
-            )
-        if f is None or f not in FFNS:
-            what = "the pattern ends" if f is None else f"block {j + 1} is {f!r}"
-            raise ExportError(
-                f"model.pattern {pattern!r}: {what} where a feed-forward (- or E) must follow mixer {j}; "
-                "transformers layers are (mixer, feed-forward) pairs, so the pattern must alternate them (e.g. 'M-*E')"
-            )
-        out.append((j, j + 1))
+PAIR_HINT = "transformers layers are (mixer, feed-forward) pairs: alternate them (e.g. 'M-*E') or pass --pad-layers"
+
+
+def layers(pattern: str, pad: bool = False) -> list[tuple[int | None, int | None]]:
+    """The pattern as transformers layers: (mixer block, feed-forward block) index pairs, a mixer M or * followed
+    by a feed-forward - or E. With `pad`, a block without a partner gets None there (a zero-weight partner in
+    the checkpoint); without it, ExportError names the first block out of place."""
+    out: list[tuple[int | None, int | None]] = []
+    i = 0
+    while i < len(pattern):
+        nxt = pattern[i + 1] if i + 1 < len(pattern) else None
+        if pattern[i] in MIXERS and nxt is not None and nxt in FFNS:
+            out.append((i, i + 1))
+            i += 2
+            continue
+        if not pad:
+            if pattern[i] in FFNS:
+                why = f"block {i} is {pattern[i]!r} where a mixer (M or *) must start a layer"
+            else:
+                what = "the pattern ends" if nxt is None else f"block {i + 1} is {nxt!r}"
+                why = f"{what} where a feed-forward (- or E) must follow mixer {i}"
+            raise ExportError(f"model.pattern {pattern!r}: {why}; {PAIR_HINT}")
+        out.append((i, None) if pattern[i] in MIXERS else (None, i))
+        i += 1
     return out
 
 
-def family(model: dict) -> str:
-    """The family, "llama" or "granitemoehybrid", for a model config (the `model` section as a dict), or ExportError."""
+def family(model: dict, pad: bool = False) -> str:
+    """The family, "llama" or "granitemoehybrid", for a model config (the `model` section as a dict), or
+    ExportError."""
     pattern = model["pattern"]
-    pp = pairs(pattern)
-    if all(pattern[a] == "*" and pattern[b] == "-" for a, b in pp):
+    lays = layers(pattern, pad)
+    if all(a is not None and b is not None and pattern[a] == "*" and pattern[b] == "-" for a, b in lays):
         return "llama"
-    ffn = {pattern[b] for _, b in pp}
-    if len(ffn) > 1:
+    ffn = {pattern[b] for _, b in lays if b is not None}
+    if len(ffn) > 1 and not pad:
         raise ExportError(
             f"model.pattern {pattern!r} mixes MLP (-) and MoE (E) feed-forwards; GraniteMoeHybrid, the transformers "
-            "family of Mamba2/attention hybrids, gives every layer the same feed-forward"
+            "family of Mamba2/attention hybrids, gives every layer the same feed-forward. Pass --pad-layers to give "
+            "the MLP layers a zero-weight MoE"
         )
     if "*" in pattern and model["n_heads"] * model["head_dim"] != model["d_model"]:
         raise ExportError(
@@ -89,8 +100,11 @@ def family(model: dict) -> str:
                 f"model.moe.router {moe['router']!r}: GraniteMoeHybrid routes by a softmax over the top-k logits; "
                 "only detjax's softmax router maps onto it"
             )
-        if not moe["shared_expert"]:
-            raise ExportError("model.moe.shared_expert is off: GraniteMoeHybrid's MoE layers always add a shared MLP")
+        if not moe["shared_expert"] and not pad:
+            raise ExportError(
+                "model.moe.shared_expert is off: GraniteMoeHybrid's MoE layers always add a shared MLP. Pass "
+                "--pad-layers to give them a zero-weight one"
+            )
     return "granitemoehybrid"
 
 
@@ -131,15 +145,21 @@ def _mamba(t: dict, pre: str, out: str) -> dict[str, np.ndarray]:
     }
 
 
-def _gated(t: dict, pre: str) -> np.ndarray:
-    """SwiGLU gate and up as one (2F, D) matrix, gate first (transformers' chunk(2) order)."""
-    return np.concatenate([_linear(t[f"{pre}.w_gate"]), _linear(t[f"{pre}.w_up"])], axis=0)
+def _shared_mlp(t: dict, pre: str | None, d: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A SwiGLU MLP as GraniteMoeHybrid's shared MLP of `width`: gate and up as one (2 width, D) matrix, gate
+    first (transformers' chunk(2) order), and the down product (D, width). A narrower MLP is padded with
+    zero units (silu(0) x 0 = 0: they add nothing); `pre` None is an MLP of zeros."""
+    gate, up, down = (np.zeros((width, d), np.float32) for _ in range(3))
+    if pre is not None:
+        f = t[f"{pre}.w_gate"].shape[1]
+        gate[:f], up[:f], down[:f] = _linear(t[f"{pre}.w_gate"]), _linear(t[f"{pre}.w_up"]), t[f"{pre}.w_down"]
+    return np.concatenate([gate, up], axis=0), np.ascontiguousarray(down.T)
 
 
 def _llama(model: dict, t: dict) -> HFCheckpoint:
     out = {"model.embed_tokens.weight": t["embed.table"], "model.norm.weight": t["final_norm.scale"]}
     out["lm_head.weight"] = _linear(t["w_head"])
-    for j, (a, m) in enumerate(pairs(model["pattern"])):
+    for j, (a, m) in enumerate(layers(model["pattern"])):
         lay = f"model.layers.{j}"
         out[f"{lay}.input_layernorm.weight"] = t[f"layer_{a}.norm.scale"]
         out.update(_attention(t, f"layer_{a}", f"{lay}.self_attn"))
@@ -151,7 +171,7 @@ def _llama(model: dict, t: dict) -> HFCheckpoint:
         "model_type": "llama",
         "hidden_size": model["d_model"],
         "intermediate_size": model["ffn_dim"],
-        "num_hidden_layers": len(model["pattern"]) // 2,
+        "num_hidden_layers": len(layers(model["pattern"])),
         "num_attention_heads": model["n_heads"],
         "num_key_value_heads": model["n_kv_heads"],
         "head_dim": model["head_dim"],
@@ -165,39 +185,59 @@ def _llama(model: dict, t: dict) -> HFCheckpoint:
     return HFCheckpoint(config, out)
 
 
-def _granite(model: dict, t: dict) -> HFCheckpoint:
+def _granite(model: dict, t: dict, pad: bool) -> HFCheckpoint:
     pattern, moe, mamba = model["pattern"], model["moe"], model["mamba"]
+    d, d_inner = model["d_model"], mamba["expand"] * model["d_model"]
+    lays = layers(pattern, pad)
     experts = "E" in pattern
+    widths = [model["ffn_dim"] if pattern[f] == "-" else moe["ffn_dim"] for _, f in lays if f is not None]
+    width = max(widths, default=model["ffn_dim"])  # the shared MLP's width: one for all layers
     out = {"model.embed_tokens.weight": t["embed.table"], "model.norm.weight": t["final_norm.scale"]}
     out["lm_head.weight"] = _linear(t["w_head"])
-    kinds = []
-    for j, (a, f) in enumerate(pairs(pattern)):
+    kinds, padded = [], 0
+    hd = d // model["n_heads"]  # GraniteMoeHybrid's head_dim (equal to model.head_dim where `*` blocks exist)
+    for j, (a, f) in enumerate(lays):
         lay = f"model.layers.{j}"
-        out[f"{lay}.input_layernorm.weight"] = t[f"layer_{a}.norm.scale"]
-        if pattern[a] == "M":
+        out[f"{lay}.input_layernorm.weight"] = np.ones(d, np.float32) if a is None else t[f"layer_{a}.norm.scale"]
+        if a is not None and pattern[a] == "M":
             kinds.append("linear_attention")
             out.update(_mamba(t, f"layer_{a}", f"{lay}.mamba"))
-        else:
+        elif a is not None:
             kinds.append("full_attention")
             out.update(_attention(t, f"layer_{a}", f"{lay}.self_attn"))
-        out[f"{lay}.post_attention_layernorm.weight"] = t[f"layer_{f}.norm.scale"]
-        mlp = f"layer_{f}.mixer.shared" if experts else f"layer_{f}.mixer"
-        out[f"{lay}.shared_mlp.input_linear.weight"] = _gated(t, mlp)
-        out[f"{lay}.shared_mlp.output_linear.weight"] = _linear(t[f"{mlp}.w_down"])
-        if experts:
-            e = f"layer_{f}.mixer.experts"
-            moe_pre = f"{lay}.block_sparse_moe"
-            out[f"{moe_pre}.router.weight"] = _linear(t[f"layer_{f}.mixer.w_router"])
-            gate_up = np.concatenate([t[f"{e}.w_gate"], t[f"{e}.w_up"]], axis=2)  # (E, D, 2F)
-            out[f"{moe_pre}.experts.gate_up_proj"] = np.ascontiguousarray(gate_up.transpose(0, 2, 1))
-            out[f"{moe_pre}.experts.down_proj"] = np.ascontiguousarray(t[f"{e}.w_down"].transpose(0, 2, 1))
-    d, d_inner = model["d_model"], mamba["expand"] * model["d_model"]
+        else:  # an attention of zeros: softmax over zero scores times zero values, then a zero product: exactly 0
+            kinds.append("full_attention")
+            h, k = model["n_heads"], model["n_kv_heads"]
+            for n, shape in (("q", (h * hd, d)), ("k", (k * hd, d)), ("v", (k * hd, d)), ("o", (d, h * hd))):
+                out[f"{lay}.self_attn.{n}_proj.weight"] = np.zeros(shape, np.float32)
+        out[f"{lay}.post_attention_layernorm.weight"] = (
+            np.ones(d, np.float32) if f is None else t[f"layer_{f}.norm.scale"]
+        )
+        routed = f is not None and pattern[f] == "E"
+        mlp = None if f is None else (f"layer_{f}.mixer" if pattern[f] == "-" else f"layer_{f}.mixer.shared")
+        if routed and not moe["shared_expert"]:
+            mlp = None
+        gate_up, down = _shared_mlp(t, mlp, d, width)
+        out[f"{lay}.shared_mlp.input_linear.weight"], out[f"{lay}.shared_mlp.output_linear.weight"] = gate_up, down
+        if experts:  # every layer has the MoE; one that is not an E block gets zero experts (they add 0)
+            pre, e, fm = f"{lay}.block_sparse_moe", moe["n_experts"], moe["ffn_dim"]
+            if routed:
+                ex = f"layer_{f}.mixer.experts"
+                out[f"{pre}.router.weight"] = _linear(t[f"layer_{f}.mixer.w_router"])
+                gate_up = np.concatenate([t[f"{ex}.w_gate"], t[f"{ex}.w_up"]], axis=2)  # (E, D, 2F)
+                out[f"{pre}.experts.gate_up_proj"] = np.ascontiguousarray(gate_up.transpose(0, 2, 1))
+                out[f"{pre}.experts.down_proj"] = np.ascontiguousarray(t[f"{ex}.w_down"].transpose(0, 2, 1))
+            else:
+                out[f"{pre}.router.weight"] = np.zeros((e, d), np.float32)
+                out[f"{pre}.experts.gate_up_proj"] = np.zeros((e, 2 * fm, d), np.float32)
+                out[f"{pre}.experts.down_proj"] = np.zeros((e, d, fm), np.float32)
+        padded += (a is None) + (mlp is None) + (f is not None and not routed and experts)
     config = {
         "architectures": ["GraniteMoeHybridForCausalLM"],
         "model_type": "granitemoehybrid",
         "hidden_size": d,
-        "intermediate_size": moe["ffn_dim"] if experts else model["ffn_dim"],
-        "shared_intermediate_size": moe["ffn_dim"] if experts else model["ffn_dim"],
+        "intermediate_size": moe["ffn_dim"] if experts else width,
+        "shared_intermediate_size": width,
         "num_local_experts": moe["n_experts"] if experts else 0,
         "num_experts_per_tok": moe["top_k"] if experts else 0,
         "num_hidden_layers": len(kinds),
@@ -223,13 +263,20 @@ def _granite(model: dict, t: dict) -> HFCheckpoint:
         "mamba_conv_bias": True,
         "mamba_proj_bias": False,
     }
-    return HFCheckpoint(config, out)
+    ck = HFCheckpoint(config, out)
+    if padded or any(w < width for w in widths):
+        ck.notes.append(
+            f"--pad-layers: {len(kinds)} transformers layers for {len(pattern)} blocks; {padded} zero-weight parts "
+            "(an attention, MLP or MoE of zeros adds exactly 0 to the residual stream) and MLPs padded with zero "
+            f"units to width {width}: the same function, a larger checkpoint"
+        )
+    return ck
 
 
-def convert(model: dict, tensors: dict[str, np.ndarray], seq_len: int) -> HFCheckpoint:
-    """detjax's flat tensors (export.tensor_name -> array) as a transformers checkpoint of `family(model)`."""
-    fam = family(model)
-    ck = (_llama if fam == "llama" else _granite)(model, tensors)
+def convert(model: dict, tensors: dict[str, np.ndarray], seq_len: int, pad: bool = False) -> HFCheckpoint:
+    """detjax's flat tensors (export.tensor_name -> array) as a transformers checkpoint of `family(model, pad)`."""
+    fam = family(model, pad)
+    ck = _llama(model, tensors) if fam == "llama" else _granite(model, tensors, pad)
     ck.config.update(
         vocab_size=model["vocab_size"],
         max_position_embeddings=seq_len,
