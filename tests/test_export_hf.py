@@ -177,3 +177,24 @@ def test_exported_logits_match_in_transformers(pattern, extra, tmp_path, capsys)
     text = "The cat sat on the mat. ☃"
     assert tok(text)["input_ids"] == list(ByteTokenizer().encode(text, eos=False))
     assert tok.eos_token_id == ByteTokenizer.eos_id
+
+
+def test_bfloat16_export_loads_with_rounded_weights(tmp_path):
+    """`--dtype bfloat16`: the tensors are the float32 masters rounded to bfloat16 (ml_dtypes' round to nearest
+    even), and transformers loads them as bfloat16 parameters."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import ml_dtypes
+
+    from detjax.export import read_safetensors
+
+    cfg = tiny_cfg("*-*-")
+    run = write_run(tmp_path / "run", cfg, seed=4)
+    out = tmp_path / "hf"
+    assert export_main([str(run), str(out), "--format", "hf", "--dtype", "bfloat16"]) == 0
+    got, _ = read_safetensors(out / "model.safetensors")
+    table = flat(random_params(cfg, 4))["embed.table"]
+    assert got["model.embed_tokens.weight"].dtype == np.dtype(ml_dtypes.bfloat16)
+    assert got["model.embed_tokens.weight"].tobytes() == table.astype(ml_dtypes.bfloat16).tobytes()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
