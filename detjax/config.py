@@ -171,6 +171,10 @@ class ModelConfig:
     # matmuls and every dense projection (the pinned-tile matmul) run as fixed-order Pallas kernels
     # (detjax/pallas_kernels); "reference": plain JAX/XLA
     kernels: Literal["reference", "pallas"] = "reference"
+    # the fixed-order flash attention under kernels=pallas: "triton" (every GPU, any power-of-two head_dim) or
+    # "mosaic" (Hopper's TMA + wgmma through Pallas' Mosaic GPU backend; head_dim 64 or 128, bf16, seq_len a
+    # multiple of 128). Each is deterministic with bits of its own: a run keeps the backend it started with
+    flash_backend: Literal["triton", "mosaic"] = "triton"
     # Activation checkpointing: "none" keeps every activation for the backward; "block" keeps only each
     # block's input and recomputes the block in the backward (less memory, ~1/3 more compute). Deterministic
     # either way, but a trajectory of its own: XLA may fuse the recomputed elementwise ops differently (the

@@ -35,6 +35,7 @@ class Attention(nn.Module):
     fp8: bool = False  # model.fp8.enabled: the projections in fp8 with delayed scaling
     tp: TensorSplit | None = None  # canonical tensor parallelism: heads in fixed chunks (q/k/v column, o row)
     out_f32: bool = False  # may return the result widened to float32 (layers.proj's out_f32; the same values)
+    flash_backend: str = "triton"  # model.flash_backend: which fixed-order flash attention "pallas" runs
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -49,7 +50,8 @@ class Attention(nn.Module):
             # projections, attention and the output product's partial, added over chunks by the chunk tree
             dtype, theta = self.dtype, self.rope_theta
             kernels = "pallas" if self.impl == "pallas" else "reference"
-            flash = self.impl == "pallas" and flash_fits(x_BLD.shape[1])
+            backend = self.flash_backend
+            flash = self.impl == "pallas" and flash_fits(x_BLD.shape[1], q, backend)
 
             n = tp.local
             scales = [tp_ops.max_copies(tp, scale_var(self, nm, True), n) for nm in ("qkv", "o") if self.fp8]
@@ -62,7 +64,10 @@ class Attention(nn.Module):
                     for y in chunk_products(specs, dtype, kernels, x_BLD, [w_q_DHQ, w_k_DKQ, w_v_DKQ], s_qkv)
                 )
                 q_BLHQ, k_BLKQ = rope(q_BLHQ, theta), rope(k_BLKQ, theta)
-                o_BLHQ = (flash_attention if flash else attention_reference)(q_BLHQ, k_BLKQ, v_BLKQ)
+                if flash:
+                    o_BLHQ = flash_attention(q_BLHQ, k_BLKQ, v_BLKQ, backend)
+                else:
+                    o_BLHQ = attention_reference(q_BLHQ, k_BLKQ, v_BLKQ)
                 return chunk_products(["blhq,hqd->bld"], dtype, kernels, o_BLHQ, [w_o_HQD], s_o)[0]
 
             w_c = [tp_ops.chunked(w, 1, n) for w in (w_q_DHQ, w_k_DKQ, w_v_DKQ)] + [tp_ops.chunked(w_o_HQD, 0, n)]
@@ -94,8 +99,8 @@ class Attention(nn.Module):
         v_BLKQ = constrain(v_BLKQ, lay, kv_names)
         if self.impl in ("xla", "cudnn"):
             o_BLHQ = jax.nn.dot_product_attention(q_BLHQ, k_BLKQ, v_BLKQ, is_causal=True, implementation=self.impl)
-        elif self.impl == "pallas" and flash_fits(x_BLD.shape[1]):  # (MTP blocks see L-1 rows: reference)
-            o_BLHQ = flash_attention(q_BLHQ, k_BLKQ, v_BLKQ)
+        elif self.impl == "pallas" and flash_fits(x_BLD.shape[1], q, self.flash_backend):  # (MTP: L-1 rows)
+            o_BLHQ = flash_attention(q_BLHQ, k_BLKQ, v_BLKQ, self.flash_backend)
         else:
             o_BLHQ = attention_reference(q_BLHQ, k_BLKQ, v_BLKQ)
         o_BLHQ = constrain(o_BLHQ, lay, q_names, "attn_out")

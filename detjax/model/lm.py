@@ -73,6 +73,7 @@ class Block(nn.Module):
                 fp8=c.fp8.enabled,
                 tp=tp,
                 out_f32=widen,
+                flash_backend=c.flash_backend,
                 name="mixer",
             )(x_BLD)
         elif self.letter == "E":

@@ -67,6 +67,13 @@ def build_layout(cfg: Config, devices: Sequence[jax.Device] | None = None) -> La
             f"config key 'model.attention_impl' = 'cudnn': cuDNN's fused attention needs an NVIDIA GPU, and "
             f"these devices are {devices[0].platform}. Fix: use model.attention_impl=reference on this machine"
         )
+    cc = getattr(devices[0], "compute_capability", "")
+    mosaic_flash = cfg.model.kernels == "pallas" and cfg.model.flash_backend == "mosaic"
+    if mosaic_flash and devices[0].platform == "gpu" and cc != "9.0":
+        raise ConfigError(
+            f"config key 'model.flash_backend' = 'mosaic': the Mosaic GPU flash attention needs a Hopper GPU "
+            f"(compute capability 9.0); this one has {cc or 'an unknown one'}. Fix: use model.flash_backend=triton"
+        )
     # Under canonical numerics the model runs inside shard_map, one leaf per device at a time with whole
     # weights, so each kernel sees one device's arrays; elsewhere the partitioner would have to split them.
     if cfg.model.kernels == "pallas" and len(devices) > 1 and not cfg.determinism.canonical:

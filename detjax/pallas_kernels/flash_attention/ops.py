@@ -1,31 +1,40 @@
-"""flash_attention(q, k, v): causal GQA attention on (B, L, H, Q) / (B, L, K, Q) with a deterministic backward."""
+"""flash_attention(q, k, v, backend): causal GQA attention on (B, L, H, Q) / (B, L, K, Q) with a deterministic
+backward. Two backends, each fixed-order and each with its own bits (model.flash_backend):
+"triton" (kernel.py, every GPU and the CPU interpreter) and "mosaic" (mosaic.py, Hopper's wgmma; the Mosaic
+GPU interpreter on CPU)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 
 from detjax.pallas_kernels.backend import interpret_mode
-from detjax.pallas_kernels.flash_attention.kernel import blocks, flash_bwd, flash_fwd
+from detjax.pallas_kernels.flash_attention import kernel, mosaic
 
 
-def flash_fits(length: int) -> bool:
-    """Whether the kernel's tiles fit a sequence of `length` (a multiple of 16)."""
-    return all(blocks(length, w) is not None for w in ("fwd", "bwd", "dkv"))
+def flash_fits(length: int, head_dim: int | None = None, backend: str = "triton") -> bool:
+    """Whether the backend's tiles fit a sequence of `length` (and `head_dim`, for "mosaic")."""
+    if backend == "mosaic":
+        return mosaic.fits(length, head_dim)
+    return all(kernel.blocks(length, w) is not None for w in ("fwd", "bwd", "dkv"))
 
 
-@jax.custom_vjp
-def flash_attention(q_BLHQ: jax.Array, k_BLKQ: jax.Array, v_BLKQ: jax.Array) -> jax.Array:
-    return _fwd(q_BLHQ, k_BLKQ, v_BLKQ)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def flash_attention(q_BLHQ: jax.Array, k_BLKQ: jax.Array, v_BLKQ: jax.Array, backend: str = "triton") -> jax.Array:
+    return _fwd(q_BLHQ, k_BLKQ, v_BLKQ, backend)[0]
 
 
-def _fwd(q_BLHQ, k_BLKQ, v_BLKQ):
-    o_BLHQ, lse = flash_fwd(q_BLHQ, k_BLKQ, v_BLKQ, interpret=interpret_mode())
+def _fwd(q_BLHQ, k_BLKQ, v_BLKQ, backend):
+    impl = mosaic if backend == "mosaic" else kernel
+    o_BLHQ, lse = impl.flash_fwd(q_BLHQ, k_BLKQ, v_BLKQ, interpret=interpret_mode())
     return o_BLHQ, (q_BLHQ, k_BLKQ, v_BLKQ, o_BLHQ, lse)
 
 
-def _bwd(res, do_BLHQ):
+def _bwd(backend, res, do_BLHQ):
     q_BLHQ, k_BLKQ, v_BLKQ, o_BLHQ, lse = res
-    return flash_bwd(q_BLHQ, k_BLKQ, v_BLKQ, o_BLHQ, lse, do_BLHQ, interpret=interpret_mode())
+    impl = mosaic if backend == "mosaic" else kernel
+    return impl.flash_bwd(q_BLHQ, k_BLKQ, v_BLKQ, o_BLHQ, lse, do_BLHQ, interpret=interpret_mode())
 
 
 flash_attention.defvjp(_fwd, _bwd)

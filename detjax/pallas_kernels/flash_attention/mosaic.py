@@ -1,0 +1,503 @@
+"""Causal GQA flash attention on Hopper through Pallas' Mosaic GPU backend: TMA loads into swizzled shared
+memory, wgmma products, and warp specialization (two compute warpgroups and one memory warpgroup per CTA, the
+memory one streaming blocks through a ring of STAGES shared-memory slots). Forward, dQ and dK/dV are three
+kernels; none uses an atomic, and every output tile is written by one warpgroup that reduces in one fixed order:
+
+- forward: a CTA owns 2 x BLOCK query rows of one head, one warpgroup per BLOCK rows. Each warpgroup runs the
+  online softmax over kv blocks 0 .. its diagonal block in ascending order (the diagonal block masked). The
+  row log-sum-exp is kept in base 2 of the scaled scores (`lse2`), the form the backward uses.
+- dQ: the same CTA shape; a warpgroup adds dS K over kv blocks 0 .. its diagonal in ascending order into one
+  float32 accumulator.
+- dK/dV: a CTA owns 2 x BLOCK keys of one kv head; a warpgroup owns BLOCK of them and adds P^T dO and dS^T Q
+  over the G query heads of its group in ascending order, and within a head over the query blocks that see its
+  keys in ascending order, into two float32 accumulators. The G heads are summed inside the kernel, in that
+  order, not by a later reduction.
+
+Tiles are pinned (BLOCK, STAGES), so the bits depend on the shape and the device, never on a measurement. The
+products take bf16 operands and accumulate in float32; P and dS are rounded to bf16 before their products
+(as the Triton kernel, cuDNN and FlashAttention do), written to shared memory and read from there by wgmma.
+Other arithmetic than kernel.py's (exp2 of pre-scaled scores, the output rescaled outside the product), so
+other bits: the two are separate backends, chosen by `model.flash_backend`, never mixed in one run.
+
+On CPU the tests run these kernels under Pallas' Mosaic GPU interpreter, whose dot is not wgmma: that checks
+the indexing, the masks, the barrier protocol and the order of the sums, not the GPU's bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+BLOCK = 64  # query rows per compute warpgroup and keys per kv block (equal: each row block has one diagonal block)
+WGS = 2  # compute warpgroups per CTA
+STAGES = {"fwd": 4, "dq": 3, "dkv": 3}  # shared-memory ring depth of each kernel's streamed operands
+HEAD_DIMS = (64, 128)  # head_dim 256 does not fit the rings in shared memory; it keeps the Triton kernel
+MEMORY_REGISTERS = 40
+COMPUTE_REGISTERS = 232  # (2 x 232 + 40) x 128 threads <= 64 Ki registers
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+def available() -> bool:
+    """Whether this process runs on a Hopper GPU with Pallas' Mosaic GPU backend (the matmul's test)."""
+    from detjax.pallas_kernels.matmul import mosaic as mm
+
+    return mm.available()
+
+
+def fits(length: int, head_dim: int, dtype=jnp.bfloat16) -> bool:
+    """Whether these kernels take a sequence of `length` at `head_dim`: whole CTA tiles of WGS x BLOCK rows, a
+    head_dim in HEAD_DIMS and 16-bit operands."""
+    return length % (WGS * BLOCK) == 0 and head_dim in HEAD_DIMS and jnp.dtype(dtype).itemsize == 2
+
+
+def refusal(length: int, head_dim: int, dtype) -> str | None:
+    """Why `fits` is False, in one line, or None."""
+    if jnp.dtype(dtype).itemsize != 2:
+        return f"the Mosaic GPU flash attention multiplies 16-bit operands (bf16); got {jnp.dtype(dtype).name}"
+    if head_dim not in HEAD_DIMS:
+        return (
+            f"the Mosaic GPU flash attention takes head_dim {HEAD_DIMS}; got {head_dim} (its shared-memory rings "
+            "do not fit larger heads): use model.flash_backend=triton"
+        )
+    if length % (WGS * BLOCK):
+        return f"the Mosaic GPU flash attention needs seq_len a multiple of {WGS * BLOCK}; got {length}"
+    return None
+
+
+def _modules():
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return pl, plgpu
+
+
+def _swizzled(plgpu):
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _launch(plgpu, interpret: bool) -> dict:
+    if interpret:
+        return {"interpret": plgpu.InterpretGPUParams()}
+    return {"compiler_params": plgpu.CompilerParams(approx_math=True)}
+
+
+def _product(pl, plgpu, shape, a, b):
+    """a @ b into a fresh float32 accumulator (shape), returned as an array once the wgmma completes."""
+
+    def run(acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _diagonal_mask(plgpu, s, *, keys_on_rows: bool):
+    """The causal mask of a diagonal block (query block == key block): query r sees keys <= r."""
+    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+    visible = cols >= rows if keys_on_rows else rows >= cols
+    return jnp.where(visible, s, -jnp.inf)
+
+
+def _stream(pl, plgpu, n, stages, loads):
+    """The memory warpgroup's loop: step j (0 <= j < n, dynamic) goes to slot j % stages once every compute
+    warpgroup released the step that used the slot before. `loads(j, slot)` issues step j's copies."""
+    for j in range(stages):  # the first `stages` steps need no release
+        pl.when(j < n)(functools.partial(loads, j, j))
+
+    @pl.loop(stages, jnp.maximum(n, stages))
+    def _(j):
+        loads(j, lax.rem(j, stages))
+
+
+def _fwd_call(q, k, v, *, interpret: bool):
+    """q (B, L, H, D), k/v (B, L, K, D) -> o (B, L, H, D), lse2 (B, H, L) float32."""
+    pl, plgpu = _modules()
+    b, length, h, d = q.shape
+    kh = k.shape[2]
+    g = h // kh
+    n_t = length // (WGS * BLOCK)
+    stages = min(STAGES["fwd"], length // BLOCK)
+    c = d**-0.5 * _LOG2E
+    dtype = q.dtype
+    tiled = _swizzled(plgpu)
+
+    def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref):
+        def scoped(q_smem, k_smem, v_smem, p_smem, l_smem, q_bar, k_bar, v_bar, k_free, v_free):
+            bi, hi, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+            t = n_t - 1 - lax.axis_index("tile")  # the longest rows first: order changes time, not bits
+            n_kv = (t + 1) * WGS  # kv blocks the CTA streams: its last row sees them all
+
+            @pl.when(wg < WGS)
+            def _compute():
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+                row0 = t * (WGS * BLOCK) + wg * BLOCK
+                diag = t * WGS + wg  # this warpgroup's diagonal kv block; it sees blocks 0 .. diag
+                qs, ps, ls = q_smem.at[wg], p_smem.at[wg], l_smem.at[wg]
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, BLOCK), hi], qs, q_bar.at[wg])
+                plgpu.barrier_wait(q_bar.at[wg])
+
+                def step(j, carry, masked: bool):
+                    m, l, acc = carry
+                    slot = lax.rem(j, stages)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    s = _product(pl, plgpu, (BLOCK, BLOCK), qs, k_smem.at[slot].transpose((1, 0))) * c
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    if masked:
+                        s = _diagonal_mask(plgpu, s, keys_on_rows=False)
+                    m_new = jnp.maximum(m, s.max(axis=1))
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    l = l * alpha + p.sum(axis=1)
+                    ps[...] = p.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    pv = _product(pl, plgpu, (BLOCK, d), ps, v_smem.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return m_new, l, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+
+                row = plgpu.Layout.WGMMA.reduce(1)
+                init = (
+                    plgpu.layout_cast(jnp.full((BLOCK,), -jnp.inf, jnp.float32), row),
+                    plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), row),
+                    plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA),
+                )
+                carry = lax.fori_loop(0, diag, functools.partial(step, masked=False), init)
+                m, l, acc = step(diag, carry, masked=True)
+
+                @pl.loop(diag + 1, n_kv)  # blocks past the diagonal (warpgroup 0's last one): release only
+                def _(j):
+                    slot = lax.rem(j, stages)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
+
+                qs[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
+                ls[...] = m + jnp.log(l) * (1.0 / _LN2)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qs, o_ref.at[bi, pl.ds(row0, BLOCK), hi])
+                plgpu.copy_smem_to_gmem(ls, lse_ref.at[bi, hi, pl.ds(row0, BLOCK)])
+                plgpu.wait_smem_to_gmem(0)
+
+            @pl.when(wg == WGS)
+            def _memory():
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+                kvh = hi // g
+
+                def loads(j, slot):
+                    if not isinstance(j, int):
+                        plgpu.barrier_wait(k_free.at[slot])
+                    rows = pl.ds(j * BLOCK, BLOCK)
+                    plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kvh], k_smem.at[slot], k_bar.at[slot])
+                    if not isinstance(j, int):
+                        plgpu.barrier_wait(v_free.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kvh], v_smem.at[slot], v_bar.at[slot])
+
+                _stream(pl, plgpu, n_kv, stages, loads)
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((WGS, BLOCK, d), dtype, transforms=tiled),
+            plgpu.SMEM((stages, BLOCK, d), dtype, transforms=tiled),
+            plgpu.SMEM((stages, BLOCK, d), dtype, transforms=tiled),
+            plgpu.SMEM((WGS, BLOCK, BLOCK), dtype, transforms=tiled),
+            plgpu.SMEM((WGS, BLOCK), jnp.float32),
+            plgpu.Barrier(num_barriers=WGS),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        kernel,
+        out_type=[jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, length), jnp.float32)],
+        grid=(h, n_t, b),
+        grid_names=("heads", "tile", "batch"),
+        num_threads=WGS + 1,
+        thread_name="wg",
+        **_launch(plgpu, interpret),
+    )(q, k, v)
+
+
+def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool):
+    """dQ (B, L, H, D) from q, do (B, L, H, D), k/v (B, L, K, D), lse2 and delta (B, H, L) float32."""
+    pl, plgpu = _modules()
+    b, length, h, d = q.shape
+    kh = k.shape[2]
+    g = h // kh
+    n_t = length // (WGS * BLOCK)
+    stages = min(STAGES["dq"], length // BLOCK)
+    scale = d**-0.5
+    c = scale * _LOG2E
+    dtype = q.dtype
+    tiled = _swizzled(plgpu)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
+        def scoped(q_smem, do_smem, ds_smem, r_smem, own_bar, k_smem, v_smem, k_bar, v_bar, k_free, v_free):
+            bi, hi, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+            t = n_t - 1 - lax.axis_index("tile")
+            n_kv = (t + 1) * WGS
+
+            @pl.when(wg < WGS)
+            def _compute():
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+                row0 = t * (WGS * BLOCK) + wg * BLOCK
+                diag = t * WGS + wg
+                qs, dos, dss = q_smem.at[wg], do_smem.at[wg], ds_smem.at[wg]
+                rows = pl.ds(row0, BLOCK)
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], qs, own_bar.at[wg, 0])
+                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], dos, own_bar.at[wg, 1])
+                plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], r_smem.at[wg, 0], own_bar.at[wg, 2])
+                plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], r_smem.at[wg, 1], own_bar.at[wg, 3])
+                for i in range(4):
+                    plgpu.barrier_wait(own_bar.at[wg, i])
+                lse = plgpu.load(r_smem.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
+                delta = plgpu.load(r_smem.at[wg, 1], layout=plgpu.Layout.WGMMA.reduce(1))
+
+                def accumulate(dq_acc):
+                    def step(j, masked: bool):
+                        slot = lax.rem(j, stages)
+                        plgpu.barrier_wait(k_bar.at[slot])
+                        s = _product(pl, plgpu, (BLOCK, BLOCK), qs, k_smem.at[slot].transpose((1, 0))) * c
+                        if masked:
+                            s = _diagonal_mask(plgpu, s, keys_on_rows=False)
+                        p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+                        plgpu.barrier_wait(v_bar.at[slot])
+                        dp = _product(pl, plgpu, (BLOCK, BLOCK), dos, v_smem.at[slot].transpose((1, 0)))
+                        plgpu.barrier_arrive(v_free.at[slot])
+                        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+                        dss[...] = ds.astype(dtype)
+                        plgpu.commit_smem()
+                        plgpu.wgmma(dq_acc, dss, k_smem.at[slot])
+                        plgpu.wgmma_wait(0)  # the slot and dss are read: release them
+                        plgpu.barrier_arrive(k_free.at[slot])
+
+                    @pl.loop(0, diag)
+                    def _(j):
+                        step(j, masked=False)
+
+                    step(diag, masked=True)
+
+                    @pl.loop(diag + 1, n_kv)
+                    def _(j):
+                        slot = lax.rem(j, stages)
+                        plgpu.barrier_wait(k_bar.at[slot])
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        plgpu.barrier_wait(v_bar.at[slot])
+                        plgpu.barrier_arrive(v_free.at[slot])
+
+                    return dq_acc[...]
+
+                dq = pl.run_scoped(accumulate, plgpu.ACC((BLOCK, d), jnp.float32))
+                qs[...] = (dq * scale).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qs, dq_ref.at[bi, rows, hi])
+                plgpu.wait_smem_to_gmem(0)
+
+            @pl.when(wg == WGS)
+            def _memory():
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+                kvh = hi // g
+
+                def loads(j, slot):
+                    if not isinstance(j, int):
+                        plgpu.barrier_wait(k_free.at[slot])
+                    rows = pl.ds(j * BLOCK, BLOCK)
+                    plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kvh], k_smem.at[slot], k_bar.at[slot])
+                    if not isinstance(j, int):
+                        plgpu.barrier_wait(v_free.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kvh], v_smem.at[slot], v_bar.at[slot])
+
+                _stream(pl, plgpu, n_kv, stages, loads)
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((WGS, BLOCK, d), dtype, transforms=tiled),
+            plgpu.SMEM((WGS, BLOCK, d), dtype, transforms=tiled),
+            plgpu.SMEM((WGS, BLOCK, BLOCK), dtype, transforms=tiled),
+            plgpu.SMEM((WGS, 2, BLOCK), jnp.float32),
+            plgpu.Barrier(num_barriers=(WGS, 4)),
+            plgpu.SMEM((stages, BLOCK, d), dtype, transforms=tiled),
+            plgpu.SMEM((stages, BLOCK, d), dtype, transforms=tiled),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        grid=(h, n_t, b),
+        grid_names=("heads", "tile", "batch"),
+        num_threads=WGS + 1,
+        thread_name="wg",
+        **_launch(plgpu, interpret),
+    )(q, k, v, do, lse2, delta)
+
+
+def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool):
+    """dK, dV (B, L, K, D): each warpgroup sums its keys' gradients over the group's G query heads ascending,
+    then over the query blocks that see them ascending."""
+    pl, plgpu = _modules()
+    b, length, h, d = q.shape
+    kh = k.shape[2]
+    g = h // kh
+    n_t = length // (WGS * BLOCK)
+    n_q = length // BLOCK
+    stages = STAGES["dkv"]
+    scale = d**-0.5
+    c = scale * _LOG2E
+    dtype = q.dtype
+    tiled = _swizzled(plgpu)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
+        def scoped(k_smem, v_smem, pt_smem, dst_smem, own_bar, q_smem, do_smem, r_smem, bars, free):
+            bi, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+            t = lax.axis_index("tile")  # tile 0 has the most query blocks and starts first
+            first = t * WGS  # the first query block that sees the CTA's keys
+            per_head = n_q - first  # query blocks streamed per query head
+            n = g * per_head
+
+            @pl.when(wg < WGS)
+            def _compute():
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+                key0 = t * (WGS * BLOCK) + wg * BLOCK
+                ks, vs, pts, dsts = k_smem.at[wg], v_smem.at[wg], pt_smem.at[wg], dst_smem.at[wg]
+                keys = pl.ds(key0, BLOCK)
+                plgpu.copy_gmem_to_smem(k_ref.at[bi, keys, kvh], ks, own_bar.at[wg, 0])
+                plgpu.copy_gmem_to_smem(v_ref.at[bi, keys, kvh], vs, own_bar.at[wg, 1])
+                plgpu.barrier_wait(own_bar.at[wg, 0])
+                plgpu.barrier_wait(own_bar.at[wg, 1])
+
+                def wait_all(slot):
+                    for i in range(4):
+                        plgpu.barrier_wait(bars.at[i, slot])
+
+                def release(slot):
+                    for i in range(4):
+                        plgpu.barrier_arrive(free.at[i, slot])
+
+                def accumulate(dk_acc, dv_acc):
+                    def visit(s, masked: bool):
+                        slot = lax.rem(s, stages)
+                        wait_all(slot)
+                        qb, dob = q_smem.at[slot], do_smem.at[slot]
+                        st = _product(pl, plgpu, (BLOCK, BLOCK), ks, qb.transpose((1, 0))) * c
+                        if masked:
+                            st = _diagonal_mask(plgpu, st, keys_on_rows=True)
+                        lse = plgpu.load(r_smem.at[0, slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                        pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
+                        pts[...] = pt.astype(dtype)
+                        plgpu.commit_smem()
+                        plgpu.wgmma(dv_acc, pts, dob)  # dV += P^T dO
+                        dpt = _product(pl, plgpu, (BLOCK, BLOCK), vs, dob.transpose((1, 0)))
+                        delta = plgpu.load(r_smem.at[1, slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                        dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+                        dsts[...] = dst.astype(dtype)
+                        plgpu.commit_smem()
+                        plgpu.wgmma(dk_acc, dsts, qb)  # dK += dS^T Q (scaled once at the end)
+                        plgpu.wgmma_wait(0)
+                        release(slot)
+
+                    def head(hh, _):
+                        base = hh * per_head
+
+                        @pl.loop(0, wg)  # warpgroup 1 does not see the CTA's first query block
+                        def _(i):
+                            slot = lax.rem(base + i, stages)
+                            wait_all(slot)
+                            release(slot)
+
+                        visit(base + wg, masked=True)
+
+                        @pl.loop(wg + 1, per_head)
+                        def _(i):
+                            visit(base + i, masked=False)
+
+                        return 0
+
+                    lax.fori_loop(0, g, head, 0)
+                    return dk_acc[...], dv_acc[...]
+
+                dk, dv = pl.run_scoped(
+                    accumulate, plgpu.ACC((BLOCK, d), jnp.float32), plgpu.ACC((BLOCK, d), jnp.float32)
+                )
+                ks[...] = (dk * scale).astype(dtype)
+                vs[...] = dv.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(ks, dk_ref.at[bi, keys, kvh])
+                plgpu.copy_smem_to_gmem(vs, dv_ref.at[bi, keys, kvh])
+                plgpu.wait_smem_to_gmem(0)
+
+            @pl.when(wg == WGS)
+            def _memory():
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+                def loads(s, slot):
+                    hh = s // per_head
+                    qh = kvh * g + hh
+                    rows = pl.ds((first + s % per_head) * BLOCK, BLOCK)
+                    srcs = (
+                        q_ref.at[bi, rows, qh],
+                        do_ref.at[bi, rows, qh],
+                        lse_ref.at[bi, qh, rows],
+                        delta_ref.at[bi, qh, rows],
+                    )
+                    dsts = (q_smem.at[slot], do_smem.at[slot], r_smem.at[0, slot], r_smem.at[1, slot])
+                    for i, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
+                        if not isinstance(s, int):
+                            plgpu.barrier_wait(free.at[i, slot])
+                        plgpu.copy_gmem_to_smem(src, dst, bars.at[i, slot])
+
+                _stream(pl, plgpu, n, stages, loads)
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((WGS, BLOCK, d), dtype, transforms=tiled),
+            plgpu.SMEM((WGS, BLOCK, d), dtype, transforms=tiled),
+            plgpu.SMEM((WGS, BLOCK, BLOCK), dtype, transforms=tiled),
+            plgpu.SMEM((WGS, BLOCK, BLOCK), dtype, transforms=tiled),
+            plgpu.Barrier(num_barriers=(WGS, 2)),
+            plgpu.SMEM((stages, BLOCK, d), dtype, transforms=tiled),
+            plgpu.SMEM((stages, BLOCK, d), dtype, transforms=tiled),
+            plgpu.SMEM((2, stages, BLOCK), jnp.float32),
+            plgpu.Barrier(num_barriers=(4, stages)),
+            plgpu.Barrier(num_arrivals=WGS, num_barriers=(4, stages)),
+            collective_axes="wg",
+        )
+
+    out = jax.ShapeDtypeStruct(k.shape, dtype)
+    return plgpu.kernel(
+        kernel,
+        out_type=[out, out],
+        grid=(kh, n_t, b),
+        grid_names=("heads", "tile", "batch"),
+        num_threads=WGS + 1,
+        thread_name="wg",
+        **_launch(plgpu, interpret),
+    )(q, k, v, do, lse2, delta)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def flash_fwd(q, k, v, *, interpret: bool = False):
+    """o (B, L, H, D) and lse2 (B, H, L): log2 of the row sums of exp2 of the scores scaled by log2(e)/sqrt(D)."""
+    return _fwd_call(q, k, v, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def flash_bwd(q, k, v, o, lse2, do, *, interpret: bool = False):
+    """dq, dk, dv in the layouts of q, k, v. delta = rowsum(dO * O) per (batch, head, row), in float32."""
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+    dq = _dq_call(q, k, v, do, lse2, delta, interpret=interpret)
+    dk, dv = _dkv_call(q, k, v, do, lse2, delta, interpret=interpret)
+    return dq, dk, dv

@@ -1,0 +1,105 @@
+"""Causal GQA attention kernels on one GPU, forward and forward + backward: detjax's two fixed-order flash
+attentions (model.flash_backend triton / mosaic) against cuDNN's and XLA's (jax.nn.dot_product_attention), at
+the shapes of the shape matrix. Per shape: median time, TFLOP/s, ratio to cuDNN, relative error to cuDNN, and
+byte-equal replays of each detjax backend (forward outputs and the three gradients).
+
+    python3 scripts/attention_bench.py --shapes 2:4096:16:8:128,1:8192:16:8:128,4:2048:16:4:64
+
+A shape is BATCH:SEQ:HEADS:KV_HEADS:HEAD_DIM (bf16). FLOPs count the causal half of the four (forward: two)
+products: forward 2 * 2 * B * H * L^2 * D / 2, backward 2.5 x that (five products, one of them recomputed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def median_ms(fn, args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(ts)
+
+
+def rel_err(a, b) -> float:
+    errs = []
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
+        errs.append(float(jnp.max(jnp.abs(x - y)) / jnp.maximum(jnp.max(jnp.abs(y)), 1e-30)))
+    return max(errs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="2:4096:16:8:128,1:8192:16:8:128,2:4096:16:4:64,4:2048:16:4:64")
+    ap.add_argument("--backends", default="triton,mosaic,cudnn,xla")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--replays", type=int, default=4)
+    a = ap.parse_args()
+    from detjax.pallas_kernels.flash_attention import mosaic
+    from detjax.pallas_kernels.flash_attention.ops import flash_attention
+    from detjax.pallas_kernels.harness import count_differing_replays
+
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    impls = {
+        "triton": lambda q, k, v: flash_attention(q, k, v, "triton"),
+        "mosaic": lambda q, k, v: flash_attention(q, k, v, "mosaic"),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+        "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+    }
+    rows = []
+    for spec in a.shapes.split(","):
+        b, length, h, kh, d = (int(x) for x in spec.split(":"))
+        ks = jax.random.split(jax.random.key(0), 4)
+        q = jax.random.normal(ks[0], (b, length, h, d), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (b, length, kh, d), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (b, length, kh, d), jnp.bfloat16)
+        g = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+        fwd_flops = 2 * 2 * b * h * length * length * d / 2
+        results = {}
+        for name in a.backends.split(","):
+            if name == "mosaic" and not (mosaic.available() and mosaic.fits(length, d)):
+                print(f"{spec} mosaic: not run ({mosaic.refusal(length, d, q.dtype) or 'needs a Hopper GPU'})")
+                continue
+            f = impls[name]
+            fwd = jax.jit(f)
+            fb = jax.jit(lambda q, k, v, f=f, g=g: jax.vjp(f, q, k, v)[1](g))
+            try:
+                out = (fwd(q, k, v), fb(q, k, v))
+            except Exception as e:  # a backend that does not take this shape: say so, keep the others
+                print(f"{spec} {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+                continue
+            t_fwd, t_fb = median_ms(fwd, (q, k, v), a.reps), median_ms(fb, (q, k, v), a.reps)
+            replays = ""
+            if name in ("triton", "mosaic"):
+                both = jax.jit(lambda q, k, v, f=f, g=g: (f(q, k, v), jax.vjp(f, q, k, v)[1](g)))
+                replays = f"{count_differing_replays(both, (q, k, v), a.replays)} of {a.replays - 1}"
+            results[name] = (out, t_fwd, t_fb - t_fwd, replays)
+            print(f"{spec} {name}: fwd {t_fwd:.3f} ms, bwd {t_fb - t_fwd:.3f} ms, differing replays {replays}")
+        base = results.get("cudnn")
+        for name, (out, t_fwd, t_bwd, replays) in results.items():
+            err = rel_err(out, base[0]) if base else float("nan")
+            ratio = f"{t_fwd / base[1]:.2f} / {t_bwd / base[2]:.2f}" if base else "n/a"
+            tf = f"{fwd_flops / t_fwd / 1e9:.0f} / {2.5 * fwd_flops / t_bwd / 1e9:.0f}"
+            rows.append((spec, name, f"{t_fwd:.3f}", f"{t_bwd:.3f}", tf, ratio, f"{err:.1e}", replays or "-"))
+    print(
+        "\n| B:L:H:K:D | kernel | fwd ms | bwd ms | TFLOP/s fwd / bwd | x cuDNN fwd / bwd | rel. err vs cuDNN "
+        "| differing replays |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The Mosaic GPU flash attention (pallas_kernels/flash_attention/mosaic.py): its math against the jnp
+reference (on CPU under Pallas' Mosaic GPU interpreter, on a Hopper GPU compiled), its replays, and the
+config's refusals."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from detjax.config import ConfigError, load_config
+from detjax.pallas_kernels.flash_attention import mosaic
+from detjax.pallas_kernels.flash_attention.ops import flash_attention
+from detjax.pallas_kernels.flash_attention.reference import attention_reference
+from detjax.pallas_kernels.harness import assert_replays_bit_exact, matmul_contention
+
+# P and dS are rounded to bf16 before their products and the outputs are bf16: errors of a few bf16 ulps of
+# the largest value (measured under the interpreter: 2.8e-3 forward, 3.8e-3 to 5.3e-3 for the gradients, the
+# Triton kernel's figures too; the shifted-key control: 1.2)
+TOL = 1e-2
+
+
+def _inputs(seed=0, b=1, length=256, h=4, kv=2, d=64):
+    k = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(k[0], (b, length, h, d), jnp.bfloat16)
+    kk = jax.random.normal(k[1], (b, length, kv, d), jnp.bfloat16)
+    v = jax.random.normal(k[2], (b, length, kv, d), jnp.bfloat16)
+    return q, kk, v, jax.random.normal(k[3], (b, length, h, d), jnp.bfloat16)
+
+
+def _rel(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+def _value_and_grads(fn, q, k, v, g):
+    return jax.value_and_grad(lambda *x: jnp.sum(fn(*x).astype(jnp.float32) * g.astype(jnp.float32)), (0, 1, 2))(
+        q, k, v
+    )
+
+
+def _reference(q, k, v):
+    with jax.default_matmul_precision("highest"):
+        return attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+
+
+@pytest.mark.skipif(
+    jax.default_backend() == "gpu" and not mosaic.available(), reason="the Mosaic GPU backend needs a Hopper GPU"
+)
+def test_mosaic_flash_attention_matches_reference():
+    """Two query heads per kv head, two CTA tiles of 128 rows: fully visible kv blocks, diagonal (masked)
+    ones, warpgroup 0's skipped last block in the forward and dQ, warpgroup 1's skipped first query block in
+    dK/dV. Negative control: the same comparison with the keys shifted by one position fails."""
+    q, k, v, g = _inputs()
+    fn = jax.jit(lambda *x: flash_attention(*x, "mosaic"))
+    o = fn(q, k, v)
+    assert o.dtype == jnp.bfloat16 and o.shape == q.shape
+    ref = _reference(q, k, v)
+    assert _rel(o, ref) <= TOL
+    assert _rel(o, _reference(q, jnp.roll(k, 1, axis=1), v)) > 10 * TOL
+    _, got = _value_and_grads(lambda *x: flash_attention(*x, "mosaic"), q, k, v, g)
+    _, want = _value_and_grads(_reference, q, k, v, g)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert a.dtype == jnp.bfloat16, name
+        assert _rel(a, b) <= TOL, name
+
+
+@pytest.mark.gpu
+def test_mosaic_flash_attention_replays_bit_exact():
+    """Forward and backward at head_dim 128 and 64, quiet and with a GEMM stream on the GPU beside it."""
+    if not mosaic.available():
+        pytest.skip("the Mosaic GPU backend needs a Hopper GPU")
+    for d in (128, 64):
+        q, k, v, g = _inputs(1, b=2, length=1024, h=8, kv=2, d=d)
+        fn = jax.jit(lambda q, k, v, g=g: _value_and_grads(lambda *x: flash_attention(*x, "mosaic"), q, k, v, g))
+        assert_replays_bit_exact(fn, (q, k, v), replays=4)
+        assert_replays_bit_exact(fn, (q, k, v), replays=3, contention=matmul_contention(256, 5))
+
+
+def test_mosaic_flash_backend_refusals(tiny_path):
+    """head_dim outside 64 / 128 and float32 compute are refused with one line naming the fix."""
+    with pytest.raises(ConfigError, match=r"'model.head_dim' = 16: the Mosaic GPU flash attention takes head_dim 64"):
+        load_config(tiny_path, ["model.kernels=pallas", "model.flash_backend=mosaic"])
+    over = ["model.kernels=pallas", "model.flash_backend=mosaic", "model.head_dim=64", "model.compute_dtype=float32"]
+    with pytest.raises(ConfigError, match=r"multiplies bf16 operands.*Fix: use model.compute_dtype=bfloat16"):
+        load_config(tiny_path, over)
+    assert mosaic.refusal(192, 64, jnp.bfloat16) == (
+        "the Mosaic GPU flash attention needs seq_len a multiple of 128; got 192"
+    )
+    assert mosaic.refusal(256, 64, jnp.bfloat16) is None
