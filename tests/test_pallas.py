@@ -34,6 +34,11 @@ def _tf32_tol(tol: float) -> float:
     return TOL_TF32 if jax.default_backend() == "gpu" else tol
 
 
+def _bits(a) -> bytes:
+    """The array's bytes (the float32 bit patterns, for byte-equality checks)."""
+    return np.asarray(a).tobytes()
+
+
 def _rel(a, b):
     return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
@@ -368,6 +373,34 @@ def test_ssd_matches_reference():
     got = _ssd_grads(lambda *a: ssd(*a, 16), args, g)
     for name, a, b in zip("x a B C".split(), got, want, strict=True):
         assert _rel(a, b) <= _tf32_tol(TOL_GRAD), name
+
+
+def test_ssd_splits_heads_that_are_not_powers_of_two():
+    """Head dim 48 runs as three sub-heads of 16 (ops.py): against the chunked reference, and byte-equal to the
+    kernel on the sub-heads given explicitly, da added over sub-heads in ascending order. Control: the sub-heads'
+    da added in descending order differ in some bytes, so the comparison can see the order."""
+    args, g = _ssd_inputs(2, b=2, length=32, h=2, p=48)
+    x, a, bm, cm = args
+    with jax.default_matmul_precision("highest"):
+        want = _ssd_grads(lambda *t: ssd_chunked(*t, 16), args, g)
+        assert _rel(ssd(*args, 16), ssd_chunked(*args, 16)) <= _tf32_tol(TOL_FWD)
+    got = _ssd_grads(lambda *t: ssd(*t, 16), args, g)
+    for name, u, w in zip("x a B C".split(), got, want, strict=True):
+        assert _rel(u, w) <= _tf32_tol(TOL_GRAD), name
+
+    def split(x, a, bm, cm):  # the same scan on six heads of 16
+        y = ssd(x.reshape(2, 32, 6, 16), jnp.repeat(a, 3, axis=2), bm, cm, 16)
+        return y.reshape(x.shape)
+
+    assert _bits(ssd(*args, 16)) == _bits(split(*args))
+    sub = jax.grad(lambda *t: jnp.sum(ssd(*t, 16) * g.reshape(2, 32, 6, 16)), argnums=(0, 1, 2, 3))(
+        x.reshape(2, 32, 6, 16), jnp.repeat(a, 3, axis=2), bm, cm
+    )
+    da = sub[1].reshape(2, 32, 2, 3)
+    assert _bits(got[1]) == _bits(da[..., 0] + da[..., 1] + da[..., 2])
+    assert _bits(got[1]) != _bits(da[..., 2] + da[..., 1] + da[..., 0])
+    for u, w in zip((got[0], got[2], got[3]), (sub[0].reshape(x.shape), sub[2], sub[3]), strict=True):
+        assert _bits(u) == _bits(w)
 
 
 def test_ssd_replays_bit_exact():

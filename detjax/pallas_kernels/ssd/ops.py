@@ -2,6 +2,12 @@
 
 Same contract as ssd.reference.ssd_chunked: x (B, L, H, P) already multiplied by dt, a = A*dt (B, L, H),
 B and C (B, L, N) shared by all heads; float32 out (B, L, H, P).
+
+The kernel holds a head in power-of-two blocks. A head dim P that is not a power of two (96 = expand 2 x 1536 /
+32 heads; 160, 192, 320, ...) is split into k = P / p sub-heads of its largest power-of-two divisor p (>= 16):
+the P columns of a head are independent channels sharing the head's decay a, so a sub-head is a head of its
+own with a copy of a. Nothing is padded or wasted; in the backward the k sub-heads' da are added in ascending
+order, and dB / dC take the sub-heads as heads (their slots are added in ascending head order anyway).
 """
 
 from __future__ import annotations
@@ -33,28 +39,47 @@ def _sum_heads_in_order(slots_GLN, b, h):
     return acc
 
 
+def sub_heads(p: int) -> int:
+    """How many sub-heads a head of dim p runs as: p / (its largest power-of-two divisor)."""
+    return p // (p & -p)
+
+
+def head_dim_fits(p: int) -> bool:
+    """Whether the kernel takes head dim p: its largest power-of-two divisor is >= 16."""
+    return p > 0 and (p & -p) >= 16
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def ssd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk: int) -> jax.Array:
     return _fwd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk)[0]
 
 
 def _fwd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk):
-    bsz, length, h, _ = x_BLHP.shape
-    x = _heads_first(x_BLHP.astype(jnp.float32))
-    arow = _heads_first(a_BLH.astype(jnp.float32)).reshape(bsz * h, 1, length)
+    bsz, length, heads, p = x_BLHP.shape
+    k = sub_heads(p)
+    h = heads * k  # the kernel's heads: each head's k sub-heads side by side, in column order
+    x = _heads_first(x_BLHP.astype(jnp.float32).reshape(bsz, length, h, p // k))
+    a = jnp.repeat(a_BLH.astype(jnp.float32), k, axis=2) if k > 1 else a_BLH.astype(jnp.float32)
+    arow = _heads_first(a).reshape(bsz * h, 1, length)
     b, c = b_BLN.astype(jnp.float32), c_BLN.astype(jnp.float32)
     y, states = ssd_fwd(x, arow, b, c, h=h, chunk=chunk, interpret=interpret_mode())
-    return _heads_last(y, bsz, h), (x, arow, b, c, states)
+    return _heads_last(y, bsz, h).reshape(bsz, length, heads, p), (x, arow, b, c, states)
 
 
 def _bwd(chunk, res, dy_BLHP):
     x, arow, b, c, states = res
-    bsz, length, h, _ = dy_BLHP.shape
-    dy = _heads_first(dy_BLHP.astype(jnp.float32))
+    bsz, length, heads, p = dy_BLHP.shape
+    k = sub_heads(p)
+    h = heads * k
+    dy = _heads_first(dy_BLHP.astype(jnp.float32).reshape(bsz, length, h, p // k))
     dx, da, db_slots, dc_slots = ssd_bwd(x, arow, b, c, states, dy, h=h, chunk=chunk, interpret=interpret_mode())
+    da_BLhk = _heads_last(da.reshape(bsz * h, length), bsz, h).reshape(bsz, length, heads, k)
+    da_BLH = da_BLhk[..., 0]
+    for j in range(1, k):  # the sub-heads' da in ascending order
+        da_BLH = da_BLH + da_BLhk[..., j]
     return (
-        _heads_last(dx, bsz, h),
-        _heads_last(da.reshape(bsz * h, length), bsz, h),
+        _heads_last(dx, bsz, h).reshape(bsz, length, heads, p),
+        da_BLH,
         _sum_heads_in_order(db_slots, bsz, h),
         _sum_heads_in_order(dc_slots, bsz, h),
     )
