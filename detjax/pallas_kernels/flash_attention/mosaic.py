@@ -409,7 +409,8 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool):
                         plgpu.wgmma_wait(0)
                         release(slot)
 
-                    def head(hh, _):
+                    @pl.loop(0, g)  # the group's query heads in ascending order
+                    def _(hh):
                         base = hh * per_head
 
                         @pl.loop(0, wg)  # warpgroup 1 does not see the CTA's first query block
@@ -424,9 +425,6 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool):
                         def _(i):
                             visit(base + i, masked=False)
 
-                        return 0
-
-                    lax.fori_loop(0, g, head, 0)
                     return dk_acc[...], dv_acc[...]
 
                 dk, dv = pl.run_scoped(
