@@ -12,6 +12,7 @@ Needs the `hf` extra (torch, transformers, lm-eval): `pip install -e '.[hf]'`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -40,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         from lm_eval.tasks import TaskManager
     except ImportError:
         print("error: lm-eval is not installed. Fix: pip install -e '.[hf]'", file=sys.stderr)
+        return 2
+    missing = [m for m in ("torch", "transformers", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:  # lm-eval's "hf" model imports them only when it loads the model, deep in a traceback
+        need = ", ".join(missing)
+        print(f"error: lm-eval's transformers model needs {need}. Fix: pip install -e '.[hf]'", file=sys.stderr)
         return 2
     run = Path(args.run)
     from detjax.export import main as export_main

@@ -66,6 +66,7 @@ def test_evaluate_local_task_matches_detjax(tmp_path, monkeypatch, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     from detjax.evaluate import main as evaluate_main
