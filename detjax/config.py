@@ -622,6 +622,8 @@ class Config:
             t.pop("micro_batch")
         if not self.model.fp8.lm_head:  # added later: absent means off, so older configs keep their hash
             d["model"]["fp8"].pop("lm_head")
+        if self.model.flash_backend == "triton":  # added later: absent means triton, older configs keep their hash
+            d["model"].pop("flash_backend")
         if not self.determinism.canonical:  # the leaf is not part of default numerics; 1 keeps older hashes
             d["determinism"]["canonical_leaf"] = 1
         for dotted, value in RETIRED.items():

@@ -100,6 +100,10 @@ def test_mosaic_flash_backend_refusals(tiny_path):
     over = ["model.kernels=pallas", "model.flash_backend=mosaic", "model.head_dim=64", "model.compute_dtype=float32"]
     with pytest.raises(ConfigError, match=r"multiplies bf16 operands.*Fix: use model.compute_dtype=bfloat16"):
         load_config(tiny_path, over)
+    # the backend is part of the trajectory's hash; the default keeps the hash configs had before the key
+    base = load_config(tiny_path, ["model.kernels=pallas", "model.head_dim=64"])
+    assert base.hash() == load_config(tiny_path, [*over[:1], "model.flash_backend=triton", "model.head_dim=64"]).hash()
+    assert base.hash() != load_config(tiny_path, [*over[:3]]).hash()
     assert mosaic.refusal(192, 64, jnp.bfloat16) == (
         "the Mosaic GPU flash attention needs seq_len a multiple of 128; got 192"
     )
