@@ -206,6 +206,20 @@ def _stream_cases(gpu: bool):
     ]
 
 
+def test_mosaic_matmul_lowers_for_cuda(monkeypatch):
+    """Every mode of mosaic.mosaic_matmul goes through Pallas' Mosaic GPU lowering for the CUDA platform
+    (jax.export; no GPU needed), in both pipelines: what the interpreter does not check (layouts, wgmma operand
+    forms, transforms) is checked on any machine and any jax version CI installs."""
+    from detjax.pallas_kernels.matmul import mosaic
+
+    monkeypatch.setattr(mosaic, "_num_sms", lambda: 132)  # an H100 / H200's SM count (no device to ask here)
+    for name, args, kw in _stream_cases(gpu=False):
+        for stream in (True, False):
+            fn = functools.partial(mosaic.mosaic_matmul, stream=stream, **kw)
+            text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+            assert "mosaic_gpu" in text, (name, stream)
+
+
 # cpu: `-m extended` (~30 s on 2 cores); the default run's interpreted Mosaic tests run the streamed pipeline
 @pytest.mark.parametrize(
     "device", [pytest.param("cpu", marks=pytest.mark.extended), pytest.param("gpu", marks=pytest.mark.gpu)]
