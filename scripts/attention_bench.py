@@ -44,12 +44,17 @@ def main() -> int:
     ap.add_argument("--backends", default="triton,mosaic,cudnn,xla")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--replays", type=int, default=4)
+    ap.add_argument("--stages", default="", help="Mosaic ring depths to try instead of mosaic.STAGES, e.g. fwd=2,dkv=2")
     a = ap.parse_args()
     from detjax.pallas_kernels.flash_attention import mosaic
+
+    for item in filter(None, a.stages.split(",")):  # ring depth: time only (the bytes are the same, a test says)
+        kernel_name, depth = item.split("=")
+        mosaic.STAGES[kernel_name] = int(depth)
     from detjax.pallas_kernels.flash_attention.ops import flash_attention
     from detjax.pallas_kernels.harness import count_differing_replays
 
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, Mosaic rings {mosaic.STAGES}", flush=True)
     impls = {
         "triton": lambda q, k, v: flash_attention(q, k, v, "triton"),
         "mosaic": lambda q, k, v: flash_attention(q, k, v, "mosaic"),

@@ -13,7 +13,9 @@ kernels; none uses an atomic, and every output tile is written by one warpgroup 
   keys in ascending order, into two float32 accumulators. The G heads are summed inside the kernel, in that
   order, not by a later reduction.
 
-Tiles are pinned (BLOCK, STAGES), so the bits depend on the shape and the device, never on a measurement. The
+Tiles are pinned (BLOCK), so the bits depend on the shape and the device, never on a measurement; the ring
+depth (STAGES, `stages`) changes which slot holds a block and when it is loaded, not what is computed (a test
+compares the bytes of two depths). The
 products take bf16 operands and accumulate in float32; P and dS are rounded to bf16 before their products
 (as the Triton kernel, cuDNN and FlashAttention do), written to shared memory and read from there by wgmma.
 Other arithmetic than kernel.py's (exp2 of pre-scaled scores, the output rescaled outside the product), so
@@ -115,14 +117,14 @@ def _stream(pl, plgpu, n, stages, loads):
         loads(j, lax.rem(j, stages))
 
 
-def _fwd_call(q, k, v, *, interpret: bool):
+def _fwd_call(q, k, v, *, interpret: bool, stages: int | None = None):
     """q (B, L, H, D), k/v (B, L, K, D) -> o (B, L, H, D), lse2 (B, H, L) float32."""
     pl, plgpu = _modules()
     b, length, h, d = q.shape
     kh = k.shape[2]
     g = h // kh
     n_t = length // (WGS * BLOCK)
-    stages = min(STAGES["fwd"], length // BLOCK)
+    stages = min(stages or STAGES["fwd"], length // BLOCK)
     c = d**-0.5 * _LOG2E
     dtype = q.dtype
     tiled = _swizzled(plgpu)
@@ -227,14 +229,14 @@ def _fwd_call(q, k, v, *, interpret: bool):
     )(q, k, v)
 
 
-def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool):
+def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = None):
     """dQ (B, L, H, D) from q, do (B, L, H, D), k/v (B, L, K, D), lse2 and delta (B, H, L) float32."""
     pl, plgpu = _modules()
     b, length, h, d = q.shape
     kh = k.shape[2]
     g = h // kh
     n_t = length // (WGS * BLOCK)
-    stages = min(STAGES["dq"], length // BLOCK)
+    stages = min(stages or STAGES["dq"], length // BLOCK)
     scale = d**-0.5
     c = scale * _LOG2E
     dtype = q.dtype
@@ -345,7 +347,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool):
     )(q, k, v, do, lse2, delta)
 
 
-def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool):
+def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = None):
     """dK, dV (B, L, K, D): each warpgroup sums its keys' gradients over the group's G query heads ascending,
     then over the query blocks that see them ascending."""
     pl, plgpu = _modules()
@@ -354,7 +356,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool):
     g = h // kh
     n_t = length // (WGS * BLOCK)
     n_q = length // BLOCK
-    stages = STAGES["dkv"]
+    stages = stages or STAGES["dkv"]
     scale = d**-0.5
     c = scale * _LOG2E
     dtype = q.dtype
