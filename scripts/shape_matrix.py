@@ -3,6 +3,7 @@
     python3 scripts/shape_matrix.py                                  # the whole matrix (hours on one H200)
     python3 scripts/shape_matrix.py --cells dense:2048:128:4096,hybrid:1536:128:2048 --steps 10
     python3 scripts/shape_matrix.py --list                           # the cells and their derived shapes
+    python3 scripts/shape_matrix.py --max-blocks 8 --results $OUT/matrix.jsonl --budget-s 540   # in pieces
 
 A cell is PATTERN:D_MODEL:HEAD_DIM:SEQ_LEN. Its shape is derived, not tuned: heads = d_model / head_dim,
 kv heads = heads / 2, ffn 4 x d_model (dense) ; the hybrid repeats "M*EM*E-" with Mamba2 heads of 64 and 8
@@ -120,9 +121,24 @@ def main() -> int:
         default=MAX_BLOCKS,
         help="cap the block count (fewer blocks compile faster; the per-block costs, which the ratio is about, stay)",
     )
+    ap.add_argument(
+        "--results",
+        default=None,
+        help="a JSON-lines file: each finished cell is appended; cells already in it (same options) print their "
+        "recorded row and are not run again, so a matrix longer than one device call accumulates over calls",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=0,
+        help="start no cell once the elapsed time plus the longest cell so far would pass this many seconds",
+    )
     ap.add_argument("overrides", nargs="*", help="key=value applied to every cell and mode")
     a = ap.parse_args()
     cells = a.cells.split(",") if a.cells else all_cells()
+    options = dict(steps=a.steps, warmup=a.warmup, l1=not a.no_l1, max_blocks=a.max_blocks, extra=a.overrides)
+    done = _recorded(a.results, options)
+    started, longest = time.perf_counter(), 0.0
     from detjax.config import load_config
     from detjax.flops import PEAK_FLOPS_BF16, model_flops_per_step
 
@@ -131,7 +147,7 @@ def main() -> int:
         "| peak GiB (base / det) | cold-start L1 |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    bad = 0
+    bad, base = 0, {}
     for cell in cells:
         kind, d, hd, seq = cell.split(":")
         ov = cell_overrides(kind, int(d), int(hd), int(seq), max_blocks=a.max_blocks) + a.overrides
@@ -142,6 +158,13 @@ def main() -> int:
         if a.list:
             print(f"| {cell} | {nblocks} | {params:.0f} | {' '.join(ov)} |")
             continue
+        if cell in done:
+            print(done[cell]["row"] + " (recorded)", flush=True)
+            continue
+        if a.budget_s and time.perf_counter() - started + longest > a.budget_s:
+            print(f"| {cell} | not run: --budget-s {a.budget_s:.0f} reached |||||||||", flush=True)
+            continue
+        t_cell = time.perf_counter()
         base_mode = "plain" if kind == "dense" else "fastest"
         base = run_worker(base_mode, ov, a.steps, a.warmup)
         dets = [run_worker("strict-kernels", ov, a.steps, a.warmup) for _ in range(1 if a.no_l1 else 2)]
@@ -157,15 +180,32 @@ def main() -> int:
         digests = {json.dumps(r.get("digests"), sort_keys=True) for r in dets}
         l1 = "n/a" if a.no_l1 else ("equal" if len(digests) == 1 else "DIFFER")
         peak = [(r.get("peak_mem_bytes") or 0) / 2**30 for r in (base, dets[0])]
-        print(
+        row = (
             f"| {cell} | {nblocks} | {params:.0f} | {base_mode} | {bms:.1f} | {100 * mfu[0]:.1f} % | {dms:.1f} "
-            f"| {100 * mfu[1]:.1f} % | {dms / bms:.3f} x | {peak[0]:.1f} / {peak[1]:.1f} | {l1} |",
-            flush=True,
+            f"| {100 * mfu[1]:.1f} % | {dms / bms:.3f} x | {peak[0]:.1f} / {peak[1]:.1f} | {l1} |"
         )
-    if not a.list:
-        dev = base.get("device", "?") if cells else "?"
-        print(f"\n{dev}, jax {base.get('jax', '?')}, {a.steps} timed steps after {a.warmup} warm-up, pipelined")
+        print(row, flush=True)
+        longest = max(longest, time.perf_counter() - t_cell)
+        if a.results:
+            rec = {"cell": cell, "options": options, "row": row, "base": base, "strict": dets}
+            with open(a.results, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+    if not a.list and base:
+        dev, jax_v = base.get("device", "?"), base.get("jax", "?")
+        print(f"\n{dev}, jax {jax_v}, {a.steps} timed steps after {a.warmup} warm-up, pipelined")
     return 1 if bad else 0
+
+
+def _recorded(path: str | None, options: dict) -> dict[str, dict]:
+    """The cells of an earlier --results file measured with the same options (the last record of a cell wins)."""
+    if not path or not Path(path).exists():
+        return {}
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("options") == options:
+            out[rec["cell"]] = rec
+    return out
 
 
 def _param_count(cfg) -> int:
