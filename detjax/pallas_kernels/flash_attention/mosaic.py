@@ -22,7 +22,9 @@ Other arithmetic than kernel.py's (exp2 of pre-scaled scores, the output rescale
 other bits: the two are separate backends, chosen by `model.flash_backend`, never mixed in one run.
 
 On CPU the tests run these kernels under Pallas' Mosaic GPU interpreter, whose dot is not wgmma: that checks
-the indexing, the masks, the barrier protocol and the order of the sums, not the GPU's bits.
+the indexing, the masks, the order of the sums and, with the interpreter's happens-before race detector, the
+barrier protocol, not the GPU's bits; and they lower them for CUDA (jax.export), which checks what the Mosaic
+GPU lowering accepts.
 """
 
 from __future__ import annotations
@@ -82,7 +84,11 @@ def _swizzled(plgpu):
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
-def _launch(plgpu, interpret: bool) -> dict:
+def _launch(plgpu, interpret) -> dict:
+    """Compiled (approximate exp2 / log / division, as FlashAttention-3), or under the interpreter: `interpret`
+    True, or a plgpu.InterpretGPUParams of its own (the tests' race detector)."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return {"interpret": interpret}
     if interpret:
         return {"interpret": plgpu.InterpretGPUParams()}
     return {"compiler_params": plgpu.CompilerParams(approx_math=True)}
