@@ -12,14 +12,16 @@ kernels; none uses an atomic, and every output tile is written by one warpgroup 
   over the G query heads of its group in ascending order, and within a head over the query blocks that see its
   keys in ascending order, into two float32 accumulators. The G heads are summed inside the kernel, in that
   order, not by a later reduction.
+- In dQ and dK/dV a step's two independent products (S and dP) are issued together and the exp2 of the first
+  runs while the second does (dK/dV also queues dV behind them): issue order changes time, not bits.
 
 Tiles are pinned (BLOCK), so the bits depend on the shape and the device, never on a measurement; the ring
 depth (STAGES, `stages`) changes which slot holds a block and when it is loaded, not what is computed (a test
-compares the bytes of two depths). The
-products take bf16 operands and accumulate in float32; P and dS are rounded to bf16 before their products
-(as the Triton kernel, cuDNN and FlashAttention do), written to shared memory and read from there by wgmma.
-Other arithmetic than kernel.py's (exp2 of pre-scaled scores, the output rescaled outside the product), so
-other bits: the two are separate backends, chosen by `model.flash_backend`, never mixed in one run.
+compares the bytes of two depths). The products take bf16 operands and accumulate in float32; P and dS are
+rounded to bf16 before their products (as the Triton kernel, cuDNN and FlashAttention do), written to shared
+memory and read from there by wgmma. Other arithmetic than kernel.py's (exp2 of pre-scaled scores, the output
+rescaled outside the product), so other bits: the two are separate backends, chosen by `model.flash_backend`,
+never mixed in one run.
 
 On CPU the tests run these kernels under Pallas' Mosaic GPU interpreter, whose dot is not wgmma: that checks
 the indexing, the masks, the order of the sums and, with the interpreter's happens-before race detector, the
@@ -274,12 +276,19 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
                     def step(j, masked: bool):
                         slot = lax.rem(j, stages)
                         plgpu.barrier_wait(k_bar.at[slot])
-                        s = _product(pl, plgpu, (BLOCK, BLOCK), qs, k_smem.at[slot].transpose((1, 0))) * c
-                        if masked:
-                            s = _diagonal_mask(plgpu, s, keys_on_rows=False)
-                        p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
                         plgpu.barrier_wait(v_bar.at[slot])
-                        dp = _product(pl, plgpu, (BLOCK, BLOCK), dos, v_smem.at[slot].transpose((1, 0)))
+
+                        def products(s_acc, dp_acc):  # S and dP issued together; P's exp2 runs while dP does
+                            plgpu.wgmma(s_acc, qs, k_smem.at[slot].transpose((1, 0)))
+                            plgpu.wgmma(dp_acc, dos, v_smem.at[slot].transpose((1, 0)))
+                            s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1) * c
+                            if masked:
+                                s = _diagonal_mask(plgpu, s, keys_on_rows=False)
+                            p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+                            return p, plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
+
+                        square = plgpu.ACC((BLOCK, BLOCK), jnp.float32)
+                        p, dp = pl.run_scoped(products, square, square)
                         plgpu.barrier_arrive(v_free.at[slot])
                         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                         dss[...] = ds.astype(dtype)
@@ -400,15 +409,22 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None =
                         slot = lax.rem(s, stages)
                         wait_all(slot)
                         qb, dob = q_smem.at[slot], do_smem.at[slot]
-                        st = _product(pl, plgpu, (BLOCK, BLOCK), ks, qb.transpose((1, 0))) * c
-                        if masked:
-                            st = _diagonal_mask(plgpu, st, keys_on_rows=True)
-                        lse = plgpu.load(r_smem.at[0, slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                        pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
-                        pts[...] = pt.astype(dtype)
-                        plgpu.commit_smem()
-                        plgpu.wgmma(dv_acc, pts, dob)  # dV += P^T dO
-                        dpt = _product(pl, plgpu, (BLOCK, BLOCK), vs, dob.transpose((1, 0)))
+
+                        def products(st_acc, dpt_acc):  # S^T and dP^T issued together, dV behind them
+                            plgpu.wgmma(st_acc, ks, qb.transpose((1, 0)))
+                            plgpu.wgmma(dpt_acc, vs, dob.transpose((1, 0)))
+                            st = plgpu.wgmma_accumulator_load(st_acc, wait_n=1) * c  # dP^T may still run
+                            if masked:
+                                st = _diagonal_mask(plgpu, st, keys_on_rows=True)
+                            lse = plgpu.load(r_smem.at[0, slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                            pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
+                            pts[...] = pt.astype(dtype)
+                            plgpu.commit_smem()
+                            plgpu.wgmma(dv_acc, pts, dob)  # dV += P^T dO
+                            return pt, plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)  # dV may still run
+
+                        square = plgpu.ACC((BLOCK, BLOCK), jnp.float32)
+                        pt, dpt = pl.run_scoped(products, square, square)
                         delta = plgpu.load(r_smem.at[1, slot], layout=plgpu.Layout.WGMMA.reduce(0))
                         dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
                         dsts[...] = dst.astype(dtype)
