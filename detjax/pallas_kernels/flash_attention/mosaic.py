@@ -12,8 +12,9 @@ kernels; none uses an atomic, and every output tile is written by one warpgroup 
   over the G query heads of its group in ascending order, and within a head over the query blocks that see its
   keys in ascending order, into two float32 accumulators. The G heads are summed inside the kernel, in that
   order, not by a later reduction.
-- In dQ and dK/dV a step's two independent products (S and dP) are issued together and the exp2 of the first
-  runs while the second does (dK/dV also queues dV behind them): issue order changes time, not bits.
+- Products overlap the elementwise work: the forward issues block j + 1's scores before block j's softmax;
+  dQ and dK/dV issue a step's two independent products (S and dP) together and run the exp2 of the first
+  while the second runs (dK/dV also queues dV behind them). Issue order changes time, not what is summed.
 
 Tiles are pinned (BLOCK), so the bits depend on the shape and the device, never on a measurement; the ring
 depth (STAGES, `stages`) changes which slot holds a block and when it is loaded, not what is computed (a test
@@ -152,33 +153,53 @@ def _fwd_call(q, k, v, *, interpret: bool, stages: int | None = None):
                 plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, BLOCK), hi], qs, q_bar.at[wg])
                 plgpu.barrier_wait(q_bar.at[wg])
 
-                def step(j, carry, masked: bool):
-                    m, l, acc = carry
+                def scores(j):  # S_j = Q K_j^T, scaled; releases K_j's slot
                     slot = lax.rem(j, stages)
                     plgpu.barrier_wait(k_bar.at[slot])
                     s = _product(pl, plgpu, (BLOCK, BLOCK), qs, k_smem.at[slot].transpose((1, 0))) * c
                     plgpu.barrier_arrive(k_free.at[slot])
-                    if masked:
-                        s = _diagonal_mask(plgpu, s, keys_on_rows=False)
-                    m_new = jnp.maximum(m, s.max(axis=1))
-                    alpha = jnp.exp2(m - m_new)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    l = l * alpha + p.sum(axis=1)
-                    ps[...] = p.astype(dtype)
-                    plgpu.commit_smem()
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    pv = _product(pl, plgpu, (BLOCK, d), ps, v_smem.at[slot])
+                    return s
+
+                def step(j, carry, masked: bool, prefetch: bool):
+                    """The softmax and PV of block j, whose scores arrive in `carry`; with `prefetch`, block
+                    j + 1's scores are issued first and computed while the softmax of j runs."""
+                    m, l, acc, s = carry
+                    slot, nslot = lax.rem(j, stages), lax.rem(j + 1, stages)
+
+                    def products(*accs):
+                        if prefetch:
+                            plgpu.barrier_wait(k_bar.at[nslot])
+                            plgpu.wgmma(accs[1], qs, k_smem.at[nslot].transpose((1, 0)))
+                        s_j = _diagonal_mask(plgpu, s, keys_on_rows=False) if masked else s
+                        m_new = jnp.maximum(m, s_j.max(axis=1))
+                        alpha = jnp.exp2(m - m_new)
+                        p = jnp.exp2(s_j - lax.broadcast_in_dim(m_new, s_j.shape, [0]))
+                        l_new = l * alpha + p.sum(axis=1)
+                        ps[...] = p.astype(dtype)
+                        plgpu.commit_smem()
+                        plgpu.barrier_wait(v_bar.at[slot])
+                        plgpu.wgmma(accs[0], ps, v_smem.at[slot])
+                        # S_{j+1} was issued first, so it is done with one group (PV) still allowed to run
+                        s_next = plgpu.wgmma_accumulator_load(accs[1], wait_n=1) * c if prefetch else s
+                        pv = plgpu.wgmma_accumulator_load(accs[0], wait_n=0)
+                        return m_new, l_new, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, s_next
+
+                    shapes = [plgpu.ACC((BLOCK, d), jnp.float32)] + [plgpu.ACC((BLOCK, BLOCK), jnp.float32)] * prefetch
+                    out = pl.run_scoped(products, *shapes)
                     plgpu.barrier_arrive(v_free.at[slot])
-                    return m_new, l, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+                    if prefetch:
+                        plgpu.barrier_arrive(k_free.at[nslot])
+                    return out
 
                 row = plgpu.Layout.WGMMA.reduce(1)
                 init = (
                     plgpu.layout_cast(jnp.full((BLOCK,), -jnp.inf, jnp.float32), row),
                     plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), row),
                     plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA),
+                    scores(0),
                 )
-                carry = lax.fori_loop(0, diag, functools.partial(step, masked=False), init)
-                m, l, acc = step(diag, carry, masked=True)
+                carry = lax.fori_loop(0, diag, functools.partial(step, masked=False, prefetch=True), init)
+                m, l, acc, _ = step(diag, carry, masked=True, prefetch=False)
 
                 @pl.loop(diag + 1, n_kv)  # blocks past the diagonal (warpgroup 0's last one): release only
                 def _(j):
