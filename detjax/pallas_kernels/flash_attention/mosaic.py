@@ -42,7 +42,9 @@ from jax import lax
 BLOCK = 64  # query rows per compute warpgroup and keys per kv block (equal: each row block has one diagonal block)
 WGS = 2  # compute warpgroups per CTA
 STAGES = {"fwd": 4, "dq": 3, "dkv": 3}  # shared-memory ring depth of each kernel's streamed operands
-HEAD_DIMS = (64, 128)  # head_dim 256 does not fit the rings in shared memory; it keeps the Triton kernel
+# head_dim 256 would hold 64 x 256 float32 accumulators, 128 registers a thread each (the forward two, dK/dV
+# two), past a warpgroup's 232; it keeps the Triton kernel (a computed bound, not a measured one)
+HEAD_DIMS = (64, 128)
 MEMORY_REGISTERS = 40
 COMPUTE_REGISTERS = 232  # (2 x 232 + 40) x 128 threads <= 64 Ki registers
 _LOG2E = math.log2(math.e)
@@ -68,8 +70,8 @@ def refusal(length: int, head_dim: int, dtype) -> str | None:
         return f"the Mosaic GPU flash attention multiplies 16-bit operands (bf16); got {jnp.dtype(dtype).name}"
     if head_dim not in HEAD_DIMS:
         return (
-            f"the Mosaic GPU flash attention takes head_dim {HEAD_DIMS}; got {head_dim} (its shared-memory rings "
-            "do not fit larger heads): use model.flash_backend=triton"
+            f"the Mosaic GPU flash attention takes head_dim {HEAD_DIMS}; got {head_dim} (larger heads' accumulators "
+            "do not fit a warpgroup's registers): use model.flash_backend=triton"
         )
     if length % (WGS * BLOCK):
         return f"the Mosaic GPU flash attention needs seq_len a multiple of {WGS * BLOCK}; got {length}"
