@@ -14,12 +14,12 @@ from detjax.pallas_kernels.flash_attention.reference import attention_reference
 from detjax.pallas_kernels.harness import assert_replays_bit_exact, matmul_contention
 
 # P and dS are rounded to bf16 before their products and the outputs are bf16: errors of a few bf16 ulps of
-# the largest value (measured under the interpreter: 2.8e-3 forward, 3.8e-3 to 5.3e-3 for the gradients, the
-# Triton kernel's figures too; the shifted-key control: 1.2)
+# the largest value (measured under the interpreter: 2.0e-3 forward, 3.0e-3 to 3.9e-3 for the gradients, the
+# Triton kernel's figures too; the shifted-key control: 1.0)
 TOL = 1e-2
 
 
-def _inputs(seed=0, b=1, length=256, h=4, kv=2, d=64):
+def _inputs(seed=0, b=1, length=256, h=2, kv=1, d=64):
     k = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(k[0], (b, length, h, d), jnp.bfloat16)
     kk = jax.random.normal(k[1], (b, length, kv, d), jnp.bfloat16)
@@ -95,7 +95,7 @@ def test_mosaic_flash_attention_has_no_races():
     def detector(on_race):
         return plgpu.InterpretGPUParams(detect_races=True, on_race=on_race)
 
-    q, k, v, g = _inputs(3, length=256, h=4, kv=2)
+    q, k, v, g = _inputs(3)
     o, lse = mosaic._fwd_call(q, k, v, interpret=detector("raise"), stages=2)
     delta = jnp.sum(g.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
     jax.block_until_ready(mosaic._dq_call(q, k, v, g, lse, delta, interpret=detector("raise"), stages=2))
