@@ -92,8 +92,11 @@ def test_mosaic_flash_attention_has_no_races():
     if not hasattr(ipc, "get_races"):
         pytest.skip("this jax has no interpreter race-detection state to read")
 
-    def detector(on_race):
-        return plgpu.InterpretGPUParams(detect_races=True, on_race=on_race)
+    def detector(on_race):  # jax 0.11.2's detector has no `on_race`: it records, and the test reads the record
+        try:
+            return plgpu.InterpretGPUParams(detect_races=True, on_race=on_race)
+        except TypeError:
+            return plgpu.InterpretGPUParams(detect_races=True)
 
     q, k, v, g = _inputs(3)
     o, lse = mosaic._fwd_call(q, k, v, interpret=detector("raise"), stages=2)

@@ -117,15 +117,24 @@ def _diagonal_mask(plgpu, s, *, keys_on_rows: bool):
     return jnp.where(visible, s, -jnp.inf)
 
 
-def _stream(pl, plgpu, n, stages, loads):
+def _stream(pl, plgpu, n, stages, loads, releases):
     """The memory warpgroup's loop: step j (0 <= j < n, dynamic) goes to slot j % stages once every compute
-    warpgroup released the step that used the slot before. `loads(j, slot)` issues step j's copies."""
+    warpgroup released the step that used the slot before. `loads(j, slot)` issues step j's copies (and waits
+    for the slot's releases when j >= stages). At the end it waits for the releases of the last steps too
+    (`releases`: functions of a slot giving its release barriers), so that it has seen every phase of every
+    barrier it waits on (jax 0.11.2's interpreter checks that when the barriers go; on the GPU it only delays
+    the warpgroup's exit)."""
     for j in range(stages):  # the first `stages` steps need no release
         pl.when(j < n)(functools.partial(loads, j, j))
 
     @pl.loop(stages, jnp.maximum(n, stages))
     def _(j):
         loads(j, lax.rem(j, stages))
+
+    @pl.loop(jnp.maximum(n - stages, 0), n)
+    def _(j):
+        for barrier in releases:
+            plgpu.barrier_wait(barrier(lax.rem(j, stages)))
 
 
 def _fwd_call(q, k, v, *, interpret: bool, stages: int | None = None):
@@ -232,7 +241,7 @@ def _fwd_call(q, k, v, *, interpret: bool, stages: int | None = None):
                         plgpu.barrier_wait(v_free.at[slot])
                     plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kvh], v_smem.at[slot], v_bar.at[slot])
 
-                _stream(pl, plgpu, n_kv, stages, loads)
+                _stream(pl, plgpu, n_kv, stages, loads, (lambda i: k_free.at[i], lambda i: v_free.at[i]))
 
         pl.run_scoped(
             scoped,
@@ -356,7 +365,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
                         plgpu.barrier_wait(v_free.at[slot])
                     plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kvh], v_smem.at[slot], v_bar.at[slot])
 
-                _stream(pl, plgpu, n_kv, stages, loads)
+                _stream(pl, plgpu, n_kv, stages, loads, (lambda i: k_free.at[i], lambda i: v_free.at[i]))
 
         pl.run_scoped(
             scoped,
@@ -504,7 +513,8 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None =
                             plgpu.barrier_wait(free.at[i, slot])
                         plgpu.copy_gmem_to_smem(src, dst, bars.at[i, slot])
 
-                _stream(pl, plgpu, n, stages, loads)
+                releases = [functools.partial(lambda i, slot: free.at[i, slot], i) for i in range(4)]
+                _stream(pl, plgpu, n, stages, loads, releases)
 
         pl.run_scoped(
             scoped,
