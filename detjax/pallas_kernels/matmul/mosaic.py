@@ -366,7 +366,13 @@ def mosaic_matmul(
 
                     return lax.fori_loop(0, steps, load, g)
 
-                lax.fori_loop(0, my_items, one_item, jnp.int32(0))
+                g_total = lax.fori_loop(0, my_items, one_item, jnp.int32(0))
+
+                # the last slots' releases too, so that this warpgroup has seen every phase of `consumed` (jax
+                # 0.11.2's interpreter checks that when the barriers go; on the GPU it only delays its exit)
+                @pl.loop(jnp.maximum(g_total - stages, 0), g_total)
+                def _(g):
+                    plgpu.barrier_wait(consumed.at[lax.rem(g, stages)])
 
             @pl.when(wg < 2)
             def _compute():
