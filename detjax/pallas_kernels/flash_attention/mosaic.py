@@ -89,14 +89,25 @@ def _swizzled(plgpu):
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
-def _launch(plgpu, interpret) -> dict:
-    """Compiled (approximate exp2 / log / division, as FlashAttention-3), or under the interpreter: `interpret`
-    True, or a plgpu.InterpretGPUParams of its own (the tests' race detector)."""
+def _launch(plgpu, kernel, out_type, heads: int, tiles: int, batch: int, interpret):
+    """The kernel over grid (heads, tiles, batch) with WGS compute warpgroups and one memory warpgroup: compiled
+    (approximate exp2 / log / division, as FlashAttention-3), or under the interpreter (`interpret` True, or a
+    plgpu.InterpretGPUParams of its own: the tests' race detector)."""
     if isinstance(interpret, plgpu.InterpretGPUParams):
-        return {"interpret": interpret}
-    if interpret:
-        return {"interpret": plgpu.InterpretGPUParams()}
-    return {"compiler_params": plgpu.CompilerParams(approx_math=True)}
+        mode = {"interpret": interpret}
+    elif interpret:
+        mode = {"interpret": plgpu.InterpretGPUParams()}
+    else:
+        mode = {"compiler_params": plgpu.CompilerParams(approx_math=True)}
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        grid=(heads, tiles, batch),
+        grid_names=("heads", "tile", "batch"),
+        num_threads=WGS + 1,
+        thread_name="wg",
+        **mode,
+    )
 
 
 def _product(pl, plgpu, shape, a, b):
@@ -137,6 +148,35 @@ def _stream(pl, plgpu, n, stages, loads, releases):
             plgpu.barrier_wait(barrier(lax.rem(j, stages)))
 
 
+def _skip_kv(pl, plgpu, start, end, stages, ring):
+    """kv blocks start .. end-1, which this warpgroup does not see (past its diagonal): wait for each and
+    release its slot at once. ring: (k_smem, v_smem, k_bar, v_bar, k_free, v_free)."""
+    _, _, k_bar, v_bar, k_free, v_free = ring
+
+    @pl.loop(start, end)
+    def _(j):
+        slot = lax.rem(j, stages)
+        for bar, free in ((k_bar, k_free), (v_bar, v_free)):
+            plgpu.barrier_wait(bar.at[slot])
+            plgpu.barrier_arrive(free.at[slot])
+
+
+def _stream_kv(pl, plgpu, k_ref, v_ref, bi, kvh, n_kv, stages, ring):
+    """The memory warpgroup of the forward and dQ: K and V blocks 0 .. n_kv-1 of (batch bi, kv head kvh)
+    through the ring (see _skip_kv)."""
+    k_smem, v_smem, k_bar, v_bar, k_free, v_free = ring
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+    def loads(j, slot):
+        rows = pl.ds(j * BLOCK, BLOCK)
+        for ref, smem, bar, free in ((k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free)):
+            if not isinstance(j, int):
+                plgpu.barrier_wait(free.at[slot])
+            plgpu.copy_gmem_to_smem(ref.at[bi, rows, kvh], smem.at[slot], bar.at[slot])
+
+    _stream(pl, plgpu, n_kv, stages, loads, (lambda i: k_free.at[i], lambda i: v_free.at[i]))
+
+
 def _fwd_call(q, k, v, *, interpret: bool, stages: int | None = None):
     """q (B, L, H, D), k/v (B, L, K, D) -> o (B, L, H, D), lse2 (B, H, L) float32."""
     pl, plgpu = _modules()
@@ -151,6 +191,7 @@ def _fwd_call(q, k, v, *, interpret: bool, stages: int | None = None):
 
     def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref):
         def scoped(q_smem, k_smem, v_smem, p_smem, l_smem, q_bar, k_bar, v_bar, k_free, v_free):
+            ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free)
             bi, hi, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
             t = n_t - 1 - lax.axis_index("tile")  # the longest rows first: order changes time, not bits
             n_kv = (t + 1) * WGS  # kv blocks the CTA streams: its last row sees them all
@@ -212,13 +253,7 @@ def _fwd_call(q, k, v, *, interpret: bool, stages: int | None = None):
                 carry = lax.fori_loop(0, diag, functools.partial(step, masked=False, prefetch=True), init)
                 m, l, acc, _ = step(diag, carry, masked=True, prefetch=False)
 
-                @pl.loop(diag + 1, n_kv)  # blocks past the diagonal (warpgroup 0's last one): release only
-                def _(j):
-                    slot = lax.rem(j, stages)
-                    plgpu.barrier_wait(k_bar.at[slot])
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    plgpu.barrier_arrive(v_free.at[slot])
+                _skip_kv(pl, plgpu, diag + 1, n_kv, stages, ring)  # warpgroup 0's last block
 
                 qs[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
                 ls[...] = m + jnp.log(l) * (1.0 / _LN2)
@@ -227,21 +262,7 @@ def _fwd_call(q, k, v, *, interpret: bool, stages: int | None = None):
                 plgpu.copy_smem_to_gmem(ls, lse_ref.at[bi, hi, pl.ds(row0, BLOCK)])
                 plgpu.wait_smem_to_gmem(0)
 
-            @pl.when(wg == WGS)
-            def _memory():
-                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-                kvh = hi // g
-
-                def loads(j, slot):
-                    if not isinstance(j, int):
-                        plgpu.barrier_wait(k_free.at[slot])
-                    rows = pl.ds(j * BLOCK, BLOCK)
-                    plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kvh], k_smem.at[slot], k_bar.at[slot])
-                    if not isinstance(j, int):
-                        plgpu.barrier_wait(v_free.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kvh], v_smem.at[slot], v_bar.at[slot])
-
-                _stream(pl, plgpu, n_kv, stages, loads, (lambda i: k_free.at[i], lambda i: v_free.at[i]))
+            pl.when(wg == WGS)(lambda: _stream_kv(pl, plgpu, k_ref, v_ref, bi, hi // g, n_kv, stages, ring))
 
         pl.run_scoped(
             scoped,
@@ -258,15 +279,8 @@ def _fwd_call(q, k, v, *, interpret: bool, stages: int | None = None):
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
-        kernel,
-        out_type=[jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, length), jnp.float32)],
-        grid=(h, n_t, b),
-        grid_names=("heads", "tile", "batch"),
-        num_threads=WGS + 1,
-        thread_name="wg",
-        **_launch(plgpu, interpret),
-    )(q, k, v)
+    out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, length), jnp.float32)]
+    return _launch(plgpu, kernel, out_type, h, n_t, b, interpret)(q, k, v)
 
 
 def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = None):
@@ -284,6 +298,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
         def scoped(q_smem, do_smem, ds_smem, r_smem, own_bar, k_smem, v_smem, k_bar, v_bar, k_free, v_free):
+            ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free)
             bi, hi, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
             t = n_t - 1 - lax.axis_index("tile")
             n_kv = (t + 1) * WGS
@@ -335,13 +350,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
 
                     step(diag, masked=True)
 
-                    @pl.loop(diag + 1, n_kv)
-                    def _(j):
-                        slot = lax.rem(j, stages)
-                        plgpu.barrier_wait(k_bar.at[slot])
-                        plgpu.barrier_arrive(k_free.at[slot])
-                        plgpu.barrier_wait(v_bar.at[slot])
-                        plgpu.barrier_arrive(v_free.at[slot])
+                    _skip_kv(pl, plgpu, diag + 1, n_kv, stages, ring)
 
                     return dq_acc[...]
 
@@ -351,21 +360,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
                 plgpu.copy_smem_to_gmem(qs, dq_ref.at[bi, rows, hi])
                 plgpu.wait_smem_to_gmem(0)
 
-            @pl.when(wg == WGS)
-            def _memory():
-                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-                kvh = hi // g
-
-                def loads(j, slot):
-                    if not isinstance(j, int):
-                        plgpu.barrier_wait(k_free.at[slot])
-                    rows = pl.ds(j * BLOCK, BLOCK)
-                    plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kvh], k_smem.at[slot], k_bar.at[slot])
-                    if not isinstance(j, int):
-                        plgpu.barrier_wait(v_free.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kvh], v_smem.at[slot], v_bar.at[slot])
-
-                _stream(pl, plgpu, n_kv, stages, loads, (lambda i: k_free.at[i], lambda i: v_free.at[i]))
+            pl.when(wg == WGS)(lambda: _stream_kv(pl, plgpu, k_ref, v_ref, bi, hi // g, n_kv, stages, ring))
 
         pl.run_scoped(
             scoped,
@@ -383,15 +378,8 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        grid=(h, n_t, b),
-        grid_names=("heads", "tile", "batch"),
-        num_threads=WGS + 1,
-        thread_name="wg",
-        **_launch(plgpu, interpret),
-    )(q, k, v, do, lse2, delta)
+    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    return _launch(plgpu, kernel, out_type, h, n_t, b, interpret)(q, k, v, do, lse2, delta)
 
 
 def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = None):
@@ -532,15 +520,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None =
         )
 
     out = jax.ShapeDtypeStruct(k.shape, dtype)
-    return plgpu.kernel(
-        kernel,
-        out_type=[out, out],
-        grid=(kh, n_t, b),
-        grid_names=("heads", "tile", "batch"),
-        num_threads=WGS + 1,
-        thread_name="wg",
-        **_launch(plgpu, interpret),
-    )(q, k, v, do, lse2, delta)
+    return _launch(plgpu, kernel, [out, out], kh, n_t, b, interpret)(q, k, v, do, lse2, delta)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
