@@ -13,22 +13,11 @@ products: forward 2 * 2 * B * H * L^2 * D / 2, backward 2.5 x that (five product
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-
-
-def median_ms(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
+from kernel_bench import bench  # scripts/ is on sys.path when this file runs as a script
 
 
 def rel_err(a, b) -> float:
@@ -94,7 +83,7 @@ def main() -> int:
             except Exception as e:  # a backend that does not take this shape: say so, keep the others
                 print(f"{spec} {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
                 continue
-            t_fwd, t_fb = median_ms(fwd, (q, k, v), a.reps), median_ms(fb, (q, k, v), a.reps)
+            t_fwd, t_fb = bench(fwd, (q, k, v), a.reps), bench(fb, (q, k, v), a.reps)
             replays = ""
             if name in ("triton", "mosaic"):
                 both = jax.jit(lambda q, k, v, f=f, g=g: (f(q, k, v), jax.vjp(f, q, k, v)[1](g)))
