@@ -44,11 +44,6 @@ def sub_heads(p: int) -> int:
     return p // (p & -p)
 
 
-def head_dim_fits(p: int) -> bool:
-    """Whether the kernel takes head dim p: its largest power-of-two divisor is >= 16."""
-    return p > 0 and (p & -p) >= 16
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def ssd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk: int) -> jax.Array:
     return _fwd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk)[0]
