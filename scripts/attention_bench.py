@@ -36,8 +36,15 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--replays", type=int, default=4)
     ap.add_argument("--stages", default="", help="Mosaic ring depths to try instead of mosaic.STAGES, e.g. fwd=2,dkv=2")
+    ap.add_argument(
+        "--fwd", default="", help="the Mosaic forward's options instead of mosaic.FWD, e.g. block_kv=128,pingpong=1"
+    )
     a = ap.parse_args()
     from detjax.pallas_kernels.flash_attention import mosaic
+
+    for item in filter(None, a.fwd.split(",")):  # block_kv changes the bits (a test says which), pingpong time only
+        key, value = item.split("=")
+        mosaic.FWD[key] = int(value) if key == "block_kv" else bool(int(value))
 
     for item in filter(None, a.stages.split(",")):  # ring depth: time only (the bytes are the same, a test says)
         kernel_name, depth = item.split("=")
@@ -45,7 +52,10 @@ def main() -> int:
     from detjax.pallas_kernels.flash_attention.ops import flash_attention
     from detjax.pallas_kernels.harness import count_differing_replays
 
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, Mosaic rings {mosaic.STAGES}", flush=True)
+    print(
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, Mosaic rings {mosaic.STAGES}, forward {mosaic.FWD}",
+        flush=True,
+    )
     impls = {
         "triton": lambda q, k, v: flash_attention(q, k, v, "triton"),
         "mosaic": lambda q, k, v: flash_attention(q, k, v, "mosaic"),
@@ -88,11 +98,15 @@ def main() -> int:
             if name in ("triton", "mosaic"):
                 both = jax.jit(lambda q, k, v, f=f, g=g: (f(q, k, v), jax.vjp(f, q, k, v)[1](g)))
                 replays = f"{count_differing_replays(both, (q, k, v), a.replays)} of {a.replays - 1}"
-            results[name] = (out, t_fwd, t_fb - t_fwd, replays)
-            print(f"{spec} {name}: fwd {t_fwd:.3f} ms, bwd {t_fb - t_fwd:.3f} ms, differing replays {replays}")
-        base = results.get("cudnn")
-        for name, (out, t_fwd, t_bwd, replays) in results.items():
             err = rel_err(out, want)
+            results[name] = (err, t_fwd, t_fb - t_fwd, replays)
+            print(
+                f"{spec} {name}: fwd {t_fwd:.3f} ms, bwd {t_fb - t_fwd:.3f} ms, rel. err {err:.1e}, "
+                f"differing replays {replays}",
+                flush=True,
+            )
+        base = results.get("cudnn")
+        for name, (err, t_fwd, t_bwd, replays) in results.items():
             ratio = f"{t_fwd / base[1]:.2f} / {t_bwd / base[2]:.2f}" if base else "n/a"
             tf = f"{fwd_flops / t_fwd / 1e9:.0f} / {2.5 * fwd_flops / t_bwd / 1e9:.0f}"
             rows.append((spec, name, f"{t_fwd:.3f}", f"{t_bwd:.3f}", tf, ratio, f"{err:.1e}", replays or "-"))

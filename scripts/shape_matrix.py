@@ -147,7 +147,7 @@ def main() -> int:
         "| peak GiB (base / det) | cold-start L1 |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    bad, base = 0, {}
+    bad, seen = 0, {}
     for cell in cells:
         kind, d, hd, seq = cell.split(":")
         ov = cell_overrides(kind, int(d), int(hd), int(seq), max_blocks=a.max_blocks) + a.overrides
@@ -170,28 +170,30 @@ def main() -> int:
         dets = [run_worker("strict-kernels", ov, a.steps, a.warmup) for _ in range(1 if a.no_l1 else 2)]
         named = [(base_mode, base)] + [("strict-kernels", r) for r in dets]
         errs = [f"{n}: {r['error']}" for n, r in named if "error" in r]
-        if errs:
-            bad += 1
-            print(f"| {cell} | {nblocks} | {params:.0f} | {base_mode} | failed: {'; '.join(errs)} |||||||", flush=True)
-            continue
-        bms = base["pipelined_ms"]
-        dms = statistics.median(r["pipelined_ms"] for r in dets)
-        mfu = [flops / (t / 1e3) / PEAK_FLOPS_BF16 for t in (bms, dms)]
-        digests = {json.dumps(r.get("digests"), sort_keys=True) for r in dets}
-        l1 = "n/a" if a.no_l1 else ("equal" if len(digests) == 1 else "DIFFER")
-        peak = [(r.get("peak_mem_bytes") or 0) / 2**30 for r in (base, dets[0])]
+        ok = [r for r in dets if "error" not in r]
+        bms = None if "error" in base else base["pipelined_ms"]
+        dms = statistics.median(r["pipelined_ms"] for r in ok) if ok else None
+        mfu = [f"{100 * flops / (t / 1e3) / PEAK_FLOPS_BF16:.1f} %" if t else "-" for t in (bms, dms)]
+        digests = {json.dumps(r.get("digests"), sort_keys=True) for r in ok}
+        l1 = "n/a" if a.no_l1 or len(ok) < 2 else ("equal" if len(digests) == 1 else "DIFFER")
+        peak = [f"{(r.get('peak_mem_bytes') or 0) / 2**30:.1f}" if "error" not in r else "-" for r in (base, dets[0])]
+        ratio = f"{dms / bms:.3f} x" if bms and dms else "-"
         row = (
-            f"| {cell} | {nblocks} | {params:.0f} | {base_mode} | {bms:.1f} | {100 * mfu[0]:.1f} % | {dms:.1f} "
-            f"| {100 * mfu[1]:.1f} % | {dms / bms:.3f} x | {peak[0]:.1f} / {peak[1]:.1f} | {l1} |"
+            f"| {cell} | {nblocks} | {params:.0f} | {base_mode} | {f'{bms:.1f}' if bms else '-'} | {mfu[0]} "
+            f"| {f'{dms:.1f}' if dms else '-'} | {mfu[1]} | {ratio} | {peak[0]} / {peak[1]} | {l1} |"
         )
+        if errs:  # what did run is still shown; the failures follow the row
+            bad += 1
+            row += " failed: " + "; ".join(errs)
         print(row, flush=True)
         longest = max(longest, time.perf_counter() - t_cell)
-        if a.results:
+        seen = next((r for r in (base, *dets) if "error" not in r), seen)
+        if a.results and not errs:  # a failed cell is run again by the next call
             rec = {"cell": cell, "options": options, "row": row, "base": base, "strict": dets}
             with open(a.results, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-    if not a.list and base:
-        dev, jax_v = base.get("device", "?"), base.get("jax", "?")
+    if not a.list and seen:
+        dev, jax_v = seen.get("device", "?"), seen.get("jax", "?")
         print(f"\n{dev}, jax {jax_v}, {a.steps} timed steps after {a.warmup} warm-up, pipelined")
     return 1 if bad else 0
 

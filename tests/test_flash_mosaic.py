@@ -79,6 +79,29 @@ def test_mosaic_flash_attention_matches_reference():
     assert _bits(flash_attention(q, k, v, "triton")) != _bits(o)
 
 
+@pytest.mark.skipif(
+    jax.default_backend() == "gpu" and not mosaic.available(), reason="the Mosaic GPU backend needs a Hopper GPU"
+)
+def test_mosaic_forward_variants():
+    """The forward with 128-key blocks (one diagonal block per CTA, masked at each warpgroup's offset) matches
+    the reference, with and without the warpgroups taking turns; the turns change time, not bytes, and the
+    block size changes the online softmax's steps, so it is part of the bits (the control: 64-key blocks
+    differ). Pingpong needs 128-key blocks and says so."""
+    q, k, v, _ = _inputs(2, length=384)
+    interp = jax.default_backend() != "gpu"
+    ref = _reference(q, k, v)
+    o128, lse128 = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=128, pingpong=False)
+    assert _rel(o128, ref) <= TOL
+    assert _rel(o128, _reference(q, jnp.roll(k, 1, axis=1), v)) > 10 * TOL
+    o_pp, lse_pp = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=128, pingpong=True, stages=2)
+    assert _bits(o_pp) == _bits(o128) and _bits(lse_pp) == _bits(lse128)
+    o64, lse64 = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=64, pingpong=False)
+    assert _rel(o64, ref) <= TOL
+    assert _bits(lse64) != _bits(lse128)
+    with pytest.raises(ValueError, match="block_kv 128"):
+        mosaic._fwd_call(q, k, v, interpret=interp, block_kv=64, pingpong=True)
+
+
 def test_mosaic_flash_attention_has_no_races():
     """The three kernels with two-slot rings (every ring wraps) under the interpreter's happens-before race
     detector: the memory warpgroup refills a slot only after both compute warpgroups released it, and shared
@@ -100,6 +123,7 @@ def test_mosaic_flash_attention_has_no_races():
 
     q, k, v, g = _inputs(3)
     o, lse = mosaic._fwd_call(q, k, v, interpret=detector("raise"), stages=2)
+    jax.block_until_ready(mosaic._fwd_call(q, k, v, interpret=detector("raise"), stages=2, block_kv=128, pingpong=True))
     delta = jnp.sum(g.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
     jax.block_until_ready(mosaic._dq_call(q, k, v, g, lse, delta, interpret=detector("raise"), stages=2))
     jax.block_until_ready(mosaic._dkv_call(q, k, v, g, lse, delta, interpret=detector("raise"), stages=2))
@@ -138,7 +162,12 @@ def test_mosaic_flash_attention_lowers_for_cuda(d):
     k = jax.ShapeDtypeStruct((2, 1024, 2, d), jnp.bfloat16)
     r = jax.ShapeDtypeStruct((2, 8, 1024), jnp.float32)
     calls = {
-        "fwd": (lambda q, k, v: mosaic._fwd_call(q, k, v, interpret=False), (q, k, k)),
+        "fwd": (lambda q, k, v: mosaic._fwd_call(q, k, v, interpret=False, block_kv=64, pingpong=False), (q, k, k)),
+        "fwd128": (lambda q, k, v: mosaic._fwd_call(q, k, v, interpret=False, block_kv=128, pingpong=False), (q, k, k)),
+        "fwd128pp": (
+            lambda q, k, v: mosaic._fwd_call(q, k, v, interpret=False, block_kv=128, pingpong=True),
+            (q, k, k),
+        ),
         "dq": (lambda *a: mosaic._dq_call(*a, interpret=False), (q, k, k, q, r, r)),
         "dkv": (lambda *a: mosaic._dkv_call(*a, interpret=False), (q, k, k, q, r, r)),
     }
@@ -167,9 +196,13 @@ def test_mosaic_flash_backend_refusals(tiny_path):
     with pytest.raises(ConfigError, match=r"multiplies bf16 operands.*Fix: use model.compute_dtype=bfloat16"):
         load_config(tiny_path, over)
     # the backend is part of the trajectory's hash; the default keeps the hash configs had before the key
-    base = load_config(tiny_path, ["model.kernels=pallas", "model.head_dim=64"])
-    assert base.hash() == load_config(tiny_path, [*over[:1], "model.flash_backend=triton", "model.head_dim=64"]).hash()
-    assert base.hash() != load_config(tiny_path, [*over[:3]]).hash()
+    over = [*over, "run.tensorboard=false"]
+    base = load_config(tiny_path, ["model.kernels=pallas", "model.head_dim=64", "run.tensorboard=false"])
+    again = load_config(
+        tiny_path, [*over[:1], "model.flash_backend=triton", "model.head_dim=64", "run.tensorboard=false"]
+    )
+    assert base.hash() == again.hash()
+    assert base.hash() != load_config(tiny_path, [*over[:3], "run.tensorboard=false"]).hash()
     assert mosaic.refusal(192, 64, jnp.bfloat16) == (
         "the Mosaic GPU flash attention needs seq_len a multiple of 128; got 192"
     )

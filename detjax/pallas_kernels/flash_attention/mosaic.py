@@ -4,25 +4,28 @@ memory one streaming blocks through a ring of STAGES shared-memory slots). Forwa
 kernels; none uses an atomic, and every output tile is written by one warpgroup that reduces in one fixed order:
 
 - forward: a CTA owns 2 x BLOCK query rows of one head, one warpgroup per BLOCK rows. Each warpgroup runs the
-  online softmax over kv blocks 0 .. its diagonal block in ascending order (the diagonal block masked). The
-  row log-sum-exp is kept in base 2 of the scaled scores (`lse2`), the form the backward uses.
+  online softmax over kv blocks of FWD["block_kv"] keys (128: the CTA's rows share one diagonal block), 0 ..
+  its diagonal block in ascending order (the diagonal block masked). The row log-sum-exp is kept in base 2 of
+  the scaled scores (`lse2`), the form the backward uses.
 - dQ: the same CTA shape; a warpgroup adds dS K over kv blocks 0 .. its diagonal in ascending order into one
   float32 accumulator.
 - dK/dV: a CTA owns 2 x BLOCK keys of one kv head; a warpgroup owns BLOCK of them and adds P^T dO and dS^T Q
   over the G query heads of its group in ascending order, and within a head over the query blocks that see its
   keys in ascending order, into two float32 accumulators. The G heads are summed inside the kernel, in that
   order, not by a later reduction.
-- Products overlap the elementwise work: the forward issues block j + 1's scores before block j's softmax;
-  dQ and dK/dV issue a step's two independent products (S and dP) together and run the exp2 of the first
-  while the second runs (dK/dV also queues dV behind them). Issue order changes time, not what is summed.
+- Products overlap the elementwise work: in the forward the two warpgroups take turns (FWD["pingpong"]), one's
+  products running while the other computes its softmax (with 64-key blocks and no turns, a warpgroup issues
+  block j + 1's scores before block j's softmax instead); dQ and dK/dV issue a step's two independent products
+  (S and dP) together and run the exp2 of the first while the second runs (dK/dV also queues dV behind them).
+  Issue order changes time, not what is summed.
 
-Tiles are pinned (BLOCK), so the bits depend on the shape and the device, never on a measurement; the ring
-depth (STAGES, `stages`) changes which slot holds a block and when it is loaded, not what is computed (a test
-compares the bytes of two depths). The products take bf16 operands and accumulate in float32; P and dS are
-rounded to bf16 before their products (as the Triton kernel, cuDNN and FlashAttention do), written to shared
-memory and read from there by wgmma. Other arithmetic than kernel.py's (exp2 of pre-scaled scores, the output
-rescaled outside the product), so other bits: the two are separate backends, chosen by `model.flash_backend`,
-never mixed in one run.
+Tiles are pinned (BLOCK, FWD's block_kv), so the bits depend on the shape and the device, never on a
+measurement; the ring depth (STAGES, `stages`) and the forward's pingpong change which slot holds a block and
+when it is loaded or multiplied, not what is computed (tests compare the bytes). The products take bf16
+operands and accumulate in float32; P and dS are rounded to bf16 before their products (as the Triton kernel,
+cuDNN and FlashAttention do) and fed to wgmma from registers, and the forward's output accumulator stays in
+wgmma's registers across kv blocks. Other arithmetic than kernel.py's (exp2 of pre-scaled scores), so other
+bits: the two are separate backends, chosen by `model.flash_backend`, never mixed in one run.
 
 On CPU the tests run these kernels under Pallas' Mosaic GPU interpreter, whose dot is not wgmma: that checks
 the indexing, the masks, the order of the sums and, with the interpreter's happens-before race detector, the
@@ -41,7 +44,13 @@ from jax import lax
 
 BLOCK = 64  # query rows per compute warpgroup and keys per kv block (equal: each row block has one diagonal block)
 WGS = 2  # compute warpgroups per CTA
-STAGES = {"fwd": 4, "dq": 3, "dkv": 3}  # shared-memory ring depth of each kernel's streamed operands
+# shared-memory ring depth of each kernel's streamed operands (fwd128: the forward with 128-key blocks, whose
+# slots are twice the size)
+STAGES = {"fwd": 4, "fwd128": 2, "dq": 3, "dkv": 3}
+# the forward's keys per kv block (64 or 128: the bits) and whether its two warpgroups take turns on the tensor
+# cores (time only; needs 128). 128 with turns: 0.51 ms against 0.77 ms for 64-key blocks with the next block's
+# scores issued early (H100, 2 x 4096 x 16 heads x 128, scripts/attention_bench.py, docs/BENCHMARKS.md)
+FWD = {"block_kv": 128, "pingpong": True}
 # head_dim 256 would hold 64 x 256 float32 accumulators, 128 registers a thread each (the forward two, dK/dV
 # two), past a warpgroup's 232; it keeps the Triton kernel (a computed bound, not a measured one)
 HEAD_DIMS = (64, 128)
@@ -110,21 +119,27 @@ def _launch(plgpu, kernel, out_type, heads: int, tiles: int, batch: int, interpr
     )
 
 
-def _product(pl, plgpu, shape, a, b):
-    """a @ b into a fresh float32 accumulator (shape), returned as an array once the wgmma completes."""
+def _lhs(plgpu, value, scratch, interpret):
+    """wgmma's left operand: on the GPU straight from registers; Pallas' interpreter (jax 0.12) reads wgmma
+    operands only from shared memory, so under it the value goes through `scratch` (the same bf16 values)."""
+    if not interpret:
+        return value
+    scratch[...] = value
+    plgpu.commit_smem()
+    return scratch
 
-    def run(acc):
-        plgpu.wgmma(acc, a, b)
-        return acc[...]
 
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+def _scratch(plgpu, interpret, shape, dtype):
+    """The shared memory _lhs needs under the interpreter (none on the GPU), as a list of run_scoped args."""
+    return [plgpu.SMEM(shape, dtype, transforms=_swizzled(plgpu))] if interpret else []
 
 
-def _diagonal_mask(plgpu, s, *, keys_on_rows: bool):
-    """The causal mask of a diagonal block (query block == key block): query r sees keys <= r."""
+def _diagonal_mask(plgpu, s, offset=0, *, keys_on_rows: bool = False):
+    """The causal mask of a diagonal block: query r sees key c iff r + offset >= c (queries on rows; on
+    columns with `keys_on_rows`), where `offset` is the block's first query's position past its first key."""
     rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
     cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-    visible = cols >= rows if keys_on_rows else rows >= cols
+    visible = cols + offset >= rows if keys_on_rows else rows + offset >= cols
     return jnp.where(visible, s, -jnp.inf)
 
 
@@ -161,14 +176,14 @@ def _skip_kv(pl, plgpu, start, end, stages, ring):
             plgpu.barrier_arrive(free.at[slot])
 
 
-def _stream_kv(pl, plgpu, k_ref, v_ref, bi, kvh, n_kv, stages, ring):
-    """The memory warpgroup of the forward and dQ: K and V blocks 0 .. n_kv-1 of (batch bi, kv head kvh)
-    through the ring (see _skip_kv)."""
+def _stream_kv(pl, plgpu, k_ref, v_ref, bi, kvh, n_kv, stages, ring, block=BLOCK):
+    """The memory warpgroup of the forward and dQ: K and V blocks 0 .. n_kv-1 of `block` keys of (batch bi,
+    kv head kvh) through the ring (see _skip_kv)."""
     k_smem, v_smem, k_bar, v_bar, k_free, v_free = ring
     plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
     def loads(j, slot):
-        rows = pl.ds(j * BLOCK, BLOCK)
+        rows = pl.ds(j * block, block)
         for ref, smem, bar, free in ((k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free)):
             if not isinstance(j, int):
                 plgpu.barrier_wait(free.at[slot])
@@ -177,67 +192,117 @@ def _stream_kv(pl, plgpu, k_ref, v_ref, bi, kvh, n_kv, stages, ring):
     _stream(pl, plgpu, n_kv, stages, loads, (lambda i: k_free.at[i], lambda i: v_free.at[i]))
 
 
-def _fwd_call(q, k, v, *, interpret: bool, stages: int | None = None):
-    """q (B, L, H, D), k/v (B, L, K, D) -> o (B, L, H, D), lse2 (B, H, L) float32."""
+def _fwd_call(
+    q, k, v, *, interpret: bool, stages: int | None = None, block_kv: int | None = None, pingpong: bool | None = None
+):
+    """q (B, L, H, D), k/v (B, L, K, D) -> o (B, L, H, D), lse2 (B, H, L) float32. `block_kv` (keys per kv
+    block, FWD["block_kv"] unless given) sets the online softmax's steps, so the bits; `pingpong` and
+    `stages` change when the products run, not what they sum."""
     pl, plgpu = _modules()
     b, length, h, d = q.shape
     kh = k.shape[2]
     g = h // kh
+    bk = block_kv or FWD["block_kv"]
+    pingpong = FWD["pingpong"] if pingpong is None else pingpong
+    if pingpong and bk != WGS * BLOCK:
+        raise ValueError(
+            f"the forward's pingpong needs both warpgroups to see as many kv blocks: block_kv {WGS * BLOCK}"
+        )
+    prefetch = bk == BLOCK  # 64-key blocks: block j + 1's scores run under block j's softmax
+    per_tile = WGS * BLOCK // bk  # kv blocks per CTA tile of query rows
     n_t = length // (WGS * BLOCK)
-    stages = min(stages or STAGES["fwd"], length // BLOCK)
+    stages = min(stages or STAGES["fwd" if bk == BLOCK else "fwd128"], length // bk)
     c = d**-0.5 * _LOG2E
     dtype = q.dtype
     tiled = _swizzled(plgpu)
 
     def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref):
-        def scoped(q_smem, k_smem, v_smem, p_smem, l_smem, q_bar, k_bar, v_bar, k_free, v_free):
+        def scoped(q_smem, k_smem, v_smem, l_smem, q_bar, k_bar, v_bar, k_free, v_free, turn, *p_smem):
             ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free)
             bi, hi, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
             t = n_t - 1 - lax.axis_index("tile")  # the longest rows first: order changes time, not bits
-            n_kv = (t + 1) * WGS  # kv blocks the CTA streams: its last row sees them all
+            n_kv = (t + 1) * per_tile  # kv blocks the CTA streams: its last row sees them all
+
+            def take_turn():  # pingpong: the warpgroups alternate, one's products under the other's softmax
+                if pingpong:
+                    plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(turn)
 
             @pl.when(wg < WGS)
             def _compute():
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
                 row0 = t * (WGS * BLOCK) + wg * BLOCK
-                diag = t * WGS + wg  # this warpgroup's diagonal kv block; it sees blocks 0 .. diag
-                qs, ps, ls = q_smem.at[wg], p_smem.at[wg], l_smem.at[wg]
+                diag = row0 // bk  # this warpgroup's diagonal kv block; it sees blocks 0 .. diag
+                offset = row0 - diag * bk  # its first row's position in the diagonal block
+                qs, ls = q_smem.at[wg], l_smem.at[wg]
                 plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, BLOCK), hi], qs, q_bar.at[wg])
                 plgpu.barrier_wait(q_bar.at[wg])
 
                 def scores(j):  # S_j = Q K_j^T, scaled; releases K_j's slot
                     slot = lax.rem(j, stages)
                     plgpu.barrier_wait(k_bar.at[slot])
-                    s = _product(pl, plgpu, (BLOCK, BLOCK), qs, k_smem.at[slot].transpose((1, 0))) * c
+
+                    def run(acc):
+                        plgpu.wgmma(acc, qs, k_smem.at[slot].transpose((1, 0)))
+                        take_turn()
+                        return acc[...]
+
+                    s = pl.run_scoped(run, plgpu.ACC((BLOCK, bk), jnp.float32)) * c
                     plgpu.barrier_arrive(k_free.at[slot])
                     return s
 
-                def step(j, carry, masked: bool, prefetch: bool):
-                    """The softmax and PV of block j, whose scores arrive in `carry`; with `prefetch`, block
-                    j + 1's scores are issued first and computed while the softmax of j runs."""
+                def softmax(s, m, l, masked):
+                    if masked:
+                        s = _diagonal_mask(plgpu, s, offset)
+                    m_new = jnp.maximum(m, s.max(axis=1))
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    return m_new, l * alpha + p.sum(axis=1), alpha, p.astype(dtype)
+
+                def pv(acc, p16, slot):
+                    """acc + P V_j: on the GPU wgmma accumulates into acc in place. Pallas' interpreter has no
+                    pl.run_state (jax 0.12), so there the product goes to a fresh accumulator and is added."""
+                    p = _lhs(plgpu, p16, p_smem[0].at[wg] if interpret else None, interpret)
+                    if interpret:
+                        return acc + pl.run_scoped(
+                            lambda r: (plgpu.wgmma(r, p, v_smem.at[slot]), r[...])[1],
+                            plgpu.ACC((BLOCK, d), jnp.float32),
+                        )
+                    return pl.run_state(lambda r: plgpu.wgmma(r, p, v_smem.at[slot]))(plgpu.ACC.init(acc))
+
+                def step(j, carry, masked: bool):
+                    """Block j: its scores, softmax and P V (pingpong: the other warpgroup's products run
+                    between this one's scores and its P V)."""
+                    m, l, acc = carry
+                    slot = lax.rem(j, stages)
+                    m, l, alpha, p16 = softmax(scores(j), m, l, masked)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    if pingpong:
+                        plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    if pingpong:
+                        plgpu.barrier_wait(turn)
+                    acc = pv(acc, p16, slot)
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return m, l, acc
+
+                def step_prefetch(j, carry, masked: bool, prefetch: bool):
+                    """Block j, whose scores arrive in `carry`; with `prefetch`, block j + 1's scores are
+                    issued first and computed while the softmax of j runs."""
                     m, l, acc, s = carry
                     slot, nslot = lax.rem(j, stages), lax.rem(j + 1, stages)
 
-                    def products(*accs):
+                    def products(s_acc):
                         if prefetch:
                             plgpu.barrier_wait(k_bar.at[nslot])
-                            plgpu.wgmma(accs[1], qs, k_smem.at[nslot].transpose((1, 0)))
-                        s_j = _diagonal_mask(plgpu, s, keys_on_rows=False) if masked else s
-                        m_new = jnp.maximum(m, s_j.max(axis=1))
-                        alpha = jnp.exp2(m - m_new)
-                        p = jnp.exp2(s_j - lax.broadcast_in_dim(m_new, s_j.shape, [0]))
-                        l_new = l * alpha + p.sum(axis=1)
-                        ps[...] = p.astype(dtype)
-                        plgpu.commit_smem()
+                            plgpu.wgmma(s_acc, qs, k_smem.at[nslot].transpose((1, 0)))
+                        m_new, l_new, alpha, p16 = softmax(s, m, l, masked)
+                        scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                         plgpu.barrier_wait(v_bar.at[slot])
-                        plgpu.wgmma(accs[0], ps, v_smem.at[slot])
-                        # S_{j+1} was issued first, so it is done with one group (PV) still allowed to run
-                        s_next = plgpu.wgmma_accumulator_load(accs[1], wait_n=1) * c if prefetch else s
-                        pv = plgpu.wgmma_accumulator_load(accs[0], wait_n=0)
-                        return m_new, l_new, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, s_next
+                        acc_new = pv(scaled, p16, slot)  # waits for both products
+                        return m_new, l_new, acc_new, (s_acc[...] * c if prefetch else s)
 
-                    shapes = [plgpu.ACC((BLOCK, d), jnp.float32)] + [plgpu.ACC((BLOCK, BLOCK), jnp.float32)] * prefetch
-                    out = pl.run_scoped(products, *shapes)
+                    out = pl.run_scoped(products, plgpu.ACC((BLOCK, bk), jnp.float32))
                     plgpu.barrier_arrive(v_free.at[slot])
                     if prefetch:
                         plgpu.barrier_arrive(k_free.at[nslot])
@@ -248,12 +313,21 @@ def _fwd_call(q, k, v, *, interpret: bool, stages: int | None = None):
                     plgpu.layout_cast(jnp.full((BLOCK,), -jnp.inf, jnp.float32), row),
                     plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), row),
                     plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA),
-                    scores(0),
                 )
-                carry = lax.fori_loop(0, diag, functools.partial(step, masked=False, prefetch=True), init)
-                m, l, acc, _ = step(diag, carry, masked=True, prefetch=False)
+                if prefetch:
+                    carry = lax.fori_loop(
+                        0, diag, functools.partial(step_prefetch, masked=False, prefetch=True), (*init, scores(0))
+                    )
+                    m, l, acc, _ = step_prefetch(diag, carry, masked=True, prefetch=False)
+                else:
+                    if pingpong:  # warpgroup 1 starts one turn behind warpgroup 0
+                        pl.when(wg == 1)(take_turn)
+                    carry = lax.fori_loop(0, diag, functools.partial(step, masked=False), init)
+                    m, l, acc = step(diag, carry, masked=True)
+                    if pingpong:  # and warpgroup 0 ends one turn after it, so both see every phase
+                        pl.when(wg == 0)(take_turn)
 
-                _skip_kv(pl, plgpu, diag + 1, n_kv, stages, ring)  # warpgroup 0's last block
+                _skip_kv(pl, plgpu, diag + 1, n_kv, stages, ring)  # with 64-key blocks, warpgroup 0's last
 
                 qs[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
                 ls[...] = m + jnp.log(l) * (1.0 / _LN2)
@@ -262,20 +336,21 @@ def _fwd_call(q, k, v, *, interpret: bool, stages: int | None = None):
                 plgpu.copy_smem_to_gmem(ls, lse_ref.at[bi, hi, pl.ds(row0, BLOCK)])
                 plgpu.wait_smem_to_gmem(0)
 
-            pl.when(wg == WGS)(lambda: _stream_kv(pl, plgpu, k_ref, v_ref, bi, hi // g, n_kv, stages, ring))
+            pl.when(wg == WGS)(lambda: _stream_kv(pl, plgpu, k_ref, v_ref, bi, hi // g, n_kv, stages, ring, bk))
 
         pl.run_scoped(
             scoped,
             plgpu.SMEM((WGS, BLOCK, d), dtype, transforms=tiled),
-            plgpu.SMEM((stages, BLOCK, d), dtype, transforms=tiled),
-            plgpu.SMEM((stages, BLOCK, d), dtype, transforms=tiled),
-            plgpu.SMEM((WGS, BLOCK, BLOCK), dtype, transforms=tiled),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=tiled),
             plgpu.SMEM((WGS, BLOCK), jnp.float32),
             plgpu.Barrier(num_barriers=WGS),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=WGS),
+            *_scratch(plgpu, interpret, (WGS, BLOCK, bk), dtype),
             collective_axes="wg",
         )
 
@@ -297,7 +372,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
     tiled = _swizzled(plgpu)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
-        def scoped(q_smem, do_smem, ds_smem, r_smem, own_bar, k_smem, v_smem, k_bar, v_bar, k_free, v_free):
+        def scoped(q_smem, do_smem, r_smem, own_bar, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *ds_smem):
             ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free)
             bi, hi, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
             t = n_t - 1 - lax.axis_index("tile")
@@ -308,7 +383,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
                 row0 = t * (WGS * BLOCK) + wg * BLOCK
                 diag = t * WGS + wg
-                qs, dos, dss = q_smem.at[wg], do_smem.at[wg], ds_smem.at[wg]
+                qs, dos = q_smem.at[wg], do_smem.at[wg]
                 rows = pl.ds(row0, BLOCK)
                 plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], qs, own_bar.at[wg, 0])
                 plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], dos, own_bar.at[wg, 1])
@@ -338,9 +413,8 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
                         p, dp = pl.run_scoped(products, square, square)
                         plgpu.barrier_arrive(v_free.at[slot])
                         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-                        dss[...] = ds.astype(dtype)
-                        plgpu.commit_smem()
-                        plgpu.wgmma(dq_acc, dss, k_smem.at[slot])
+                        dsl = _lhs(plgpu, ds.astype(dtype), ds_smem[0].at[wg] if interpret else None, interpret)
+                        plgpu.wgmma(dq_acc, dsl, k_smem.at[slot])
                         plgpu.wgmma_wait(0)  # the slot and dss are read: release them
                         plgpu.barrier_arrive(k_free.at[slot])
 
@@ -366,7 +440,6 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
             scoped,
             plgpu.SMEM((WGS, BLOCK, d), dtype, transforms=tiled),
             plgpu.SMEM((WGS, BLOCK, d), dtype, transforms=tiled),
-            plgpu.SMEM((WGS, BLOCK, BLOCK), dtype, transforms=tiled),
             plgpu.SMEM((WGS, 2, BLOCK), jnp.float32),
             plgpu.Barrier(num_barriers=(WGS, 4)),
             plgpu.SMEM((stages, BLOCK, d), dtype, transforms=tiled),
@@ -375,6 +448,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
+            *_scratch(plgpu, interpret, (WGS, BLOCK, BLOCK), dtype),
             collective_axes="wg",
         )
 
@@ -398,7 +472,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None =
     tiled = _swizzled(plgpu)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
-        def scoped(k_smem, v_smem, pt_smem, dst_smem, own_bar, q_smem, do_smem, r_smem, bars, free):
+        def scoped(k_smem, v_smem, own_bar, q_smem, do_smem, r_smem, ready, free, *lhs_smem):
             bi, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
             t = lax.axis_index("tile")  # tile 0 has the most query blocks and starts first
             first = t * WGS  # the first query block that sees the CTA's keys
@@ -409,20 +483,18 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None =
             def _compute():
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
                 key0 = t * (WGS * BLOCK) + wg * BLOCK
-                ks, vs, pts, dsts = k_smem.at[wg], v_smem.at[wg], pt_smem.at[wg], dst_smem.at[wg]
+                ks, vs = k_smem.at[wg], v_smem.at[wg]
                 keys = pl.ds(key0, BLOCK)
                 plgpu.copy_gmem_to_smem(k_ref.at[bi, keys, kvh], ks, own_bar.at[wg, 0])
                 plgpu.copy_gmem_to_smem(v_ref.at[bi, keys, kvh], vs, own_bar.at[wg, 1])
                 plgpu.barrier_wait(own_bar.at[wg, 0])
                 plgpu.barrier_wait(own_bar.at[wg, 1])
 
-                def wait_all(slot):
-                    for i in range(4):
-                        plgpu.barrier_wait(bars.at[i, slot])
+                def wait_all(slot):  # the slot's four copies arrive on one barrier
+                    plgpu.barrier_wait(ready.at[slot])
 
                 def release(slot):
-                    for i in range(4):
-                        plgpu.barrier_arrive(free.at[i, slot])
+                    plgpu.barrier_arrive(free.at[slot])
 
                 def accumulate(dk_acc, dv_acc):
                     def visit(s, masked: bool):
@@ -438,18 +510,16 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None =
                                 st = _diagonal_mask(plgpu, st, keys_on_rows=True)
                             lse = plgpu.load(r_smem.at[0, slot], layout=plgpu.Layout.WGMMA.reduce(0))
                             pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
-                            pts[...] = pt.astype(dtype)
-                            plgpu.commit_smem()
-                            plgpu.wgmma(dv_acc, pts, dob)  # dV += P^T dO
+                            ptl = _lhs(plgpu, pt.astype(dtype), lhs_smem[0].at[wg, 0] if interpret else None, interpret)
+                            plgpu.wgmma(dv_acc, ptl, dob)  # dV += P^T dO
                             return pt, plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)  # dV may still run
 
                         square = plgpu.ACC((BLOCK, BLOCK), jnp.float32)
                         pt, dpt = pl.run_scoped(products, square, square)
                         delta = plgpu.load(r_smem.at[1, slot], layout=plgpu.Layout.WGMMA.reduce(0))
                         dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-                        dsts[...] = dst.astype(dtype)
-                        plgpu.commit_smem()
-                        plgpu.wgmma(dk_acc, dsts, qb)  # dK += dS^T Q (scaled once at the end)
+                        dstl = _lhs(plgpu, dst.astype(dtype), lhs_smem[0].at[wg, 1] if interpret else None, interpret)
+                        plgpu.wgmma(dk_acc, dstl, qb)  # dK += dS^T Q (scaled once at the end)
                         plgpu.wgmma_wait(0)
                         release(slot)
 
@@ -496,26 +566,24 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None =
                         delta_ref.at[bi, qh, rows],
                     )
                     dsts = (q_smem.at[slot], do_smem.at[slot], r_smem.at[0, slot], r_smem.at[1, slot])
-                    for i, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
-                        if not isinstance(s, int):
-                            plgpu.barrier_wait(free.at[i, slot])
-                        plgpu.copy_gmem_to_smem(src, dst, bars.at[i, slot])
+                    if not isinstance(s, int):
+                        plgpu.barrier_wait(free.at[slot])
+                    for src, dst in zip(srcs, dsts, strict=True):
+                        plgpu.copy_gmem_to_smem(src, dst, ready.at[slot])
 
-                releases = [functools.partial(lambda i, slot: free.at[i, slot], i) for i in range(4)]
-                _stream(pl, plgpu, n, stages, loads, releases)
+                _stream(pl, plgpu, n, stages, loads, (lambda slot: free.at[slot],))
 
         pl.run_scoped(
             scoped,
             plgpu.SMEM((WGS, BLOCK, d), dtype, transforms=tiled),
             plgpu.SMEM((WGS, BLOCK, d), dtype, transforms=tiled),
-            plgpu.SMEM((WGS, BLOCK, BLOCK), dtype, transforms=tiled),
-            plgpu.SMEM((WGS, BLOCK, BLOCK), dtype, transforms=tiled),
             plgpu.Barrier(num_barriers=(WGS, 2)),
             plgpu.SMEM((stages, BLOCK, d), dtype, transforms=tiled),
             plgpu.SMEM((stages, BLOCK, d), dtype, transforms=tiled),
             plgpu.SMEM((2, stages, BLOCK), jnp.float32),
-            plgpu.Barrier(num_barriers=(4, stages)),
-            plgpu.Barrier(num_arrivals=WGS, num_barriers=(4, stages)),
+            plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
+            *_scratch(plgpu, interpret, (WGS, 2, BLOCK, BLOCK), dtype),
             collective_axes="wg",
         )
 
