@@ -84,8 +84,8 @@ def test_mosaic_flash_attention_matches_reference():
 )
 def test_mosaic_forward_variants():
     """The forward with 128-key blocks (one diagonal block per CTA, masked at each warpgroup's offset) matches
-    the reference, with and without the warpgroups taking turns; the turns change time, not bytes, and the
-    block size changes the online softmax's steps, so it is part of the bits (the control: 64-key blocks
+    the reference, with and without the warpgroups taking turns; the turns and a three-slot ring (the pinned
+    depth is two) change time, not bytes, and the block size changes the online softmax's steps, so it is part of the bits (the control: 64-key blocks
     differ). Pingpong needs 128-key blocks and says so."""
     q, k, v, _ = _inputs(2, length=384)
     interp = jax.default_backend() != "gpu"
@@ -93,7 +93,7 @@ def test_mosaic_forward_variants():
     o128, lse128 = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=128, pingpong=False)
     assert _rel(o128, ref) <= TOL
     assert _rel(o128, _reference(q, jnp.roll(k, 1, axis=1), v)) > 10 * TOL
-    o_pp, lse_pp = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=128, pingpong=True, stages=2)
+    o_pp, lse_pp = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=128, pingpong=True, stages=3)
     assert _bits(o_pp) == _bits(o128) and _bits(lse_pp) == _bits(lse128)
     o64, lse64 = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=64, pingpong=False)
     assert _rel(o64, ref) <= TOL
