@@ -85,8 +85,8 @@ def test_mosaic_flash_attention_matches_reference():
 def test_mosaic_forward_variants():
     """The forward with 128-key blocks (one diagonal block per CTA, masked at each warpgroup's offset) matches
     the reference, with and without the warpgroups taking turns; the turns and a three-slot ring (the pinned
-    depth is two) change time, not bytes, and the block size changes the online softmax's steps, so it is part of the bits (the control: 64-key blocks
-    differ). Pingpong needs 128-key blocks and says so."""
+    depth is two) change time, not bytes, and the block size changes the online softmax's steps, so it is part
+    of the bits (the control: 64-key blocks differ). Pingpong needs 128-key blocks and says so."""
     q, k, v, _ = _inputs(2, length=384)
     interp = jax.default_backend() != "gpu"
     ref = _reference(q, k, v)
