@@ -173,7 +173,9 @@ class ModelConfig:
     kernels: Literal["reference", "pallas"] = "reference"
     # the fixed-order flash attention under kernels=pallas: "triton" (every GPU, any power-of-two head_dim) or
     # "mosaic" (Hopper's TMA + wgmma through Pallas' Mosaic GPU backend; head_dim 64 or 128, bf16, seq_len a
-    # multiple of 128). Each is deterministic with bits of its own: a run keeps the backend it started with
+    # multiple of 128; on an H100 its forward + backward took 1.50 ms against Triton's 2.05 at head_dim 128,
+    # docs/BENCHMARKS.md "Flash attention"). Each is deterministic with bits of its own: a run keeps the backend
+    # it started with
     flash_backend: Literal["triton", "mosaic"] = "triton"
     # Activation checkpointing: "none" keeps every activation for the backward; "block" keeps only each
     # block's input and recomputes the block in the backward (less memory, ~1/3 more compute). Deterministic
