@@ -14,7 +14,8 @@ pattern repeats, at most 32 blocks) whose model FLOPs (detjax.flops) take <= 0.8
 Per cell, det_tax's workers run, each a fresh process (no compilation cache, no autotune cache):
 `plain` (dense) or `fastest` (hybrid), then `strict-kernels` twice. Reported per cell: pipelined step time
 and MFU of each, the ratio strict-kernels / baseline, peak memory, and the cold-start L1 verdict (the two
-strict-kernels processes' last-step params digests equal). A cell whose mode fails prints the error.
+strict-kernels processes' last-step params digests equal). A cell whose mode fails prints what did run and
+the error.
 A worker builds its data, compiles and times its steps: 2-4 minutes for a 0.9 B dense cell on the H200
 (2026-12-04), so a cell with its L1 pair takes about ten minutes and the whole matrix some hours.
 """
@@ -140,7 +141,7 @@ def main() -> int:
     done = _recorded(a.results, options)
     started, longest = time.perf_counter(), 0.0
     from detjax.config import load_config
-    from detjax.flops import PEAK_FLOPS_BF16, model_flops_per_step
+    from detjax.flops import model_flops_per_step
 
     print(
         "| cell | blocks | params (M) | baseline | base ms | base MFU | strict-kernels ms | MFU | ratio "
@@ -168,23 +169,8 @@ def main() -> int:
         base_mode = "plain" if kind == "dense" else "fastest"
         base = run_worker(base_mode, ov, a.steps, a.warmup)
         dets = [run_worker("strict-kernels", ov, a.steps, a.warmup) for _ in range(1 if a.no_l1 else 2)]
-        named = [(base_mode, base)] + [("strict-kernels", r) for r in dets]
-        errs = [f"{n}: {r['error']}" for n, r in named if "error" in r]
-        ok = [r for r in dets if "error" not in r]
-        bms = None if "error" in base else base["pipelined_ms"]
-        dms = statistics.median(r["pipelined_ms"] for r in ok) if ok else None
-        mfu = [f"{100 * flops / (t / 1e3) / PEAK_FLOPS_BF16:.1f} %" if t else "-" for t in (bms, dms)]
-        digests = {json.dumps(r.get("digests"), sort_keys=True) for r in ok}
-        l1 = "n/a" if a.no_l1 or len(ok) < 2 else ("equal" if len(digests) == 1 else "DIFFER")
-        peak = [f"{(r.get('peak_mem_bytes') or 0) / 2**30:.1f}" if "error" not in r else "-" for r in (base, dets[0])]
-        ratio = f"{dms / bms:.3f} x" if bms and dms else "-"
-        row = (
-            f"| {cell} | {nblocks} | {params:.0f} | {base_mode} | {f'{bms:.1f}' if bms else '-'} | {mfu[0]} "
-            f"| {f'{dms:.1f}' if dms else '-'} | {mfu[1]} | {ratio} | {peak[0]} / {peak[1]} | {l1} |"
-        )
-        if errs:  # what did run is still shown; the failures follow the row
-            bad += 1
-            row += " failed: " + "; ".join(errs)
+        row, errs = cell_row(cell, nblocks, params, flops, base_mode, base, dets, l1=not a.no_l1)
+        bad += bool(errs)
         print(row, flush=True)
         longest = max(longest, time.perf_counter() - t_cell)
         seen = next((r for r in (base, *dets) if "error" not in r), seen)
@@ -196,6 +182,33 @@ def main() -> int:
         dev, jax_v = seen.get("device", "?"), seen.get("jax", "?")
         print(f"\n{dev}, jax {jax_v}, {a.steps} timed steps after {a.warmup} warm-up, pipelined")
     return 1 if bad else 0
+
+
+def cell_row(
+    cell: str, nblocks: int, params: float, flops: float, base_mode: str, base: dict, dets: list[dict], l1: bool
+) -> tuple[str, list[str]]:
+    """One table row from the workers' results (det_tax RESULT records, or {"error": ...}) and the errors.
+    What did run is shown when a mode fails (its error follows the row); the L1 verdict needs two strict-kernels
+    processes that ran."""
+    from detjax.flops import PEAK_FLOPS_BF16
+
+    named = [(base_mode, base)] + [("strict-kernels", r) for r in dets]
+    errs = [f"{n}: {r['error']}" for n, r in named if "error" in r]
+    ok = [r for r in dets if "error" not in r]
+    bms = None if "error" in base else base["pipelined_ms"]
+    dms = statistics.median(r["pipelined_ms"] for r in ok) if ok else None
+    mfu = [f"{100 * flops / (t / 1e3) / PEAK_FLOPS_BF16:.1f} %" if t else "-" for t in (bms, dms)]
+    digests = {json.dumps(r.get("digests"), sort_keys=True) for r in ok}
+    verdict = "n/a" if not l1 or len(ok) < 2 else ("equal" if len(digests) == 1 else "DIFFER")
+    peak = [f"{(r.get('peak_mem_bytes') or 0) / 2**30:.1f}" if "error" not in r else "-" for r in (base, dets[0])]
+    ratio = f"{dms / bms:.3f} x" if bms and dms else "-"
+    row = (
+        f"| {cell} | {nblocks} | {params:.0f} | {base_mode} | {f'{bms:.1f}' if bms else '-'} | {mfu[0]} "
+        f"| {f'{dms:.1f}' if dms else '-'} | {mfu[1]} | {ratio} | {peak[0]} / {peak[1]} | {verdict} |"
+    )
+    if errs:
+        row += " failed: " + "; ".join(errs)
+    return row, errs
 
 
 def _recorded(path: str | None, options: dict) -> dict[str, dict]:

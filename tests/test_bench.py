@@ -1,6 +1,7 @@
 """The benchmark scripts' measurement helpers (scripts/plain_step.py, which det_tax's workers use): the GPU
-clock sampler and the step timer. The GPU's own figures come from the H200 (docs/BENCHMARKS.md); here the
-sampler runs a stand-in query command, since the CPU machine has no nvidia-smi."""
+clock sampler and the step timer; and how scripts/shape_matrix.py turns its workers' records into a row. The
+GPU figures come from GPU runs (docs/BENCHMARKS.md); here the sampler runs a stand-in query command,
+since the CPU machine has no nvidia-smi."""
 
 import sys
 import time
@@ -96,3 +97,33 @@ def test_profile_tables_count_busy_time_idle_gaps_and_small_ops():
     )
     assert "traced window 20.00 ms / step: device idle 0.00 ms / step in 0 gaps" in closed
     assert "| b | c |" not in closed
+
+
+def test_shape_matrix_rows_show_what_ran():
+    """A cell's row from its workers' records: the ratio and the cold-start verdict when all ran; when the
+    baseline fails, the strict-kernels figures and verdict still show, with the error after the row. Control:
+    two strict-kernels processes with different digests give DIFFER."""
+    import shape_matrix
+
+    def rec(ms, digest):
+        return {"pipelined_ms": ms, "digests": {"params": digest}, "peak_mem_bytes": 3 * 2**30}
+
+    flops = 0.5 * 989e12 * 0.1  # 50 % MFU at a 100 ms step
+    row, errs = shape_matrix.cell_row(
+        "dense:1024:64:2048", 8, 130, flops, "plain", rec(100.0, "a"), [rec(104.0, "d"), rec(106.0, "d")], l1=True
+    )
+    assert not errs
+    assert (
+        row
+        == "| dense:1024:64:2048 | 8 | 130 | plain | 100.0 | 50.0 % | 105.0 | 47.6 % | 1.050 x | 3.0 / 3.0 | equal |"
+    )
+    row, errs = shape_matrix.cell_row(
+        "dense:1024:64:2048", 8, 130, flops, "plain", {"error": "OOM"}, [rec(104.0, "d"), rec(106.0, "d")], l1=True
+    )
+    assert errs == ["plain: OOM"]
+    assert row.startswith("| dense:1024:64:2048 | 8 | 130 | plain | - | - | 105.0 | 47.6 % | - | - / 3.0 | equal |")
+    assert row.endswith(" failed: plain: OOM")
+    row, _ = shape_matrix.cell_row(
+        "dense:1024:64:2048", 8, 130, flops, "plain", rec(100.0, "a"), [rec(104.0, "d"), rec(106.0, "e")], l1=True
+    )
+    assert row.endswith("| DIFFER |")
