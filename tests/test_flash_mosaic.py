@@ -66,8 +66,9 @@ def test_mosaic_flash_attention_matches_reference():
     for name, a, b in zip("qkv", got, want, strict=True):
         assert a.dtype == jnp.bfloat16, name
         assert _rel(a, b) <= TOL, name
-    # a ring of two slots (every kernel's ring wraps at this length) gives the same bytes as the pinned depths;
-    # the Triton backend's differ (other arithmetic), so the comparison can fail
+    # a ring of two slots (every kernel's ring wraps at this length) gives the same bytes as the pinned depths
+    # (the forward's pinned depth is two already: test_mosaic_forward_variants compares it with three); the
+    # Triton backend's differ (other arithmetic), so the comparison can fail
     interp = jax.default_backend() != "gpu"
     o2, lse2 = mosaic._fwd_call(q, k, v, interpret=interp, stages=2)
     _, lse = mosaic.flash_fwd(q, k, v, interpret=interp)

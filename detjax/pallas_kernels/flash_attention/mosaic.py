@@ -119,14 +119,16 @@ def _launch(plgpu, kernel, out_type, heads: int, tiles: int, batch: int, interpr
     )
 
 
-def _lhs(plgpu, value, scratch, interpret):
+def _lhs(plgpu, value, scratch, *index):
     """wgmma's left operand: on the GPU straight from registers; Pallas' interpreter (jax 0.12) reads wgmma
-    operands only from shared memory, so under it the value goes through `scratch` (the same bf16 values)."""
-    if not interpret:
+    operands only from shared memory, so under it the value goes through scratch[0].at[index] (the same bf16
+    values). `scratch` is what _scratch allocated: empty on the GPU."""
+    if not scratch:
         return value
-    scratch[...] = value
+    ref = scratch[0].at[index]
+    ref[...] = value
     plgpu.commit_smem()
-    return scratch
+    return ref
 
 
 def _scratch(plgpu, interpret, shape, dtype):
@@ -262,7 +264,7 @@ def _fwd_call(
                 def pv(acc, p16, slot):
                     """acc + P V_j: on the GPU wgmma accumulates into acc in place. Pallas' interpreter has no
                     pl.run_state (jax 0.12), so there the product goes to a fresh accumulator and is added."""
-                    p = _lhs(plgpu, p16, p_smem[0].at[wg] if interpret else None, interpret)
+                    p = _lhs(plgpu, p16, p_smem, wg)
                     if interpret:
                         return acc + pl.run_scoped(
                             lambda r: (plgpu.wgmma(r, p, v_smem.at[slot]), r[...])[1],
@@ -413,9 +415,9 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
                         p, dp = pl.run_scoped(products, square, square)
                         plgpu.barrier_arrive(v_free.at[slot])
                         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-                        dsl = _lhs(plgpu, ds.astype(dtype), ds_smem[0].at[wg] if interpret else None, interpret)
+                        dsl = _lhs(plgpu, ds.astype(dtype), ds_smem, wg)
                         plgpu.wgmma(dq_acc, dsl, k_smem.at[slot])
-                        plgpu.wgmma_wait(0)  # the slot and dss are read: release them
+                        plgpu.wgmma_wait(0)  # the slot is read: release it
                         plgpu.barrier_arrive(k_free.at[slot])
 
                     @pl.loop(0, diag)
@@ -510,7 +512,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None =
                                 st = _diagonal_mask(plgpu, st, keys_on_rows=True)
                             lse = plgpu.load(r_smem.at[0, slot], layout=plgpu.Layout.WGMMA.reduce(0))
                             pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
-                            ptl = _lhs(plgpu, pt.astype(dtype), lhs_smem[0].at[wg, 0] if interpret else None, interpret)
+                            ptl = _lhs(plgpu, pt.astype(dtype), lhs_smem, wg, 0)
                             plgpu.wgmma(dv_acc, ptl, dob)  # dV += P^T dO
                             return pt, plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)  # dV may still run
 
@@ -518,7 +520,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None =
                         pt, dpt = pl.run_scoped(products, square, square)
                         delta = plgpu.load(r_smem.at[1, slot], layout=plgpu.Layout.WGMMA.reduce(0))
                         dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-                        dstl = _lhs(plgpu, dst.astype(dtype), lhs_smem[0].at[wg, 1] if interpret else None, interpret)
+                        dstl = _lhs(plgpu, dst.astype(dtype), lhs_smem, wg, 1)
                         plgpu.wgmma(dk_acc, dstl, qb)  # dK += dS^T Q (scaled once at the end)
                         plgpu.wgmma_wait(0)
                         release(slot)
