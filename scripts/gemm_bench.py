@@ -11,7 +11,7 @@ sets and shape classes (detjax/pallas_kernels/matmul/kernel.py: TILE_SETS, tile_
     python3 scripts/gemm_bench.py --fp8 --no-table  # model.fp8's products (Mosaic fp8 wgmma, Triton) against bf16
     python3 scripts/gemm_bench.py --mosaic-variants --no-table  # the Mosaic kernel's speed knobs: time and bits
     python3 scripts/gemm_bench.py --mosaic-variants --no-table --only mlp  # the MLP's products only
-    python3 scripts/gemm_bench.py --grouped --no-table  # gpu_medium's experts: fp8 Mosaic, fp8 Triton, bf16 gmm
+    python3 scripts/gemm_bench.py --grouped --no-table  # gpu_medium's experts: bf16 Triton / Mosaic, fp8 Mosaic
 
 Run with XLA's default flags (autotuning on): the XLA column is the GEMM XLA picks for the shape. Times: one
 jitted call runs the product on 8 different input sets (so no launch or host sync is timed per product);
@@ -289,10 +289,10 @@ GROUPED = [("experts gate", 1024, 1024, 4), ("experts up", 1024, 1024, 4), ("exp
 def grouped_table(reps: int) -> None:
     """The routed experts' grouped products of gpu_medium, forward and backward together (one jax.vjp and its
     pullback), at one microbatch's 4 x 2048 tokens x top-2 = 16384 rows over 8 experts, the group sizes of
-    a random routing: model.fp8's fp8_grouped_matmul through the Mosaic kernel (kernels=pallas on Hopper:
-    fp8 wgmma on the padded group layout) and through the Triton gmm/tgmm (bf16 operands holding the fp8
-    values), against the bf16 step's gmm/tgmm (gmm.ops.grouped_matmul). The Mosaic path runs twice more and
-    its bits are compared (a replay)."""
+    a random routing: the bf16 step's grouped_matmul through the Triton gmm/tgmm and through the Mosaic
+    kernel (bf16 wgmma on the padded group layout), timed alternately, with whether the two give the same
+    bytes; and model.fp8's fp8_grouped_matmul through the Mosaic kernel (kernels=pallas on Hopper), which
+    runs twice more and its bits are compared (a replay)."""
     from detjax.model import fp8
     from detjax.pallas_kernels.gmm.ops import grouped_matmul
 
@@ -300,7 +300,8 @@ def grouped_table(reps: int) -> None:
     counts = np.bincount(np.random.default_rng(0).integers(0, e, rows), minlength=e)
     gs = jnp.asarray(counts, jnp.int32)
     print(f"grouped: {rows} rows over {e} experts, group sizes {counts.tolist()}", flush=True)
-    total = {"bf16": 0.0, "mosaic": 0.0, "triton": 0.0}
+    names = ("triton", "mosaic", "fp8")
+    total = dict.fromkeys(names, 0.0)
     scale = jnp.asarray([8.0, 64.0, 4096.0], jnp.float32)
     for name, k, n, count in GROUPED:
         sets = [
@@ -320,30 +321,33 @@ def grouped_table(reps: int) -> None:
             return jax.jit(lambda batch: [one(*s) for s in batch])
 
         fns = {
-            "bf16": fwd_bwd(lambda x, w: grouped_matmul(x, w.astype(jnp.bfloat16), gs)),
-            "mosaic": fwd_bwd(lambda x, w: fp8.fp8_grouped_matmul(x, w, gs, scale, "pallas", jnp.bfloat16)),
-            "triton": fwd_bwd(lambda x, w: fp8.fp8_grouped_matmul(x, w, gs, scale, "triton", jnp.bfloat16)),
+            impl: fwd_bwd(lambda x, w, impl=impl: grouped_matmul(x, w.astype(jnp.bfloat16), gs, impl))
+            for impl in ("triton", "mosaic")
         }
-        row = {}
-        row["bf16"], row["mosaic"] = timed_pair(fns["bf16"], fns["mosaic"], sets, reps)
-        row["triton"] = timed(fns["triton"], sets, reps)
+        fns["fp8"] = fwd_bwd(lambda x, w: fp8.fp8_grouped_matmul(x, w, gs, scale, "pallas", jnp.bfloat16))
+        row = dict(zip(("triton", "mosaic"), timed_pair(fns["triton"], fns["mosaic"], sets, reps), strict=True))
+        row["fp8"] = timed(fns["fp8"], sets, reps)
         for key in total:
             total[key] += count * row[key]
-        a, b = fns["mosaic"](sets[:1]), fns["mosaic"](sets[:1])
-        same = all(
-            np.array_equal(np.asarray(u).view(np.uint8), np.asarray(v).view(np.uint8))
-            for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-        )
+
+        def same(u, v):
+            return all(
+                np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+                for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(v), strict=True)
+            )
+
+        kernels_same = same(fns["triton"](sets[:1]), fns["mosaic"](sets[:1]))
+        replay = same(fns["fp8"](sets[:1]), fns["fp8"](sets[:1]))
         print(
-            f"grouped fwd+bwd {rows}x{k}x{n} x {e} ({name}): bf16 {row['bf16']:.4f} ms | fp8 mosaic "
-            f"{row['mosaic']:.4f} ({row['bf16'] / row['mosaic']:.2f} x) | fp8 triton {row['triton']:.4f} "
-            f"({row['bf16'] / row['triton']:.2f} x) | mosaic replay bit-equal {same}",
+            f"grouped fwd+bwd {rows}x{k}x{n} x {e} ({name}): bf16 triton {row['triton']:.4f} ms | bf16 mosaic "
+            f"{row['mosaic']:.4f} ({row['triton'] / row['mosaic']:.2f} x) | bf16 bytes equal {kernels_same} | "
+            f"fp8 mosaic {row['fp8']:.4f} ({row['triton'] / row['fp8']:.2f} x, replay bit-equal {replay})",
             flush=True,
         )
     print(
-        f"grouped weighted (gpu_medium's 4 MoE blocks, one microbatch): bf16 {total['bf16']:.3f} ms, fp8 mosaic "
-        f"{total['mosaic']:.3f} ms ({total['bf16'] / total['mosaic']:.2f} x), fp8 triton {total['triton']:.3f} ms "
-        f"({total['bf16'] / total['triton']:.2f} x)",
+        f"grouped weighted (gpu_medium's 4 MoE blocks, one microbatch): bf16 triton {total['triton']:.3f} ms, "
+        f"bf16 mosaic {total['mosaic']:.3f} ms ({total['triton'] / total['mosaic']:.2f} x), fp8 mosaic "
+        f"{total['fp8']:.3f} ms ({total['triton'] / total['fp8']:.2f} x)",
         flush=True,
     )
 
@@ -475,7 +479,7 @@ def main() -> int:
     )
     ap.add_argument("--only", default="", help="--mosaic-variants: only the shapes whose name contains this")
     ap.add_argument("--fp8", action="store_true", help="model.fp8's products (Mosaic and Triton) against bf16")
-    ap.add_argument("--grouped", action="store_true", help="gpu_medium's experts: fp8 Mosaic / Triton against bf16")
+    ap.add_argument("--grouped", action="store_true", help="gpu_medium's experts: bf16 Triton / Mosaic, fp8 Mosaic")
     a = ap.parse_args()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, M = {M} rows", flush=True)
     if a.tile_bits:

@@ -1,4 +1,4 @@
-"""The experts' grouped fp8 products on Hopper: fp8 wgmma through the Mosaic GPU kernel of
+"""The experts' grouped products on Hopper, bf16 or fp8: wgmma through the Mosaic GPU kernel of
 detjax.pallas_kernels.matmul.mosaic, on rows laid out in groups padded to whole tiles.
 
 Layout. Rows come sorted by expert (group e: sorted rows S_e .. S_e + g_e - 1). Each group is copied to
@@ -7,7 +7,8 @@ gets one tile, of zeros). The padded array has a static row count, an upper boun
 ceil(R / GROUP_ROWS) + E tiles; the tiles past the last group are zeros. So no tile mixes two experts:
 - gmm (the forward, and dx): each row tile multiplies one expert's weight (mosaic `tile_groups`);
 - tgmm (dw): expert e's weight gradient reduces the transposed copies' columns of its own tiles, in
-  ascending 128-token blocks from the group's first row (mosaic `group_blocks`). The order is fixed by the
+  ascending blocks of block_r tokens (128 fp8, 64 bf16) from the group's first row (mosaic `group_blocks`).
+  The order is fixed by the
   group's own rows: other groups' sizes move where its rows sit, never how they are added (the rule of the
   Triton tgmm, gmm/kernel.py).
 The zero rows add +0 to the float32 sums (the products of fp8 values with 0 are 0), and the outputs of
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from detjax.pallas_kernels.matmul import mosaic
 
 GROUP_ROWS = 2 * mosaic.TILE  # one row tile of the "nt" product (mosaic.cta_tile("nt")[0])
-BLOCK = 128  # fp8 reduction block (mosaic.block_r of a one-byte type); GROUP_ROWS is a multiple of it
+BLOCK = 128  # fp8 reduction block (mosaic.block_r of a one-byte type); GROUP_ROWS is a multiple of it and of bf16's 64
 
 
 class GroupLayout(NamedTuple):
@@ -33,7 +34,7 @@ class GroupLayout(NamedTuple):
     src_P: jax.Array  # int32 (P,): the sorted row each padded row copies (clamped; see valid_P)
     valid_P: jax.Array  # bool (P,): whether the padded row holds a row (False: a zero row)
     tile_groups: jax.Array  # int32 (P / GROUP_ROWS,): the expert of each row tile
-    group_blocks: jax.Array  # int32 (2, E): first 128-row block and number of blocks of each group
+    group_blocks: jax.Array  # int32 (2, E): first block and number of blocks of each group (blocks of `block` rows)
 
 
 def padded_rows(rows: int, n_groups: int) -> int:
@@ -41,8 +42,9 @@ def padded_rows(rows: int, n_groups: int) -> int:
     return (-(-rows // GROUP_ROWS) + n_groups) * GROUP_ROWS
 
 
-def padded_layout(gs_E: jax.Array, rows: int) -> GroupLayout:
-    """Integer bookkeeping of the padded layout for group sizes gs_E summing to at most `rows`."""
+def padded_layout(gs_E: jax.Array, rows: int, block: int = BLOCK) -> GroupLayout:
+    """Integer bookkeeping of the padded layout for group sizes gs_E summing to at most `rows`; group_blocks
+    counts in blocks of `block` rows (the dw product's block_r: BLOCK for fp8, 64 for bf16)."""
     gs = gs_E.astype(jnp.int32)
     e = gs.shape[0]
     tiles_E = jnp.maximum(1, -(-gs // GROUP_ROWS))
@@ -60,7 +62,7 @@ def padded_layout(gs_E: jax.Array, rows: int) -> GroupLayout:
     offset = p_idx - pstart_E[tile_of]
     valid_P = offset < gs[tile_of]
     src_P = jnp.minimum(start_E[tile_of] + offset, rows - 1)
-    blocks = jnp.stack([pstart_E // BLOCK, tiles_E * (GROUP_ROWS // BLOCK)]).astype(jnp.int32)
+    blocks = jnp.stack([pstart_E // block, tiles_E * (GROUP_ROWS // block)]).astype(jnp.int32)
     return GroupLayout(pos_R, src_P, valid_P, tile_groups, blocks)
 
 
@@ -74,37 +76,50 @@ def from_padded(y_PN: jax.Array, lay: GroupLayout) -> jax.Array:
     return jnp.take(y_PN, lay.pos_R, axis=0)
 
 
-def grouped_nt(x8_PK, w8_ENK, lay: GroupLayout, inv_scale, *, out_dtype, interpret: bool) -> jax.Array:
-    """(x8 @ w8[expert]^T, float32 sums) * inv_scale per padded row tile -> (P, N) in out_dtype. x8 (P, K) in
-    the padded layout, w8 (E, N, K): both fp8 with K contiguous (the gmm forward; dx with w's other copy)."""
+def _scale_args(inv_scale, dtype) -> tuple[tuple, dict]:
+    """fp8: the dequantizing scale (applied in the epilogue) and one wgmma kept in flight; bf16: neither."""
+    if inv_scale is None:
+        return (), {}
+    if not mosaic.is_fp8(dtype):
+        raise ValueError("grouped Mosaic products: a dequantizing scale is for fp8 operands")
+    return (jnp.asarray(inv_scale, jnp.float32).reshape(1),), {"delay": mosaic.FP8_DELAY}
+
+
+def grouped_nt(x_PK, w_ENK, lay: GroupLayout, inv_scale=None, *, out_dtype, interpret: bool) -> jax.Array:
+    """(x @ w[expert]^T, float32 sums) [* inv_scale] per padded row tile -> (P, N) in out_dtype. x (P, K) in
+    the padded layout, w (E, N, K), both with K contiguous: fp8 with inv_scale, or bf16 without (the gmm
+    forward with w's transposed copy; dx with w itself)."""
+    scale, knobs = _scale_args(inv_scale, x_PK.dtype)
     return mosaic.mosaic_matmul(
-        x8_PK,
-        w8_ENK,
-        jnp.asarray(inv_scale, jnp.float32).reshape(1),
+        x_PK,
+        w_ENK,
+        *scale,
         kind="nt",
         out_dtype=out_dtype,
         r_chunk=0,
-        delay=mosaic.FP8_DELAY,
         interpret=interpret,
         tile_groups=lay.tile_groups,
+        **knobs,
     )
 
 
-def grouped_tnt(x8_KP, g8_NP, lay: GroupLayout, inv_scale, *, interpret: bool) -> jax.Array:
-    """dw[e] = (x8_e^T-copy @ g8_e^T-copy^T, float32 sums over group e's padded rows in ascending order)
-    * inv_scale -> (E, K, N) float32, from the transposed copies x8^T (K, P) and g8^T (N, P)."""
+def grouped_tnt(x_KP, g_NP, lay: GroupLayout, inv_scale=None, *, interpret: bool) -> jax.Array:
+    """dw[e] = (x_e^T-copy @ g_e^T-copy^T, float32 sums over group e's padded rows in ascending order)
+    [* inv_scale] -> (E, K, N) float32, from the transposed copies x^T (K, P) and g^T (N, P); `lay` counts
+    group_blocks in the operands' block_r."""
     e = lay.group_blocks.shape[1]
-    k, n = x8_KP.shape[0], g8_NP.shape[0]
+    k, n = x_KP.shape[0], g_NP.shape[0]
+    scale, knobs = _scale_args(inv_scale, x_KP.dtype)
     out = mosaic.mosaic_matmul(
-        x8_KP,
-        g8_NP,
-        jnp.asarray(inv_scale, jnp.float32).reshape(1),
+        x_KP,
+        g_NP,
+        *scale,
         kind="nt",
         out_dtype=jnp.float32,
         r_chunk=0,
-        delay=mosaic.FP8_DELAY,
         interpret=interpret,
         group_blocks=lay.group_blocks,
+        **knobs,
     )
     return out.reshape(e, k, n)
 

@@ -1,7 +1,15 @@
 """grouped_matmul(x, w, group_sizes): rows sorted by expert times their expert's weight, float32 out; the
-backward is a gmm against the transposed weights (dx) and a tgmm (dw), both fixed-order Pallas kernels."""
+backward is a gmm against the transposed weights (dx) and a tgmm (dw), all fixed-order Pallas kernels.
+
+Two kernels, one rule: the Triton gmm / tgmm (gmm/kernel.py, every GPU and the CPU's interpreter) and, for
+bf16 operands on Hopper, bf16 wgmma through the Mosaic GPU kernel on the padded group layout (gmm/mosaic.py,
+`use_mosaic`). Both reduce each output element in one ascending loop into one float32 accumulator: over K
+(or N) for the forward and dx, and for dw over the group's own rows in blocks aligned to its first row, the
+rows past its end zero."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,21 +18,71 @@ from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.gmm.kernel import gmm, tgmm
 
 
-@jax.custom_vjp
-def grouped_matmul(x_RK: jax.Array, w_EKN: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
-    return gmm(x_RK, w_EKN, group_sizes_E, out_dtype=jnp.float32, interpret=interpret_mode())
+def use_mosaic(x_dtype, w_dtype, k: int, n: int) -> bool:
+    """Whether the experts' bf16 products of an (E, k, n) weight stack run the Mosaic GPU kernel: bf16 operands
+    on a Hopper GPU, compiled (not the interpreter) and whole tiles (gmm/mosaic.py `usable`). A function of
+    dtypes, shapes and the device, never of a measurement."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+    from detjax.pallas_kernels.matmul import mosaic
+
+    bf16 = jnp.dtype(x_dtype) == jnp.dtype(w_dtype) == jnp.bfloat16
+    return bf16 and not interpret_mode() and gmosaic.usable(k, n) and mosaic.available()
 
 
-def _fwd(x_RK, w_EKN, group_sizes_E):
-    return grouped_matmul(x_RK, w_EKN, group_sizes_E), (x_RK, w_EKN, group_sizes_E)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def grouped_matmul(x_RK: jax.Array, w_EKN: jax.Array, group_sizes_E: jax.Array, impl: str = "auto") -> jax.Array:
+    """`impl`: "auto" (the Mosaic kernel where use_mosaic says so, else Triton), "triton" or "mosaic" (forced;
+    off the GPU under its interpreter: the tests)."""
+    return _fwd(x_RK, w_EKN, group_sizes_E, impl)[0]
 
 
-def _bwd(res, dy_RN):
+def _mosaic(x_RK, w_EKN, impl: str) -> bool:
+    if impl == "auto":
+        return use_mosaic(x_RK.dtype, w_EKN.dtype, *w_EKN.shape[1:])
+    if impl not in ("triton", "mosaic"):
+        raise ValueError(f"grouped_matmul impl {impl!r}: use auto, triton or mosaic")
+    return impl == "mosaic"
+
+
+def _fwd(x_RK, w_EKN, group_sizes_E, impl):
+    if _mosaic(x_RK, w_EKN, impl):
+        return _fwd_mosaic(x_RK, w_EKN, group_sizes_E)
+    y = gmm(x_RK, w_EKN, group_sizes_E, out_dtype=jnp.float32, interpret=interpret_mode())
+    return y, (x_RK, w_EKN, group_sizes_E)
+
+
+def _bwd(impl, res, dy_RN):
+    if len(res) == 4:  # the Mosaic path's residuals
+        return _bwd_mosaic(res, dy_RN)
     x_RK, w_EKN, gs_E = res
     dy = dy_RN.astype(x_RK.dtype)  # low-precision operands, float32 accumulation (as in the forward)
     dx = gmm(dy, jnp.swapaxes(w_EKN, 1, 2), gs_E, out_dtype=x_RK.dtype, interpret=interpret_mode())
     dw = tgmm(x_RK, dy, gs_E, out_dtype=w_EKN.dtype, interpret=interpret_mode())
     return dx, dw, None
+
+
+def _fwd_mosaic(x_RK, w_EKN, gs_E):
+    """The rows copied into the padded group layout, each row tile times its expert's w^T copy (K contiguous,
+    as the "nt" product reads it), the rows copied back out."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+    from detjax.pallas_kernels.matmul import mosaic
+
+    lay = gmosaic.padded_layout(gs_E, x_RK.shape[0], mosaic.block_r(x_RK.dtype))
+    x_PK = gmosaic.to_padded(x_RK, lay)
+    y = gmosaic.grouped_nt(x_PK, jnp.swapaxes(w_EKN, 1, 2), lay, out_dtype=jnp.float32, interpret=interpret_mode())
+    return gmosaic.from_padded(y, lay), (x_PK, w_EKN, lay, gs_E)
+
+
+def _bwd_mosaic(res, dy_RN):
+    """dx = dy w[e]^T per row tile (w as stored: N contiguous); dw[e] over the transposed copies of x and dy,
+    each group's padded rows in ascending blocks."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    x_PK, w_EKN, lay, _ = res
+    dy_PN = gmosaic.to_padded(dy_RN.astype(x_PK.dtype), lay)
+    dx = gmosaic.grouped_nt(dy_PN, w_EKN, lay, out_dtype=x_PK.dtype, interpret=interpret_mode())
+    dw = gmosaic.grouped_tnt(x_PK.T, dy_PN.T, lay, interpret=interpret_mode())
+    return gmosaic.from_padded(dx, lay), dw.astype(w_EKN.dtype), None
 
 
 grouped_matmul.defvjp(_fwd, _bwd)
