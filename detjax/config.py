@@ -21,6 +21,7 @@ import yaml
 
 from detjax.config_checks import (  # noqa: F401 (the checks' public names are config's)
     auto_canonical_leaf,
+    auto_flash_backend,
     canonical_notes,
     canonical_problems,
     canonical_tensor_problems,
@@ -29,6 +30,7 @@ from detjax.config_checks import (  # noqa: F401 (the checks' public names are c
     fp8_problems,
     leaf_note,
     with_canonical_leaf,
+    with_flash_backend,
 )
 from detjax.pallas_kernels import support_problems
 from detjax.sharding.checks import layout_problems
@@ -171,12 +173,13 @@ class ModelConfig:
     # matmuls and every dense projection (the pinned-tile matmul) run as fixed-order Pallas kernels
     # (detjax/pallas_kernels); "reference": plain JAX/XLA
     kernels: Literal["reference", "pallas"] = "reference"
-    # the fixed-order flash attention under kernels=pallas: "triton" (every GPU, any power-of-two head_dim) or
+    # the fixed-order flash attention under kernels=pallas: "triton" (every GPU, any power-of-two head_dim),
     # "mosaic" (Hopper's TMA + wgmma through Pallas' Mosaic GPU backend; head_dim 64 or 128, bf16, seq_len a
     # multiple of 128; on an H100 its forward + backward took 1.50 ms against Triton's 2.05 at head_dim 128,
-    # docs/BENCHMARKS.md "Flash attention"). Each is deterministic with bits of its own: a run keeps the backend
-    # it started with
-    flash_backend: Literal["triton", "mosaic"] = "triton"
+    # docs/BENCHMARKS.md "Flash attention") or "auto": mosaic where it applies on a Hopper GPU, else triton
+    # (config_checks.auto_flash_backend). Each is deterministic with bits of its own: a run records the backend
+    # auto chose and keeps the one it started with on resume
+    flash_backend: Literal["auto", "triton", "mosaic"] = "auto"
     # Activation checkpointing: "none" keeps every activation for the backward; "block" keeps only each
     # block's input and recomputes the block in the backward (less memory, ~1/3 more compute). Deterministic
     # either way, but a trajectory of its own: XLA may fuse the recomputed elementwise ops differently (the

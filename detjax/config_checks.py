@@ -128,6 +128,34 @@ def with_canonical_leaf(cfg: Config, degrees: dict[str, int]) -> Config:
     return dataclasses.replace(cfg, determinism=dataclasses.replace(d, canonical_leaf=leaf))
 
 
+def auto_flash_backend(cfg: Config, platform: str, compute_capability: str) -> str:
+    """model.flash_backend = "auto" on a device of this platform and compute capability: "mosaic" where the
+    run uses the Pallas kernels on a Hopper GPU (9.0) and the Mosaic GPU kernels take its attention (head_dim
+    64 or 128, bf16, seq_len a multiple of 128), else "triton". The hardware and the shape decide, never a
+    measurement."""
+    from detjax.pallas_kernels.flash_attention import mosaic
+
+    m = cfg.model
+    hopper = platform == "gpu" and compute_capability == "9.0"
+    fits = m.compute_dtype == "bfloat16" and mosaic.fits(cfg.train.seq_len, m.head_dim)
+    return "mosaic" if m.kernels == "pallas" and hopper and fits else "triton"
+
+
+def with_flash_backend(cfg: Config, device: Any = None) -> Config:
+    """cfg with model.flash_backend = "auto" resolved for `device` (None: this process's first device),
+    unchanged when the backend is set."""
+    import dataclasses
+
+    if cfg.model.flash_backend != "auto":
+        return cfg
+    if device is None:
+        import jax
+
+        device = jax.devices()[0]
+    backend = auto_flash_backend(cfg, device.platform, getattr(device, "compute_capability", ""))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, flash_backend=backend))
+
+
 def leaf_note(cfg: Config) -> str:
     """What the resolved canonical leaf keeps invariant (the trainer prints it when the leaf was auto)."""
     leaf, gb = cfg.determinism.canonical_leaf, cfg.train.global_batch

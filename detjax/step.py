@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from detjax import fingerprint as fp
 from detjax import step_canonical
-from detjax.config import Config, ConfigError, expert_dispatch, with_canonical_leaf
+from detjax.config import Config, ConfigError, expert_dispatch, with_canonical_leaf, with_flash_backend
 from detjax.loss import Objective, token_ce_sum
 from detjax.model import fp8
 from detjax.model.layers import DTYPES, module_copies
@@ -61,8 +61,10 @@ class Trainer:
     """Model, optimizer, objective and the pieces of the train step for one config and layout."""
 
     def __init__(self, cfg: Config, layout: Layout | None = None) -> None:
-        # an auto canonical leaf for this layout (detjax.train resolves it before, so its run records the number)
+        # an auto canonical leaf for this layout and an auto flash backend for this device (detjax.train resolves
+        # both before, so its run records them)
         cfg = with_canonical_leaf(cfg, layout.degrees if layout is not None else {})
+        cfg = with_flash_backend(cfg, layout.mesh.devices.flat[0] if layout is not None else None)
         self.cfg = cfg
         self.layout = layout
         self.pipelined = layout is not None and layout.degrees["pipeline"] > 1

@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from detjax import determinism
-from detjax.config import Config, ConfigError, canonical_notes, dump_config, leaf_note, load_config, with_canonical_leaf
+from detjax.config import (
+    Config,
+    ConfigError,
+    canonical_notes,
+    dump_config,
+    leaf_note,
+    load_config,
+    with_canonical_leaf,
+    with_flash_backend,
+)
 
 
 @dataclass
@@ -57,6 +66,15 @@ def adopt_leaf(cfg: Config, saved: dict[str, Any]) -> Config:
     if not d.canonical or d.canonical_leaf or not leaf:
         return cfg
     return dataclasses.replace(cfg, determinism=dataclasses.replace(d, canonical_leaf=leaf))
+
+
+def adopt_flash_backend(cfg: Config, saved: dict[str, Any]) -> Config:
+    """On resume: the flash backend the run started with, when this config leaves it auto (a run written
+    before the key existed ran the Triton kernels)."""
+    if cfg.model.flash_backend != "auto":
+        return cfg
+    backend = saved.get("model", {}).get("flash_backend", "triton")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, flash_backend=backend))
 
 
 def resolve_horizon(cfg: Config) -> Config:
@@ -228,10 +246,10 @@ def _restore_point(
     auto_leaf = cfg.determinism.canonical and not cfg.determinism.canonical_leaf
     if restore_step is not None:  # the schedule horizon (and auto leaf) recorded at the run's first start
         saved = ckptr.read_meta(restore_step)["config"]
-        cfg = adopt_leaf(adopt_horizon(cfg, saved), saved)
+        cfg = adopt_flash_backend(adopt_leaf(adopt_horizon(cfg, saved), saved), saved)
     else:
         cfg = resolve_horizon(cfg)
-    cfg = with_canonical_leaf(cfg, layout.degrees)
+    cfg = with_flash_backend(with_canonical_leaf(cfg, layout.degrees), layout.mesh.devices.flat[0])
     if auto_leaf and primary:
         print(f"note: {leaf_note(cfg)}", file=sys.stderr)
     if ckptr is not None:

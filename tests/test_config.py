@@ -154,5 +154,37 @@ def test_auto_canonical_leaf_is_the_microbatch_within_the_mesh():
     assert adopt_leaf(cfg, {"determinism": {"canonical_leaf": 2}}).determinism.canonical_leaf == 2
     assert adopt_leaf(explicit, {"determinism": {"canonical_leaf": 2}}) == explicit  # set: kept
     # the leaf is not part of default numerics: their hashes are those of the configs before the auto leaf
-    assert load_config("configs/tiny.yaml").hash() == "1c32bb4cfe70a95e"
-    assert load_config("configs/gpu_medium.yaml").hash() == "0c415bb0ae2ccb32"
+    # (with the flash backend resolved as a run resolves it: the Triton kernels here)
+    assert Trainer(load_config("configs/tiny.yaml")).cfg.hash() == "1c32bb4cfe70a95e"
+    assert Trainer(load_config("configs/gpu_medium.yaml")).cfg.hash() == "0c415bb0ae2ccb32"
+
+
+def test_auto_flash_backend_is_mosaic_on_hopper_where_it_fits_and_a_resume_keeps_the_first():
+    """model.flash_backend=auto (the default) resolves to the Mosaic kernels on a Hopper GPU under
+    kernels=pallas where they take the shape (head_dim 64/128, bf16, seq_len a multiple of 128), else to
+    Triton, whose hash is that of the configs before the key existed; the resolved config is the explicit
+    one; a resume adopts the backend its run recorded (a run from before the key: Triton)."""
+    from types import SimpleNamespace
+
+    from detjax.config import auto_flash_backend, with_flash_backend
+    from detjax.train import adopt_flash_backend
+
+    pallas = ["model.kernels=pallas", "run.tensorboard=false"]
+    cfg = load_config("configs/gpu_medium.yaml", pallas)  # head_dim 64, seq 2048, bf16
+    assert cfg.model.flash_backend == "auto"
+    assert auto_flash_backend(cfg, "gpu", "9.0") == "mosaic"
+    assert [auto_flash_backend(cfg, p, cc) for p, cc in (("gpu", "8.0"), ("gpu", "10.0"), ("cpu", ""))] == [
+        "triton"
+    ] * 3
+    for bad in ("model.head_dim=32", "train.seq_len=1984", "model.compute_dtype=float32", "model.kernels=reference"):
+        assert auto_flash_backend(load_config("configs/gpu_medium.yaml", [*pallas, bad]), "gpu", "9.0") == "triton", bad
+    hopper = SimpleNamespace(platform="gpu", compute_capability="9.0")
+    explicit = load_config("configs/gpu_medium.yaml", [*pallas, "model.flash_backend=mosaic"])
+    assert with_flash_backend(cfg, hopper) == explicit and with_flash_backend(explicit, None) == explicit
+    triton = load_config("configs/gpu_medium.yaml", [*pallas, "model.flash_backend=triton"])
+    assert with_flash_backend(cfg, SimpleNamespace(platform="cpu")) == triton
+    assert triton.hash() != explicit.hash() != cfg.hash() != triton.hash()
+    assert adopt_flash_backend(cfg, {"model": {"flash_backend": "triton"}}) == triton
+    assert adopt_flash_backend(cfg, {"model": {}}) == triton  # recorded before the key existed
+    assert adopt_flash_backend(cfg, {"model": {"flash_backend": "mosaic"}}) == explicit
+    assert adopt_flash_backend(triton, {"model": {"flash_backend": "mosaic"}}) == triton  # set: kept

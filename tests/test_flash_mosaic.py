@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from detjax.config import ConfigError, load_config
+from detjax.config import ConfigError, load_config, with_flash_backend
 from detjax.pallas_kernels.flash_attention import mosaic
 from detjax.pallas_kernels.flash_attention.ops import flash_attention
 from detjax.pallas_kernels.flash_attention.reference import attention_reference
@@ -196,9 +196,12 @@ def test_mosaic_flash_backend_refusals(tiny_path):
     over = ["model.kernels=pallas", "model.flash_backend=mosaic", "model.head_dim=64", "model.compute_dtype=float32"]
     with pytest.raises(ConfigError, match=r"multiplies bf16 operands.*Fix: use model.compute_dtype=bfloat16"):
         load_config(tiny_path, over)
-    # the backend is part of the trajectory's hash; the default keeps the hash configs had before the key
+    # the backend is part of the trajectory's hash; Triton (auto's choice here) keeps the hash configs had
+    # before the key
     over = [*over, "run.tensorboard=false"]
-    base = load_config(tiny_path, ["model.kernels=pallas", "model.head_dim=64", "run.tensorboard=false"])
+    base = with_flash_backend(
+        load_config(tiny_path, ["model.kernels=pallas", "model.head_dim=64", "run.tensorboard=false"])
+    )
     again = load_config(
         tiny_path, [*over[:1], "model.flash_backend=triton", "model.head_dim=64", "run.tensorboard=false"]
     )

@@ -32,7 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from detjax import fingerprint as fp
-from detjax.config import RESUME_MUTABLE_SECTIONS, Config, ConfigError, config_from_dict
+from detjax.config import RESUME_MUTABLE_SECTIONS, Config, ConfigError, config_from_dict, with_flash_backend
 
 
 class CheckpointError(RuntimeError):
@@ -134,7 +134,7 @@ class StopSignals:
 class Checkpointer:
     def __init__(self, directory: str | Path, cfg: Config) -> None:
         self.directory = Path(directory).absolute()
-        self.cfg = cfg
+        self.cfg = with_flash_backend(cfg)  # an auto flash backend as a Trainer resolves it on this device
         c = cfg.ckpt
         self.manager = ocp.CheckpointManager(
             self.directory,

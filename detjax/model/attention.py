@@ -8,7 +8,7 @@ from flax import linen as nn
 
 from detjax.model.fp8 import scale_var
 from detjax.model.layers import chunk_products, normal_init, param, proj, proj_many
-from detjax.pallas_kernels.flash_attention.ops import flash_attention, flash_fits
+from detjax.pallas_kernels.flash_attention.ops import flash_attention, flash_fits, resolve_backend
 from detjax.pallas_kernels.flash_attention.reference import attention_reference
 from detjax.pallas_kernels.rope import ops as rope_ops
 from detjax.pallas_kernels.rope.reference import rope
@@ -35,7 +35,10 @@ class Attention(nn.Module):
     fp8: bool = False  # model.fp8.enabled: the projections in fp8 with delayed scaling
     tp: TensorSplit | None = None  # canonical tensor parallelism: heads in fixed chunks (q/k/v column, o row)
     out_f32: bool = False  # may return the result widened to float32 (layers.proj's out_f32; the same values)
-    flash_backend: str = "triton"  # model.flash_backend: which fixed-order flash attention "pallas" runs
+    flash_backend: str = "auto"  # model.flash_backend: which fixed-order flash attention "pallas" runs
+
+    def _backend(self, length: int) -> str:
+        return resolve_backend(self.flash_backend, length, self.head_dim, self.dtype)
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -50,7 +53,7 @@ class Attention(nn.Module):
             # projections, attention and the output product's partial, added over chunks by the chunk tree
             dtype, theta = self.dtype, self.rope_theta
             kernels = "pallas" if self.impl == "pallas" else "reference"
-            backend = self.flash_backend
+            backend = self._backend(x_BLD.shape[1])
             flash = self.impl == "pallas" and flash_fits(x_BLD.shape[1], q, backend)
 
             n = tp.local
@@ -97,10 +100,11 @@ class Attention(nn.Module):
         q_BLHQ = constrain(q_BLHQ, lay, q_names, "attn_q")
         k_BLKQ = constrain(k_BLKQ, lay, kv_names, "attn_k")
         v_BLKQ = constrain(v_BLKQ, lay, kv_names)
+        backend = self._backend(x_BLD.shape[1])
         if self.impl in ("xla", "cudnn"):
             o_BLHQ = jax.nn.dot_product_attention(q_BLHQ, k_BLKQ, v_BLKQ, is_causal=True, implementation=self.impl)
-        elif self.impl == "pallas" and flash_fits(x_BLD.shape[1], q, self.flash_backend):  # (MTP: L-1 rows)
-            o_BLHQ = flash_attention(q_BLHQ, k_BLKQ, v_BLKQ, self.flash_backend)
+        elif self.impl == "pallas" and flash_fits(x_BLD.shape[1], q, backend):  # (MTP: L-1 rows)
+            o_BLHQ = flash_attention(q_BLHQ, k_BLKQ, v_BLKQ, backend)
         else:
             o_BLHQ = attention_reference(q_BLHQ, k_BLKQ, v_BLKQ)
         o_BLHQ = constrain(o_BLHQ, lay, q_names, "attn_out")

@@ -8,9 +8,20 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.flash_attention import kernel, mosaic
+
+
+def resolve_backend(backend: str, length: int, head_dim: int, dtype) -> str:
+    """ "auto" for one attention call: "mosaic" on a Hopper GPU where its kernels take the shape, else
+    "triton" (the rule of config_checks.auto_flash_backend, which a training run applies once to its config);
+    other backends unchanged."""
+    if backend != "auto":
+        return backend
+    bf16 = jnp.dtype(dtype) == jnp.bfloat16
+    return "mosaic" if bf16 and mosaic.available() and mosaic.fits(length, head_dim, dtype) else "triton"
 
 
 def flash_fits(length: int, head_dim: int | None = None, backend: str = "triton") -> bool:
