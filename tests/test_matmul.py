@@ -175,7 +175,8 @@ def test_mosaic_matmul_matches_reference_interpreted():
 
 def _stream_cases(gpu: bool):
     """(name, args, kwargs) of mosaic.mosaic_matmul for every mode it has, on operands padded to its tiles:
-    bf16 fwd / dx / dw (chunked and not), fp8 nt with a scale and with chunks, and both grouped nt modes."""
+    bf16 fwd / dx / dw (chunked and not), fp8 nt with a scale and with chunks, and both grouped nt modes in
+    fp8 and in bf16 (the MoE experts' products, gmm/mosaic.py)."""
     e4, e5, bf = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
     m, k, n = (8192, 1024, 1536) if gpu else (512, 256, 256)  # CPU: 4-8 work items, 2 per interpreted "SM"
     ks = iter(jax.random.split(jax.random.key(11), 20))
@@ -201,6 +202,16 @@ def _stream_cases(gpu: bool):
         (
             "fp8 nt group_blocks",
             (rnd((k, m), e4), rnd((n, m), e5 if gpu else e4)),
+            dict(kind="nt", out_dtype=jnp.float32, r_chunk=0, group_blocks=blocks),
+        ),
+        (
+            "bf16 nt tile_groups",
+            (rnd((m, k), bf), rnd((3, n, k), bf)),
+            dict(kind="nt", out_dtype=jnp.float32, r_chunk=0, tile_groups=jnp.arange(m // 256, dtype=jnp.int32) % 3),
+        ),
+        (
+            "bf16 nt group_blocks",
+            (rnd((k, m), bf), rnd((n, m), bf)),
             dict(kind="nt", out_dtype=jnp.float32, r_chunk=0, group_blocks=blocks),
         ),
     ]
