@@ -482,10 +482,10 @@ def test_gmm_mosaic_path_gives_the_triton_bits_on_exact_values():
 
 @pytest.mark.gpu
 def test_gmm_mosaic_path_gives_the_triton_bits_and_replays_on_gpu():
-    """On Hopper, the bf16 experts' products on general values (sums that round): the Mosaic path (the one
-    use_mosaic picks for gpu_medium's experts) gives the Triton gmm / tgmm's bytes, replays quiet and under
-    a GEMM stream, and 100 rows added in front of expert 0's group change no other row's y or dx and no
-    other expert's dw. Negative control: expert 0's dw changes."""
+    """On Hopper, the bf16 experts' products on general values (sums that round): the Mosaic path at
+    gpu_medium's expert shape gives the Triton gmm / tgmm's bytes, replays quiet and under a GEMM stream, and
+    100 rows added in front of expert 0's group change no other row's y or dx and no other expert's dw.
+    Negative control: expert 0's dw changes."""
     from detjax.pallas_kernels.gmm.ops import use_mosaic
 
     e, k, n = 8, 1024, 1024
@@ -497,15 +497,15 @@ def test_gmm_mosaic_path_gives_the_triton_bits_and_replays_on_gpu():
     x = jax.random.normal(jax.random.key(2), (rows + 100, k)).astype(jnp.bfloat16)
     g = jax.random.normal(jax.random.key(3), (rows + 100, n))
     run = jax.jit(_gmm_impl, static_argnums=0)
-    base = run("auto", x[100:], w, gs, g[100:])
+    base = run("mosaic", x[100:], w, gs, g[100:])
     triton = run("triton", x[100:], w, gs, g[100:])
     for name, a, b in zip(("y", "dx", "dw"), triton, base, strict=True):
         assert _bits(a) == _bits(b), name
-    assert_replays_bit_exact(functools.partial(run, "auto"), (x[100:], w, gs, g[100:]), replays=3)
+    assert_replays_bit_exact(functools.partial(run, "mosaic"), (x[100:], w, gs, g[100:]), replays=3)
     assert_replays_bit_exact(
-        functools.partial(run, "auto"), (x[100:], w, gs, g[100:]), replays=2, contention=matmul_contention(2048, 5)
+        functools.partial(run, "mosaic"), (x[100:], w, gs, g[100:]), replays=2, contention=matmul_contention(2048, 5)
     )
-    grown = run("auto", x, w, gs.at[0].add(100), g)
+    grown = run("mosaic", x, w, gs.at[0].add(100), g)
     assert _bits(grown[0][100:]) == _bits(base[0]) and _bits(grown[1][100:]) == _bits(base[1])
     assert _bits(grown[2][1:]) == _bits(base[2][1:])
     assert _bits(grown[2][0]) != _bits(base[2][0])

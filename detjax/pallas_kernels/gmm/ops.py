@@ -3,9 +3,9 @@ backward is a gmm against the transposed weights (dx) and a tgmm (dw), all fixed
 
 Two kernels, one rule: the Triton gmm / tgmm (gmm/kernel.py, every GPU and the CPU's interpreter) and, for
 bf16 operands on Hopper, bf16 wgmma through the Mosaic GPU kernel on the padded group layout (gmm/mosaic.py,
-`use_mosaic`). Both reduce each output element in one ascending loop into one float32 accumulator: over K
-(or N) for the forward and dx, and for dw over the group's own rows in blocks aligned to its first row, the
-rows past its end zero."""
+`use_mosaic`; not yet the default, see MOSAIC_BF16). Both reduce each output element in one ascending loop
+into one float32 accumulator: over K (or N) for the forward and dx, and for dw over the group's own rows in
+blocks aligned to its first row, the rows past its end zero."""
 
 from __future__ import annotations
 
@@ -17,11 +17,16 @@ import jax.numpy as jnp
 from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.gmm.kernel import gmm, tgmm
 
+# Whether "auto" takes the Mosaic path for bf16 experts. Off: that path has not yet run on a GPU, so neither
+# its bits against the Triton kernels' nor its speed is known (tests/test_pallas.py's GPU test and
+# `scripts/gemm_bench.py --grouped` measure both); until then "auto" keeps the Triton kernels.
+MOSAIC_BF16 = False
+
 
 def use_mosaic(x_dtype, w_dtype, k: int, n: int) -> bool:
-    """Whether the experts' bf16 products of an (E, k, n) weight stack run the Mosaic GPU kernel: bf16 operands
-    on a Hopper GPU, compiled (not the interpreter) and whole tiles (gmm/mosaic.py `usable`). A function of
-    dtypes, shapes and the device, never of a measurement."""
+    """Whether the Mosaic GPU kernel can take the experts' bf16 products of an (E, k, n) weight stack: bf16
+    operands on a Hopper GPU, compiled (not the interpreter) and whole tiles (gmm/mosaic.py `usable`). A
+    function of dtypes, shapes and the device, never of a measurement."""
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
     from detjax.pallas_kernels.matmul import mosaic
 
@@ -31,14 +36,14 @@ def use_mosaic(x_dtype, w_dtype, k: int, n: int) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def grouped_matmul(x_RK: jax.Array, w_EKN: jax.Array, group_sizes_E: jax.Array, impl: str = "auto") -> jax.Array:
-    """`impl`: "auto" (the Mosaic kernel where use_mosaic says so, else Triton), "triton" or "mosaic" (forced;
-    off the GPU under its interpreter: the tests)."""
+    """`impl`: "auto" (the Mosaic kernel where MOSAIC_BF16 is on and use_mosaic says so, else Triton),
+    "triton" or "mosaic" (forced; off the GPU under its interpreter: the tests)."""
     return _fwd(x_RK, w_EKN, group_sizes_E, impl)[0]
 
 
 def _mosaic(x_RK, w_EKN, impl: str) -> bool:
     if impl == "auto":
-        return use_mosaic(x_RK.dtype, w_EKN.dtype, *w_EKN.shape[1:])
+        return MOSAIC_BF16 and use_mosaic(x_RK.dtype, w_EKN.dtype, *w_EKN.shape[1:])
     if impl not in ("triton", "mosaic"):
         raise ValueError(f"grouped_matmul impl {impl!r}: use auto, triton or mosaic")
     return impl == "mosaic"
