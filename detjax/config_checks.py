@@ -131,14 +131,15 @@ def with_canonical_leaf(cfg: Config, degrees: dict[str, int]) -> Config:
 def auto_flash_backend(cfg: Config, platform: str, compute_capability: str) -> str:
     """model.flash_backend = "auto" on a device of this platform and compute capability: "mosaic" where the
     run uses the Pallas kernels on a Hopper GPU (9.0) and the Mosaic GPU kernels take its attention (head_dim
-    64 or 128, bf16, seq_len a multiple of 128), else "triton". The hardware and the shape decide, never a
-    measurement."""
-    from detjax.pallas_kernels.flash_attention import mosaic
+    64 or 128, bf16, seq_len a multiple of 128; flash_attention.ops.resolve_backend), else "triton". The
+    hardware and the shape decide, never a measurement."""
+    from detjax.pallas_kernels.flash_attention.ops import resolve_backend
 
     m = cfg.model
+    if m.kernels != "pallas":
+        return "triton"
     hopper = platform == "gpu" and compute_capability == "9.0"
-    fits = m.compute_dtype == "bfloat16" and mosaic.fits(cfg.train.seq_len, m.head_dim)
-    return "mosaic" if m.kernels == "pallas" and hopper and fits else "triton"
+    return resolve_backend("auto", cfg.train.seq_len, m.head_dim, m.compute_dtype, hopper)
 
 
 def with_flash_backend(cfg: Config, device: Any = None) -> Config:

@@ -14,14 +14,15 @@ from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.flash_attention import kernel, mosaic
 
 
-def resolve_backend(backend: str, length: int, head_dim: int, dtype) -> str:
-    """ "auto" for one attention call: "mosaic" on a Hopper GPU where its kernels take the shape, else
-    "triton" (the rule of config_checks.auto_flash_backend, which a training run applies once to its config);
-    other backends unchanged."""
+def resolve_backend(backend: str, length: int, head_dim: int, dtype, hopper: bool | None = None) -> str:
+    """ "auto" for attention over `length` positions: "mosaic" on a Hopper GPU (`hopper`; None: this process's
+    device, mosaic.available()) where its kernels take the shape in bf16, else "triton"; other backends
+    unchanged. A training run applies it once to its config (config_checks.auto_flash_backend)."""
     if backend != "auto":
         return backend
-    bf16 = jnp.dtype(dtype) == jnp.bfloat16
-    return "mosaic" if bf16 and mosaic.available() and mosaic.fits(length, head_dim, dtype) else "triton"
+    if jnp.dtype(dtype) != jnp.bfloat16 or not mosaic.fits(length, head_dim, dtype):
+        return "triton"
+    return "mosaic" if (mosaic.available() if hopper is None else hopper) else "triton"
 
 
 def flash_fits(length: int, head_dim: int | None = None, backend: str = "triton") -> bool:
