@@ -57,7 +57,7 @@ def _fwd(x_RK, w_EKN, group_sizes_E, impl):
 
 
 def _bwd(impl, res, dy_RN):
-    if len(res) == 4:  # the Mosaic path's residuals
+    if _mosaic(res[0], res[1], impl):  # the residuals keep x's dtype and w
         return _bwd_mosaic(res, dy_RN)
     x_RK, w_EKN, gs_E = res
     dy = dy_RN.astype(x_RK.dtype)  # low-precision operands, float32 accumulation (as in the forward)
@@ -75,7 +75,7 @@ def _fwd_mosaic(x_RK, w_EKN, gs_E):
     lay = gmosaic.padded_layout(gs_E, x_RK.shape[0], mosaic.block_r(x_RK.dtype))
     x_PK = gmosaic.to_padded(x_RK, lay)
     y = gmosaic.grouped_nt(x_PK, jnp.swapaxes(w_EKN, 1, 2), lay, out_dtype=jnp.float32, interpret=interpret_mode())
-    return gmosaic.from_padded(y, lay), (x_PK, w_EKN, lay, gs_E)
+    return gmosaic.from_padded(y, lay), (x_PK, w_EKN, lay)
 
 
 def _bwd_mosaic(res, dy_RN):
@@ -83,7 +83,7 @@ def _bwd_mosaic(res, dy_RN):
     each group's padded rows in ascending blocks."""
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
 
-    x_PK, w_EKN, lay, _ = res
+    x_PK, w_EKN, lay = res
     dy_PN = gmosaic.to_padded(dy_RN.astype(x_PK.dtype), lay)
     dx = gmosaic.grouped_nt(dy_PN, w_EKN, lay, out_dtype=x_PK.dtype, interpret=interpret_mode())
     dw = gmosaic.grouped_tnt(x_PK.T, dy_PN.T, lay, interpret=interpret_mode())
