@@ -8,10 +8,9 @@ ceil(R / GROUP_ROWS) + E tiles; the tiles past the last group are zeros. So no t
 - gmm (the forward, and dx): each row tile multiplies one expert's weight (mosaic `tile_groups`);
 - tgmm (dw): expert e's weight gradient reduces the transposed copies' columns of its own tiles, in
   ascending blocks of block_r tokens (128 fp8, 64 bf16) from the group's first row (mosaic `group_blocks`).
-  The order is fixed by the
-  group's own rows: other groups' sizes move where its rows sit, never how they are added (the rule of the
-  Triton tgmm, gmm/kernel.py).
-The zero rows add +0 to the float32 sums (the products of fp8 values with 0 are 0), and the outputs of
+  The order is fixed by the group's own rows: other groups' sizes move where its rows sit, never how they are
+  added (the rule of the Triton tgmm, gmm/kernel.py).
+The zero rows add +0 to the float32 sums (the products of finite values with 0 are 0), and the outputs of
 padding rows are dropped when the real rows are gathered back. The copies in and out are row gathers:
 data movement only.
 """
