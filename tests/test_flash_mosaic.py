@@ -198,7 +198,6 @@ def test_mosaic_flash_backend_refusals(tiny_path):
         load_config(tiny_path, over)
     # the backend is part of the trajectory's hash; Triton (auto's choice here) keeps the hash configs had
     # before the key
-    over = [*over, "run.tensorboard=false"]
     base = with_flash_backend(
         load_config(tiny_path, ["model.kernels=pallas", "model.head_dim=64", "run.tensorboard=false"])
     )
