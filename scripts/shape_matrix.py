@@ -93,8 +93,29 @@ def all_cells() -> list[str]:
     return [f"{k}:{d}:{hd}:{s}" for k in PATTERNS for d in D_MODELS for hd in HEAD_DIMS for s in SEQ_LENS]
 
 
-def run_worker(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+def parent_on_cpu() -> str | None:
+    """Run this process's JAX (the parameter count) on the CPU and return the caller's JAX_PLATFORMS, which the
+    workers get back. A GPU backend here would take XLA's preallocated share of the GPU's memory (75 %) for the
+    whole matrix and leave the workers the rest: on an 80 GB H100 the plain step then ran out of memory."""
+    caller = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # jax read the variable when it was imported
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
+    return caller
+
+
+def worker_env(environ: dict[str, str], caller_platforms: str | None) -> dict[str, str]:
+    """A worker's environment: the caller's, less XLA_FLAGS (det_tax gives each mode its own) and the
+    compilation cache (each worker is a cold start), with the caller's JAX_PLATFORMS."""
+    drop = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS")
+    env = {k: v for k, v in environ.items() if k not in drop}
+    if caller_platforms is not None:
+        env["JAX_PLATFORMS"] = caller_platforms
+    return env
+
+
+def run_worker(mode: str, overrides: list[str], steps: int, warmup: int, caller_platforms: str | None) -> dict:
+    env = worker_env(dict(os.environ), caller_platforms)
     det_tax = str(Path(__file__).with_name("det_tax.py"))
     cmd = [sys.executable, det_tax, "--config", "configs/gpu_dense.yaml", "--steps", str(steps)]
     cmd += ["--warmup", str(warmup), "--worker", mode, *overrides]
@@ -138,6 +159,7 @@ def main() -> int:
     a = ap.parse_args()
     cells = a.cells.split(",") if a.cells else all_cells()
     options = dict(steps=a.steps, warmup=a.warmup, l1=not a.no_l1, max_blocks=a.max_blocks, extra=a.overrides)
+    platforms = parent_on_cpu()
     done = _recorded(a.results, options)
     started, longest = time.perf_counter(), 0.0
     from detjax.config import load_config
@@ -167,8 +189,8 @@ def main() -> int:
             continue
         t_cell = time.perf_counter()
         base_mode = "plain" if kind == "dense" else "fastest"
-        base = run_worker(base_mode, ov, a.steps, a.warmup)
-        dets = [run_worker("strict-kernels", ov, a.steps, a.warmup) for _ in range(1 if a.no_l1 else 2)]
+        base = run_worker(base_mode, ov, a.steps, a.warmup, platforms)
+        dets = [run_worker("strict-kernels", ov, a.steps, a.warmup, platforms) for _ in range(1 if a.no_l1 else 2)]
         row, errs = cell_row(cell, nblocks, params, flops, base_mode, base, dets, l1=not a.no_l1)
         bad += bool(errs)
         print(row, flush=True)

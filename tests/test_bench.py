@@ -127,3 +127,22 @@ def test_shape_matrix_rows_show_what_ran():
         "dense:1024:64:2048", 8, 130, flops, "plain", rec(100.0, "a"), [rec(104.0, "d"), rec(106.0, "e")], l1=True
     )
     assert row.endswith("| DIFFER |")
+
+
+def test_shape_matrix_parent_runs_jax_on_the_cpu_and_workers_get_the_callers_platforms():
+    """The parent's parameter count must not start a GPU backend (it would preallocate the memory its workers
+    need); the workers get the caller's JAX_PLATFORMS back. The subprocess asks for cuda: without
+    parent_on_cpu, jax would start cuda there (or fail on a machine without one) instead of printing cpu."""
+    import os
+    import subprocess
+
+    import shape_matrix
+
+    caller = {"XLA_FLAGS": "--x", "JAX_COMPILATION_CACHE_DIR": "/c", "JAX_PLATFORMS": "cpu", "A": "1"}
+    assert shape_matrix.worker_env(caller, "cuda") == {"A": "1", "JAX_PLATFORMS": "cuda"}
+    assert shape_matrix.worker_env(caller, None) == {"A": "1"}
+    code = "import shape_matrix, jax; c = shape_matrix.parent_on_cpu(); print(c, jax.devices()[0].platform)"
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    env = {**os.environ, "JAX_PLATFORMS": "cuda", "PYTHONPATH": scripts}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["cuda", "cpu"], out.stderr[-2000:]
