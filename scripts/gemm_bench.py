@@ -286,13 +286,15 @@ def fp8_table(reps: int) -> None:
 GROUPED = [("experts gate", 1024, 1024, 4), ("experts up", 1024, 1024, 4), ("experts down", 1024, 1024, 4)]
 
 
-def grouped_table(reps: int) -> None:
+def grouped_table(reps: int, breakdown: int = 0) -> None:
     """The routed experts' grouped products of gpu_medium, forward and backward together (one jax.vjp and its
     pullback), at one microbatch's 4 x 2048 tokens x top-2 = 16384 rows over 8 experts, the group sizes of
     a random routing: the bf16 step's grouped_matmul through the Triton gmm/tgmm and through the Mosaic
     kernel (bf16 wgmma on the padded group layout), timed alternately, with whether the two give the same
     bytes; and model.fp8's fp8_grouped_matmul through the Mosaic kernel (kernels=pallas on Hopper), which
-    runs twice more and its bits are compared (a replay)."""
+    runs twice more and its bits are compared (a replay). `breakdown` > 0: for the first product, each path's
+    device time by op (profile_step.op_breakdown), its `breakdown` largest ops: which part of a path is the
+    kernels and which the copies around them."""
     from detjax.model import fp8
     from detjax.pallas_kernels.gmm.ops import grouped_matmul
 
@@ -336,6 +338,8 @@ def grouped_table(reps: int) -> None:
                 for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(v), strict=True)
             )
 
+        if breakdown and name == GROUPED[0][0]:
+            print_breakdown(fns, sets, reps, breakdown)
         kernels_same = same(fns["triton"](sets[:1]), fns["mosaic"](sets[:1]))
         replay = same(fns["fp8"](sets[:1]), fns["fp8"](sets[:1]))
         print(
@@ -350,6 +354,20 @@ def grouped_table(reps: int) -> None:
         f"{total['fp8']:.3f} ms ({total['triton'] / total['fp8']:.2f} x)",
         flush=True,
     )
+
+
+def print_breakdown(fns: dict, sets, reps: int, top: int) -> None:
+    """Each function's device time per product by op, its `top` largest ops and the rest."""
+    from profile_step import op_breakdown  # scripts/ is on sys.path when this file runs as a script
+
+    for key, fn in fns.items():
+        rows = op_breakdown(lambda fn=fn: jax.block_until_ready(fn(sets)), reps)
+        total = sum(ms for _, ms, _ in rows) / SETS
+        print(f"  {key}: {total:.4f} ms of device time a product, by op:", flush=True)
+        for name, ms, calls in rows[:top]:
+            print(f"    {ms / SETS:.4f} ms  {calls / SETS:g} calls  {name}", flush=True)
+        rest = sum(ms for _, ms, _ in rows[top:]) / SETS
+        print(f"    {rest:.4f} ms  the other {len(rows[top:])} ops", flush=True)
 
 
 MOSAIC_VARIANTS = {  # (warpgroup tile columns of "nt", pipeline stages, wgmmas left in flight, streamed)
@@ -480,6 +498,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="--mosaic-variants: only the shapes whose name contains this")
     ap.add_argument("--fp8", action="store_true", help="model.fp8's products (Mosaic and Triton) against bf16")
     ap.add_argument("--grouped", action="store_true", help="gpu_medium's experts: bf16 Triton / Mosaic, fp8 Mosaic")
+    ap.add_argument(
+        "--breakdown", type=int, default=0, help="--grouped: the first product's N largest device ops per path"
+    )
     a = ap.parse_args()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, M = {M} rows", flush=True)
     if a.tile_bits:
@@ -489,7 +510,7 @@ def main() -> int:
     if a.fp8:
         fp8_table(a.reps)
     if a.grouped:
-        grouped_table(a.reps)
+        grouped_table(a.reps, a.breakdown)
     if a.mosaic_variants:
         mosaic_variants(a.reps, a.only)
     if not a.no_table:

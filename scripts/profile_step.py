@@ -82,11 +82,9 @@ def device_events(trace_dir: Path) -> list[dict]:
     return picked
 
 
-def device_ms(run, reps: int, kernel: str) -> float:
-    """ms per call of run() (it blocks until its results are ready) spent in device events whose name
-    contains `kernel`, from a jax.profiler trace of `reps` calls after one untraced call: a kernel's own time,
-    without the host's launch and sync overhead that wall-clock timing includes (which dominates kernels of
-    a few or a few tens of microseconds). For scripts/tile_sweep.py and scripts/gemm_bench.py."""
+def traced_events(run, reps: int) -> list[dict]:
+    """The device events of `reps` calls of run() (it blocks until its results are ready), traced after one
+    untraced call."""
     import tempfile
 
     import jax
@@ -96,10 +94,29 @@ def device_ms(run, reps: int, kernel: str) -> float:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(reps):
                 run()
-        events = [e for e in device_events(Path(d)) if kernel in e.get("name", "")]
+        return device_events(Path(d))
+
+
+def device_ms(run, reps: int, kernel: str) -> float:
+    """ms per call of run() spent in device events whose name contains `kernel` (traced_events): a kernel's
+    own time, without the host's launch and sync overhead that wall-clock timing includes (which dominates
+    kernels of a few or a few tens of microseconds). For scripts/tile_sweep.py and scripts/gemm_bench.py."""
+    events = [e for e in traced_events(run, reps) if kernel in e.get("name", "")]
     if not events:
         raise RuntimeError(f"no device event named like {kernel!r} in the trace")
     return sum(float(e["dur"]) for e in events) / 1e3 / reps
+
+
+def op_breakdown(run, reps: int) -> list[tuple[str, float, float]]:
+    """Where one call of run() spends its device time, by op name: (name, ms per call, calls per call),
+    the most first (traced_events)."""
+    ms: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for e in traced_events(run, reps):
+        name = e.get("name", "?")
+        ms[name] = ms.get(name, 0.0) + float(e.get("dur", 0.0)) / 1e3
+        calls[name] = calls.get(name, 0) + 1
+    return sorted(((n, t / reps, calls[n] / reps) for n, t in ms.items()), key=lambda r: -r[1])
 
 
 def tables(

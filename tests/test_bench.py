@@ -146,3 +146,18 @@ def test_shape_matrix_parent_runs_jax_on_the_cpu_and_workers_get_the_callers_pla
     env = {**os.environ, "JAX_PLATFORMS": "cuda", "PYTHONPATH": scripts}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["cuda", "cpu"], out.stderr[-2000:]
+
+
+def test_op_breakdown_counts_each_op_once_a_call():
+    """profile_step.op_breakdown (gemm_bench --grouped --breakdown): a jitted function's ops, the largest
+    first, each once a call whatever the number of traced calls; a second product adds its own op."""
+    import profile_step
+
+    x = jnp.ones((256, 256))
+    one = jax.jit(lambda x: jnp.tanh(x @ x) + 1)
+    two = jax.jit(lambda x: jnp.tanh(x @ x) @ x + 1)
+    rows = profile_step.op_breakdown(lambda: jax.block_until_ready(one(x)), 3)
+    assert rows and all(calls == 1 for _, _, calls in rows)
+    assert [ms for _, ms, _ in rows] == sorted((ms for _, ms, _ in rows), reverse=True) and rows[0][1] > 0
+    more = profile_step.op_breakdown(lambda: jax.block_until_ready(two(x)), 2)
+    assert sum(calls for _, _, calls in more) > sum(calls for _, _, calls in rows)
