@@ -231,17 +231,25 @@ class Trainer:
         the float32 masters again in every microbatch's forward and backward (3.2 ms of gpu_dense's step in
         2026-12-01 profile; the step was 2.6 ms faster with the copies, docs/benchmarks-history.md set 18). The
         same casts and concatenations, so the same bits; the products' gradients still reach the masters.
-        With model.fp8 (`fp8_scales`: the step's scale sets), the fp8 projections' weights are copied as
-        their products read them -- quantized with the step's scale, with the transposed copy and the amax
-        (layers.FP8_SCALES, fp8.weight_copy) -- the same bytes each microbatch would make."""
+        The routed experts' stacks get a cast copy and its transpose (gmm.ops.grouped_compute_copy; the
+        forward reads one, dx the other) where the experts run on the device's whole stacks. With model.fp8
+        (`fp8_scales`: the step's scale sets), the fp8 projections' weights are copied as their products read
+        them -- quantized with the step's scale, with the transposed copy and the amax (layers.FP8_SCALES,
+        fp8.weight_copy) -- the same bytes each microbatch would make."""
         dtype = DTYPES[self.cfg.model.compute_dtype]
         if self.cfg.model.kernels != "pallas" or dtype == jnp.float32 or self.tensor_split is not None:
             return None  # (canonical tensor chunks cast their own weight chunks)
         if self.fp8 and (fp8_scales is None or (self.layout is not None and not self.layout.trivial)):
             return None
 
+        # the routed experts read their copies unless their rows travel to other devices (expert dispatch)
+        if self.canonical:
+            experts = self.expert_split is None
+        else:
+            experts = self.layout is None or self.layout.degrees["expert"] == 1
+
         def walk(tree, scales):
-            out = module_copies(tree, dtype, scales if self.fp8 else None)
+            out = module_copies(tree, dtype, scales if self.fp8 else None, experts)
             for name, sub in tree.items():
                 sub_scales = scales.get(name) if isinstance(scales, Mapping) else None
                 if isinstance(sub, Mapping) and (copies := walk(sub, sub_scales)):

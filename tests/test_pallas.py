@@ -480,6 +480,38 @@ def test_gmm_mosaic_path_gives_the_triton_bits_on_exact_values():
     assert _bits(_gmm_impl("mosaic", x, w, gs[::-1], g)[0]) != _bits(got[0])
 
 
+def test_gmm_compute_copy_gives_the_cast_at_use_bits():
+    """grouped_matmul_copy reads the step's once-per-step copy (gmm.ops.grouped_compute_copy: the stack cast,
+    and its transpose for dx) in place of casting the float32 stack at each use: y, dx and the float32 dw are
+    byte-equal to grouped_matmul of the cast stack, on both paths (Mosaic under its interpreter), on general
+    values. Negative control: a copy of another stack changes y and dx, and dw still reaches w."""
+    from detjax.pallas_kernels.gmm.ops import grouped_compute_copy, grouped_matmul_copy
+
+    ks = jax.random.split(jax.random.key(5), 3)
+    gs = jnp.asarray([0, 300, 90], jnp.int32)
+    x = jax.random.normal(ks[0], (390, 256)).astype(jnp.bfloat16)
+    w, g = 0.1 * jax.random.normal(ks[1], (3, 256, 128)), jax.random.normal(ks[2], (390, 128))
+
+    def run(impl, copy_of):
+        def f(x, w):
+            if copy_of is None:
+                return grouped_matmul(x, w.astype(jnp.bfloat16), gs, impl)
+            return grouped_matmul_copy(x, w, gs, grouped_compute_copy(copy_of, jnp.bfloat16), impl)
+
+        y, pull = jax.vjp(f, x, w)
+        return y, *pull(g)
+
+    for impl in ("mosaic", "triton"):
+        want, got = run(impl, None), run(impl, w)
+        for name, a, b in zip(("y", "dx", "dw"), want, got, strict=True):
+            assert a.dtype == b.dtype and _bits(a) == _bits(b), (impl, name)
+        assert got[2].dtype == jnp.float32
+    other = run("triton", 2 * w)
+    assert _bits(other[0]) != _bits(got[0]) and _bits(other[1]) != _bits(got[1])
+    with pytest.raises(ValueError, match="expert weight copy does not fit"):
+        grouped_matmul_copy(x, w, gs, grouped_compute_copy(w[:, :128], jnp.bfloat16))
+
+
 @pytest.mark.gpu
 def test_gmm_mosaic_path_gives_the_triton_bits_and_replays_on_gpu():
     """On Hopper, the bf16 experts' products on general values (sums that round): the Mosaic path at

@@ -1,6 +1,7 @@
 """The compiled train step: no scatter anywhere in the lowered or compiled HLO; one step replays bit-exact."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -106,3 +107,46 @@ def test_compute_copies_are_what_the_projections_read(tiny_path):
     changed = {**compute, "w_head": compute["w_head"] * 2}
     loss = jax.device_get(grads(params, changed)[1][0])
     assert np.asarray(loss).tobytes() != np.asarray(ref[1][0]).tobytes()
+
+
+def test_experts_read_their_compute_copies(tiny_path):
+    """model.kernels=pallas: the routed experts' stacks get a once-per-step copy (cast, and its transpose for
+    dx; gmm.ops.grouped_compute_copy); loss and every gradient are byte-equal to casting at each use, and the
+    experts read the copies (negative control: the experts' copies of other weights change the loss). With
+    expert dispatch (canonical numerics, mesh.expert = 2) the rows travel to the experts, which read the
+    masters: no experts' copies (control: without the expert axis there are)."""
+    over = ["model.kernels=pallas", "model.pattern='E'", "model.mtp.depth=0", "model.dropout=0", "train.seq_len=32"]
+    cfg = load_config(tiny_path, [*over, "train.global_batch=2", "train.micro_batch=2"])
+    trainer = Trainer(cfg)
+    state = jax.jit(trainer.init_state)(jax.random.key(0))
+    compute = jax.jit(trainer.compute_copies)(state.params)
+    experts = compute["layer_0"]["mixer"]["experts"]
+    assert sorted(experts) == ["w_down", "w_gate", "w_up"]
+    w_gate = state.params["layer_0"]["mixer"]["experts"]["w_gate"]
+    assert experts["w_gate"][0].dtype == jnp.bfloat16 and experts["w_gate"][1].shape == jnp.swapaxes(w_gate, 1, 2).shape
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.model.vocab_size)
+
+    @jax.jit
+    def grads(compute):
+        return jax.grad(trainer.micro_objective, has_aux=True)(state.params, tokens, jax.random.key(2), compute=compute)
+
+    ref, got = jax.device_get(grads(None)), jax.device_get(grads(compute))
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    doubled = jax.tree.map(lambda w: 2 * w, state.params["layer_0"]["mixer"]["experts"])
+    other = jax.jit(trainer.compute_copies)({**state.params, "layer_0": {"mixer": {"experts": doubled}}})
+    mixer = compute["layer_0"]["mixer"]
+    changed = {**compute, "layer_0": {"mixer": {**mixer, "experts": other["layer_0"]["mixer"]["experts"]}}}
+    assert np.asarray(grads(changed)[1][0]).tobytes() != np.asarray(ref[1][0]).tobytes()
+
+    from detjax.sharding.mesh import build_layout
+
+    def copied(over):  # which expert modules get copies, canonical numerics on the 8-device tiny mesh
+        pallas = ["model.kernels=pallas", "model.head_dim=16", "model.mamba.d_state=16", "model.mamba.chunk_size=16"]
+        cfg = load_config("configs/tiny_mesh.yaml", ["determinism.numerics=canonical", *pallas, *over])
+        trainer = Trainer(cfg, layout=build_layout(cfg))
+        shapes = jax.eval_shape(trainer.compute_copies, jax.eval_shape(trainer.init_state, jax.random.key(0)).params)
+        return [k for k, _ in jax.tree_util.tree_flatten_with_path(shapes)[0] if "experts" in jax.tree_util.keystr(k)]
+
+    assert copied(["mesh.expert=2", "model.moe.experts_impl=pallas"]) == []
+    assert copied(["model.moe.experts_impl=pallas"])  # control: no expert axis, the experts read copies

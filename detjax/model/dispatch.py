@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.model.fp8 import fp8_grouped_matmul, fp8_grouped_matmul_copy
-from detjax.pallas_kernels.gmm.ops import grouped_matmul
+from detjax.pallas_kernels.gmm.ops import grouped_matmul, grouped_matmul_copy
 from detjax.sharding import tensor as tp_ops
 from detjax.sharding.tensor import TensorSplit
 
@@ -57,19 +57,22 @@ def expert_ffn(
     dtype,
     kernels: str = "reference",
     fp8_scales: tuple | None = None,
-    fp8_copies: tuple | None = None,
+    weight_copies: tuple | None = None,
 ) -> jax.Array:
     """SwiGLU per expert over rows sorted by expert (group sizes gs_E): grouped matmuls (XLA's ragged_dot,
     or with kernels=pallas the fixed-order Pallas gmm/tgmm; `kernels` here is the resolved experts_impl).
     fp8_scales: (gate, up, down) scale vectors of model.fp8 (detjax.model.fp8.fp8_grouped_matmul);
-    fp8_copies: their weights' fp8.grouped_weight_copy, made once per step by the trainer, or None."""
-    scales, copies = iter(fp8_scales or ()), iter(fp8_copies or ())
+    weight_copies: the (gate, up, down) weights' copies the trainer made once per step, or None: with
+    fp8_scales fp8.grouped_weight_copy, else (kernels=pallas) gmm.ops.grouped_compute_copy."""
+    scales, copies = iter(fp8_scales or ()), iter(weight_copies or ())
 
     def gmm(a, w):
-        if fp8_scales is not None and fp8_copies is not None:
+        if fp8_scales is not None and weight_copies is not None:
             return fp8_grouped_matmul_copy(a.astype(dtype), w, gs_E, next(scales), next(copies), kernels, dtype)
         if fp8_scales is not None:
             return fp8_grouped_matmul(a.astype(dtype), w, gs_E, next(scales), kernels, dtype)
+        if kernels == "pallas" and weight_copies is not None:
+            return grouped_matmul_copy(a.astype(dtype), w, gs_E, next(copies))
         if kernels == "pallas":
             return grouped_matmul(a.astype(dtype), w.astype(dtype), gs_E)
         return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)

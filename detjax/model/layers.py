@@ -18,6 +18,7 @@ from detjax.model.fp8 import (
     scale_var,
     weight_copy,
 )
+from detjax.pallas_kernels.gmm.ops import grouped_compute_copy
 from detjax.pallas_kernels.matmul.ops import compute_copy, dense, dense_many, fuse
 from detjax.pallas_kernels.ordered import pinned_normalize, pinned_softmax, tree_sum_last  # noqa: F401 (the model's names)
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
@@ -88,9 +89,12 @@ def copy_key(names: tuple[str, ...]) -> str:
     return "+".join(names)
 
 
-def module_copies(tree: dict, dtype, fp8_scales: dict | None = None) -> dict:
+def module_copies(tree: dict, dtype, fp8_scales: dict | None = None, experts: bool = True) -> dict:
     """The compute copies of one module's parameter dict (COMPUTE_COPIES), {copy_key: weight}. fp8_scales:
-    the module's fp8 scale sets (model.fp8 on): FP8_SCALES groups become fp8 weight copies."""
+    the module's fp8 scale sets (model.fp8 on): FP8_SCALES groups become fp8 weight copies. The routed
+    experts' stacks (3-D w_gate, w_up, w_down), where `experts` says the experts run on this device's whole
+    stacks (no expert dispatch, which reads the weights itself): fp8.grouped_weight_copy with fp8 scales,
+    else gmm.ops.grouped_compute_copy, under their own names."""
     out = {}
     for names, (contracted, ndim) in COMPUTE_COPIES.items():
         ws = [tree.get(n) for n in names]
@@ -102,10 +106,15 @@ def module_copies(tree: dict, dtype, fp8_scales: dict | None = None) -> dict:
             out[copy_key(names)] = weight_copy(fused, fp8_scales[FP8_SCALES[names]], "pallas")
         else:
             out[copy_key(names)] = compute_copy(ws, contracted, dtype)
-    experts = [tree.get(n) for n in ("w_gate", "w_up", "w_down")]
-    if fp8_scales is not None and all(isinstance(w, jax.Array) and w.ndim == 3 for w in experts):
-        for n, w in zip(("w_gate", "w_up", "w_down"), experts, strict=True):  # the routed experts' stacks
+    names = ("w_gate", "w_up", "w_down")
+    stacks = [tree.get(n) for n in names]
+    if not all(isinstance(w, jax.Array) and w.ndim == 3 and w.dtype == jnp.float32 for w in stacks):
+        return out
+    for n, w in zip(names, stacks, strict=True):  # the routed experts' stacks
+        if fp8_scales is not None:
             out[n] = grouped_weight_copy(w, fp8_scales[n[2:]], "pallas")
+        elif experts:
+            out[n] = grouped_compute_copy(w, dtype)
     return out
 
 

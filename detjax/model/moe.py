@@ -96,8 +96,8 @@ class Experts(nn.Module):
         if tp is not None:
             ys_RD = expert_ffn_chunked(tp, xs_RD, gs_E, weights, dtype, self.kernels, scales).astype(dtype)
         else:
-            copies = None  # the trainer's once-per-step fp8 weights (layers.module_copies), when it made them
-            if scales is not None and self.kernels == "pallas" and self.has_variable("compute", "w_gate"):
+            copies = None  # the trainer's once-per-step weight copies (layers.module_copies), when it made them
+            if self.kernels == "pallas" and self.has_variable("compute", "w_gate"):
                 copies = tuple(self.get_variable("compute", n) for n in ("w_gate", "w_up", "w_down"))
             ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype, self.kernels, scales, copies).astype(dtype)
         if self.combine == "scatter_add":

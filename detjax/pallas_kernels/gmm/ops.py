@@ -41,6 +41,45 @@ def grouped_matmul(x_RK: jax.Array, w_EKN: jax.Array, group_sizes_E: jax.Array, 
     return _fwd(x_RK, w_EKN, group_sizes_E, impl)[0]
 
 
+def grouped_compute_copy(w_EKN: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """What the grouped products read of a float32 expert stack w (E, K, N) in the compute dtype: (w, w with K
+    and N swapped), cast. The trainer makes it once per step (Trainer.compute_copies); without it each
+    microbatch casts the stack for the forward and casts and transposes it again for the backward."""
+    w_c = w_EKN.astype(dtype)
+    return w_c, jnp.swapaxes(w_c, 1, 2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def grouped_matmul_copy(x_RK, w_EKN, group_sizes_E, w_c: tuple, impl: str = "auto") -> jax.Array:
+    """grouped_matmul(x, w.astype(x.dtype), group_sizes, impl) reading w_c = grouped_compute_copy(w, x.dtype),
+    made beforehand: w's values are not read, w only receives dw, rounded to the compute dtype first as the
+    cast at use rounds it. The same bytes, so the same bits."""
+    _check_copy(x_RK, w_EKN, w_c)
+    return _fwd(x_RK, w_c[0], group_sizes_E, impl, w_c[1])[0]
+
+
+def _check_copy(x_RK, w_EKN, w_c) -> None:
+    if len(w_c) != 2 or w_c[0].shape != w_EKN.shape or w_c[0].dtype != x_RK.dtype:
+        raise ValueError(
+            f"expert weight copy does not fit w {w_EKN.shape} in {x_RK.dtype} (gmm.ops.grouped_compute_copy)"
+        )
+
+
+def _copy_fwd(x_RK, w_EKN, group_sizes_E, w_c, impl):
+    _check_copy(x_RK, w_EKN, w_c)
+    y, res = _fwd(x_RK, w_c[0], group_sizes_E, impl, w_c[1])
+    return y, (res, jnp.zeros((0,), w_EKN.dtype))  # w's dtype, for dw (no data)
+
+
+def _copy_bwd(impl, res, dy_RN):
+    res, w_dtype = res
+    dx, dw, _ = _bwd(impl, res, dy_RN)
+    return dx, dw.astype(w_dtype.dtype), None, None  # the copy is a constant of the step: no gradient into it
+
+
+grouped_matmul_copy.defvjp(_copy_fwd, _copy_bwd)
+
+
 def _mosaic(x_RK, w_EKN, impl: str) -> bool:
     if impl == "auto":
         return MOSAIC_BF16 and use_mosaic(x_RK.dtype, w_EKN.dtype, *w_EKN.shape[1:])
@@ -49,24 +88,26 @@ def _mosaic(x_RK, w_EKN, impl: str) -> bool:
     return impl == "mosaic"
 
 
-def _fwd(x_RK, w_EKN, group_sizes_E, impl):
+def _fwd(x_RK, w_EKN, group_sizes_E, impl, w_ENK=None):
+    """`w_ENK`: w with K and N swapped, where the caller has it (a compute copy); else made where needed."""
     if _mosaic(x_RK, w_EKN, impl):
-        return _fwd_mosaic(x_RK, w_EKN, group_sizes_E)
+        return _fwd_mosaic(x_RK, w_EKN, group_sizes_E, w_ENK)
     y = gmm(x_RK, w_EKN, group_sizes_E, out_dtype=jnp.float32, interpret=interpret_mode())
-    return y, (x_RK, w_EKN, group_sizes_E)
+    return y, (x_RK, w_EKN, group_sizes_E, w_ENK)
 
 
 def _bwd(impl, res, dy_RN):
     if _mosaic(res[0], res[1], impl):  # the residuals keep x's dtype and w
         return _bwd_mosaic(res, dy_RN)
-    x_RK, w_EKN, gs_E = res
+    x_RK, w_EKN, gs_E, w_ENK = res
     dy = dy_RN.astype(x_RK.dtype)  # low-precision operands, float32 accumulation (as in the forward)
-    dx = gmm(dy, jnp.swapaxes(w_EKN, 1, 2), gs_E, out_dtype=x_RK.dtype, interpret=interpret_mode())
+    w_ENK = jnp.swapaxes(w_EKN, 1, 2) if w_ENK is None else w_ENK
+    dx = gmm(dy, w_ENK, gs_E, out_dtype=x_RK.dtype, interpret=interpret_mode())
     dw = tgmm(x_RK, dy, gs_E, out_dtype=w_EKN.dtype, interpret=interpret_mode())
     return dx, dw, None
 
 
-def _fwd_mosaic(x_RK, w_EKN, gs_E):
+def _fwd_mosaic(x_RK, w_EKN, gs_E, w_ENK=None):
     """The rows copied into the padded group layout, each row tile times its expert's w^T copy (K contiguous,
     as the "nt" product reads it), the rows copied back out."""
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
@@ -74,7 +115,8 @@ def _fwd_mosaic(x_RK, w_EKN, gs_E):
 
     lay = gmosaic.padded_layout(gs_E, x_RK.shape[0], mosaic.block_r(x_RK.dtype))
     x_PK = gmosaic.to_padded(x_RK, lay)
-    y = gmosaic.grouped_nt(x_PK, jnp.swapaxes(w_EKN, 1, 2), lay, out_dtype=jnp.float32, interpret=interpret_mode())
+    w_ENK = jnp.swapaxes(w_EKN, 1, 2) if w_ENK is None else w_ENK
+    y = gmosaic.grouped_nt(x_PK, w_ENK, lay, out_dtype=jnp.float32, interpret=interpret_mode())
     return gmosaic.from_padded(y, lay), (x_PK, w_EKN, lay)
 
 
