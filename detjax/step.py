@@ -242,11 +242,14 @@ class Trainer:
         if self.fp8 and (fp8_scales is None or (self.layout is not None and not self.layout.trivial)):
             return None
 
-        # the routed experts read their copies unless their rows travel to other devices (expert dispatch)
+        # the routed experts read their copies where they run the Pallas products on the device's whole stacks:
+        # not with XLA's ragged_dot, nor where their rows travel to other devices (expert dispatch)
+        m = self.cfg.model
         if self.canonical:
             experts = self.expert_split is None
         else:
             experts = self.layout is None or self.layout.degrees["expert"] == 1
+        experts = experts and m.moe.experts_kernels(m.kernels) == "pallas"
 
         def walk(tree, scales):
             out = module_copies(tree, dtype, scales if self.fp8 else None, experts)

@@ -114,7 +114,7 @@ def test_experts_read_their_compute_copies(tiny_path):
     dx; gmm.ops.grouped_compute_copy); loss and every gradient are byte-equal to casting at each use, and the
     experts read the copies (negative control: the experts' copies of other weights change the loss). With
     expert dispatch (canonical numerics, mesh.expert = 2) the rows travel to the experts, which read the
-    masters: no experts' copies (control: without the expert axis there are)."""
+    masters, and XLA's ragged_dot casts at use: no experts' copies then (control: without either there are)."""
     over = ["model.kernels=pallas", "model.pattern='E'", "model.mtp.depth=0", "model.dropout=0", "train.seq_len=32"]
     cfg = load_config(tiny_path, [*over, "train.global_batch=2", "train.micro_batch=2"])
     trainer = Trainer(cfg)
@@ -149,4 +149,5 @@ def test_experts_read_their_compute_copies(tiny_path):
         return [k for k, _ in jax.tree_util.tree_flatten_with_path(shapes)[0] if "experts" in jax.tree_util.keystr(k)]
 
     assert copied(["mesh.expert=2", "model.moe.experts_impl=pallas"]) == []
+    assert copied(["model.moe.experts_impl=ragged_dot"]) == []  # XLA's grouped products cast at use
     assert copied(["model.moe.experts_impl=pallas"])  # control: no expert axis, the experts read copies
