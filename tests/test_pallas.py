@@ -484,7 +484,8 @@ def test_gmm_compute_copy_gives_the_cast_at_use_bits():
     """grouped_matmul_copy reads the step's once-per-step copy (gmm.ops.grouped_compute_copy: the stack cast,
     and its transpose for dx) in place of casting the float32 stack at each use: y, dx and the float32 dw are
     byte-equal to grouped_matmul of the cast stack, on both paths (Mosaic under its interpreter), on general
-    values. Negative control: a copy of another stack changes y and dx, and dw still reaches w."""
+    values; dw comes back in w's float32. Negative control: a copy of another stack changes y and dx. A copy
+    of another shape is refused."""
     from detjax.pallas_kernels.gmm.ops import grouped_compute_copy, grouped_matmul_copy
 
     ks = jax.random.split(jax.random.key(5), 3)
