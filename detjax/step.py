@@ -375,7 +375,7 @@ class Trainer:
 
         def head(outer, h, tokens, key, e=None, scales=None):
             variables = {"params": outer} | ({"fp8": scales} if scales is not None else {})
-            outs = model.apply(variables, h, tokens[:, :-1], True, key, e, method=HybridLM.outputs)
+            outs = model.apply(variables, h, tokens[:, :-1], True, key, e, tokens[:, 1:], method=HybridLM.outputs)
             terms = self.objective.terms(*outs, tokens, split=tp)
             return self.objective.total(terms), terms
 

@@ -145,3 +145,73 @@ def test_xla_projection_backward_multiplies_in_the_compute_dtype():
     assert dx.dtype == jnp.float32 and dw.dtype == jnp.float32
     np.testing.assert_allclose(dx, rx, rtol=2e-2, atol=1e-2)
     np.testing.assert_allclose(dw, rw, rtol=2e-2, atol=1e-2)
+
+
+def test_ce_of_compute_dtype_logits_writes_its_gradient_in_that_dtype():
+    """ce.token_ce_of: the forward's bytes are token_ce's of the widened logits; the backward is one pass of
+    the ce_grad formula rounded to bf16 (byte-equal to it), close to autodiff of token_ce and rounded, and it
+    keeps the bf16 logits for the backward where autodiff of the widened logits keeps a float32 copy.
+    Negative control: other cotangents give other bytes."""
+    from detjax.model.ce import token_ce, token_ce_of
+    from detjax.pallas_kernels.matmul.quantize import ce_grad
+
+    b, length, v = 2, 8, 96
+    logits = (3 * jax.random.normal(jax.random.key(0), (b, length, v))).astype(jnp.bfloat16)
+    targets = jax.random.randint(jax.random.key(1), (b, length), 0, v)
+    dce = jax.random.uniform(jax.random.key(2), (b, length), minval=0.5, maxval=2.0)
+
+    ce, vjp = jax.vjp(lambda x: token_ce_of(x, targets), logits)
+    want = token_ce(logits.astype(jnp.float32), targets)[0]
+    np.testing.assert_array_equal(np.asarray(ce).view(np.uint32), np.asarray(want).view(np.uint32))
+
+    (g,) = vjp(dce)
+    assert g.dtype == jnp.bfloat16 and g.shape == logits.shape
+    lse = token_ce(logits.astype(jnp.float32), targets)[1]
+    formula = ce_grad(logits.reshape(-1, v), lse.reshape(-1), targets.reshape(-1), dce.reshape(-1))
+    formula = formula.astype(jnp.bfloat16).reshape(logits.shape)
+    np.testing.assert_array_equal(np.asarray(g).view(np.uint16), np.asarray(formula).view(np.uint16))
+
+    autodiff = jax.vjp(lambda x: token_ce(x.astype(jnp.float32), targets)[0], logits)[1](dce)[0]
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(autodiff, np.float32), rtol=2e-2, atol=1e-3)
+
+    (g2,) = vjp(dce * 1.5)
+    assert np.asarray(g2).view(np.uint16).tobytes() != np.asarray(g).view(np.uint16).tobytes()
+
+    def saved(vjp_fn):  # the (tokens x vocabulary) arrays a vjp keeps for the backward, by dtype
+        return sorted(str(r.dtype) for r in jax.tree.leaves(vjp_fn) if getattr(r, "shape", ()) == logits.shape)
+
+    assert saved(vjp) == ["bfloat16"]
+    assert "float32" in saved(jax.vjp(lambda x: token_ce(x.astype(jnp.float32), targets)[0], logits)[1])
+
+
+def test_bf16_head_returns_its_token_losses_under_pallas_kernels():
+    """In training (targets given) the bf16 LM head under model.kernels=pallas returns TokenCE, whose sum is the
+    loss of the logits it returns without targets; under model.kernels=reference it returns the logits."""
+    from detjax.loss import token_ce_sum
+    from detjax.model.ce import TokenCE
+
+    ids = jax.random.randint(jax.random.key(3), (2, 17), 0, 128)
+    for kernels in ("pallas", "reference"):
+        cfg = dataclasses.replace(
+            ModelConfig(),
+            pattern="*",
+            d_model=32,
+            ffn_dim=64,
+            n_heads=2,
+            n_kv_heads=1,
+            head_dim=16,
+            vocab_size=128,
+            kernels=kernels,
+            mtp=dataclasses.replace(ModelConfig().mtp, depth=0),
+        )
+        m = HybridLM(cfg)
+        params = nn.unbox(jax.jit(m.init)(jax.random.key(0), ids[:, :-1])["params"])
+        out = jax.jit(lambda p, m=m: m.apply({"params": p}, ids[:, :-1], targets_BL=ids[:, 1:]))(params)[0]
+        logits = jax.jit(lambda p, m=m: m.apply({"params": p}, ids[:, :-1]))(params)[0]
+        assert logits.dtype == jnp.float32
+        if kernels == "pallas":
+            assert isinstance(out, TokenCE)
+            want = token_ce_sum(logits, ids[:, 1:])
+            assert np.asarray(jnp.sum(out.ce_BL)).view(np.uint32) == np.asarray(want).view(np.uint32)
+        else:
+            assert not isinstance(out, TokenCE)

@@ -1,5 +1,7 @@
-"""The per-token cross-entropy: the one formula every head and loss reads (detjax.loss sums it; the fused fp8 LM
-head, detjax.model.fp8.fp8_head_ce, computes it in its forward and returns TokenCE in place of logits)."""
+"""The per-token cross-entropy: the one formula every head and loss reads (detjax.loss sums it). In training the
+LM head under model.kernels=pallas returns TokenCE in place of logits: the bf16 head through token_ce_of
+(below), the fused fp8 head through detjax.model.fp8.fp8_head_ce; both differentiate it with the same formula
+(matmul.quantize.ce_grad)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import jax.numpy as jnp
 
 
 class TokenCE(NamedTuple):
-    """What the model returns in place of logits when its LM head computed the loss itself (fp8_head_ce): the
-    per-token cross-entropy (B, L), float32. detjax.loss sums it as it sums logsumexp - label."""
+    """What the model returns in place of logits when its LM head computed the loss itself (token_ce_of,
+    fp8_head_ce): the per-token cross-entropy (B, L), float32. detjax.loss sums it as it sums logsumexp - label."""
 
     ce_BL: jax.Array
 
@@ -26,3 +28,32 @@ def token_ce(logits_BLV: jax.Array, targets_BL: jax.Array) -> tuple[jax.Array, j
     )
     label_BL = jnp.sum(jnp.where(vocab == targets_BL[..., None], logits_BLV, 0.0), axis=-1)
     return logz_BL - label_BL, logz_BL
+
+
+@jax.custom_vjp
+def token_ce_of(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
+    """Per-token cross-entropy (B, L), float32, of logits in the compute dtype (the bf16 LM head's): the forward
+    is token_ce of the logits widened to float32, the same values and bits. The backward writes the logits'
+    gradient in their own dtype in one elementwise pass, dce * (exp(logits - lse) - onehot) in float32 then
+    rounded (matmul.quantize.ce_grad, the fp8 head's formula), from the stored compute-dtype logits and the
+    rows' logsumexp. Differentiating token_ce of widened logits instead stores the float32 logits for the
+    backward, writes their float32 gradient and rounds it in a second pass: about three times the memory
+    traffic over a (tokens x vocabulary) array, in every microbatch and head."""
+    return _ce_of_fwd(logits_BLV, targets_BL)[0]
+
+
+def _ce_of_fwd(logits_BLV, targets_BL):
+    ce_BL, logz_BL = token_ce(logits_BLV.astype(jnp.float32), targets_BL)
+    return ce_BL, (logits_BLV, logz_BL, targets_BL)
+
+
+def _ce_of_bwd(res, dce_BL):
+    from detjax.pallas_kernels.matmul.quantize import ce_grad
+
+    logits_BLV, logz_BL, targets_BL = res
+    v = logits_BLV.shape[-1]
+    g_MV = ce_grad(logits_BLV.reshape(-1, v), logz_BL.reshape(-1), targets_BL.reshape(-1), dce_BL.reshape(-1))
+    return g_MV.astype(logits_BLV.dtype).reshape(logits_BLV.shape), None
+
+
+token_ce_of.defvjp(_ce_of_fwd, _ce_of_bwd)

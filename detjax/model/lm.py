@@ -10,7 +10,7 @@ from flax import linen as nn
 
 from detjax.config import ModelConfig
 from detjax.model.attention import Attention
-from detjax.model.ce import TokenCE
+from detjax.model.ce import TokenCE, token_ce_of
 from detjax.model.fp8 import fp8_head_ce, fused_head_ce, scale_var
 from detjax.model.layers import DTYPES, MLP, Embed, RMSNorm, copy_of, normal_init, param, proj
 from detjax.model.mamba2 import Mamba2
@@ -159,8 +159,12 @@ class HybridLM(nn.Module):
         self, h_BLD: jax.Array, fp8_scale: jax.Array | None = None, targets_BL: jax.Array | None = None
     ) -> jax.Array | TokenCE:
         """Logits of the normed stream; fp8_scale: the head's scale set (model.fp8.lm_head), one use's copy.
-        With `targets_BL` and an fp8 head on the Mosaic path (fp8.fused_head_ce), the per-token loss instead
-        (TokenCE: the head and its cross-entropy as one fp8 operation, fp8.fp8_head_ce)."""
+        With `targets_BL` (training) under model.kernels=pallas, the per-token loss instead, as TokenCE: from
+        the compute-dtype logits (ce.token_ce_of, whose backward writes their gradient in that dtype), or with
+        an fp8 head on the Mosaic path (fp8.fused_head_ce) the head and its cross-entropy as one fp8 operation
+        (fp8.fp8_head_ce). model.kernels=reference returns the logits widened to float32 and the loss
+        differentiates ce.token_ce as plain JAX would; tensor-parallel chunks always return logits (their loss
+        is tensor.ce_sum)."""
         dtype = DTYPES[self.cfg.compute_dtype]
         w_DV, kernels = self.w_head_DV, self.cfg.kernels
         if targets_BL is not None and fp8_scale is not None and self.tp is None and fused_head_ce(w_DV, kernels):
@@ -177,6 +181,10 @@ class HybridLM(nn.Module):
 
             logits_cBLV = tp_ops.per_chunk(chunk, tp_ops.fanout(self.tp, h_BLD), w_cDV)
             return logits_cBLV.astype(dtype).astype(jnp.float32)
+        if targets_BL is not None and fp8_scale is None and kernels == "pallas":  # the loss's backward in dtype
+            logits_BLV = proj("bld,dv->blv", h_BLD, w_DV, dtype, kernels, None, (self, ("w_head",)))
+            logits_BLV = constrain(logits_BLV, self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB), "logits")
+            return TokenCE(token_ce_of(logits_BLV, targets_BL))
         logits_BLV = proj("bld,dv->blv", h_BLD, w_DV, dtype, kernels, fp8_scale, (self, ("w_head",)), out_f32=True)
         return constrain(logits_BLV, self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_VOCAB), "logits")
 
