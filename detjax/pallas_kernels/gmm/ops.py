@@ -17,9 +17,10 @@ import jax.numpy as jnp
 from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.gmm.kernel import gmm, tgmm
 
-# Whether "auto" takes the Mosaic path for bf16 experts. Off: on an H100 it gave the Triton kernels' bytes but
-# took 0.87 ms against Triton's 0.56 for gpu_medium's expert product, forward and backward (16384 rows x 1024 x
-# 1024 over 8 experts; `scripts/gemm_bench.py --grouped`, docs/BENCHMARKS.md "GEMMs"). Not profiled.
+# Whether "auto" takes the Mosaic path for bf16 experts. Off: it gives the Triton kernels' bytes, but took 0.82 ms
+# against Triton's 0.51 for gpu_medium's expert product, forward and backward, on an H200 (16384 rows x 1024 x
+# 1024 over 8 experts; `scripts/gemm_bench.py --grouped --breakdown 12`, docs/BENCHMARKS.md "GEMMs"): its
+# kernels took 0.18 ms against Triton's 0.34, its layout copies 0.52. Not yet timed with _materialized below.
 MOSAIC_BF16 = False
 
 
@@ -107,6 +108,14 @@ def _bwd(impl, res, dy_RN):
     return dx, dw, None
 
 
+def _materialized(v_PK: jax.Array) -> jax.Array:
+    """A padded-layout copy written once, before anything reads it: the products read it and dw reads its plain
+    transpose, where XLA could otherwise fuse the row gather into that transpose (a gather whose writes are
+    strided; the bf16 path's select-and-transpose fusions, docs/BENCHMARKS.md "GEMMs"). Data movement only: the
+    bytes are the same either way."""
+    return jax.lax.optimization_barrier(v_PK)
+
+
 def _fwd_mosaic(x_RK, w_EKN, gs_E, w_ENK=None):
     """The rows copied into the padded group layout, each row tile times its expert's w^T copy (K contiguous,
     as the "nt" product reads it), the rows copied back out."""
@@ -114,7 +123,7 @@ def _fwd_mosaic(x_RK, w_EKN, gs_E, w_ENK=None):
     from detjax.pallas_kernels.matmul import mosaic
 
     lay = gmosaic.padded_layout(gs_E, x_RK.shape[0], mosaic.block_r(x_RK.dtype))
-    x_PK = gmosaic.to_padded(x_RK, lay)
+    x_PK = _materialized(gmosaic.to_padded(x_RK, lay))
     w_ENK = jnp.swapaxes(w_EKN, 1, 2) if w_ENK is None else w_ENK
     y = gmosaic.grouped_nt(x_PK, w_ENK, lay, out_dtype=jnp.float32, interpret=interpret_mode())
     return gmosaic.from_padded(y, lay), (x_PK, w_EKN, lay)
@@ -126,7 +135,7 @@ def _bwd_mosaic(res, dy_RN):
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
 
     x_PK, w_EKN, lay = res
-    dy_PN = gmosaic.to_padded(dy_RN.astype(x_PK.dtype), lay)
+    dy_PN = _materialized(gmosaic.to_padded(dy_RN.astype(x_PK.dtype), lay))
     dx = gmosaic.grouped_nt(dy_PN, w_EKN, lay, out_dtype=x_PK.dtype, interpret=interpret_mode())
     dw = gmosaic.grouped_tnt(x_PK.T, dy_PN.T, lay, interpret=interpret_mode())
     return gmosaic.from_padded(dx, lay), dw.astype(w_EKN.dtype), None
