@@ -12,6 +12,7 @@ sets and shape classes (detjax/pallas_kernels/matmul/kernel.py: TILE_SETS, tile_
     python3 scripts/gemm_bench.py --mosaic-variants --no-table  # the Mosaic kernel's speed knobs: time and bits
     python3 scripts/gemm_bench.py --mosaic-variants --no-table --only mlp  # the MLP's products only
     python3 scripts/gemm_bench.py --grouped --no-table  # gpu_medium's experts: bf16 Triton / Mosaic, fp8 Mosaic
+    python3 scripts/gemm_bench.py --swiglu --no-table   # their whole SwiGLU: Triton / Mosaic on the padded layout
 
 Run with XLA's default flags (autotuning on): the XLA column is the GEMM XLA picks for the shape. Times: one
 jitted call runs the product on 8 different input sets (so no launch or host sync is timed per product);
@@ -356,14 +357,67 @@ def grouped_table(reps: int, breakdown: int = 0) -> None:
     )
 
 
-def print_breakdown(fns: dict, sets, reps: int, top: int) -> None:
-    """Each function's device time per product by op, its `top` largest ops and the rest."""
+def swiglu_table(reps: int, breakdown: int = 0, shape: tuple[int, int, int, int] = (16384, 8, 1024, 1024)) -> None:
+    """gpu_medium's routed experts' whole SwiGLU (gate and up products, silu(g) * u, down product) at one
+    microbatch's 16384 rows over 8 experts, forward and backward, reading bf16 weight copies (made inside the
+    timed call, alike for both): the default (dispatch.expert_ffn's three products on the Triton gmm / tgmm,
+    grouped_matmul_copy) against the Mosaic
+    path with the rows kept in the padded group layout (gmm.ops.grouped_swiglu_padded), timed alternately,
+    with whether the two give the same bytes. `breakdown` > 0: each path's device time by op. `shape`: (rows,
+    experts, d, f)."""
+    from detjax.pallas_kernels.gmm.ops import grouped_compute_copy, grouped_matmul_copy, grouped_swiglu_padded
+
+    (rows, e, d, f), bf = shape, jnp.bfloat16
+    counts = np.bincount(np.random.default_rng(0).integers(0, e, rows), minlength=e)
+    gs = jnp.asarray(counts, jnp.int32)
+    sets = []
+    for i in range(SETS):
+        ks = jax.random.split(jax.random.key(100 + i), 5)
+        shapes = [(e, d, f), (e, d, f), (e, f, d)]
+        ws = tuple(0.02 * jax.random.normal(k, shape) for k, shape in zip(ks[1:4], shapes, strict=True))
+        x = jax.random.normal(ks[0], (rows, d)).astype(bf)
+        sets.append((x, ws, jax.random.normal(ks[4], (rows, d))))
+
+    def fwd_bwd(ffn):
+        def one(x, ws, g):
+            copies = tuple(grouped_compute_copy(w, bf) for w in ws)  # once per step in training
+            y, pull = jax.vjp(lambda x, *ws: ffn(x, ws, copies), x, *ws)
+            return y, *pull(g)
+
+        return jax.jit(lambda batch: [one(*s) for s in batch])
+
+    def triton(x, ws, copies):  # dispatch.expert_ffn's default path
+        def mm(a, w, c):
+            return grouped_matmul_copy(a, w, gs, c, "triton")
+
+        return mm((jax.nn.silu(mm(x, ws[0], copies[0])) * mm(x, ws[1], copies[1])).astype(bf), ws[2], copies[2])
+
+    fns = {
+        "triton": fwd_bwd(triton),
+        "padded mosaic": fwd_bwd(lambda x, ws, copies: grouped_swiglu_padded(x, gs, ws, bf, copies)),
+    }
+    if breakdown:
+        print_breakdown(fns, sets, reps, breakdown, "SwiGLU")
+    t_tri, t_pad = timed_pair(fns["triton"], fns["padded mosaic"], sets, reps)
+    outs = [jax.tree.leaves(fn(sets[:1])) for fn in fns.values()]
+    same = all(
+        np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)) for a, b in zip(*outs, strict=True)
+    )
+    print(
+        f"experts' SwiGLU fwd+bwd {rows} rows, d {d}, f {f}, {e} experts: triton (three grouped_matmul) "
+        f"{t_tri:.4f} ms | padded-layout mosaic {t_pad:.4f} ms ({t_tri / t_pad:.2f} x) | bytes equal {same}",
+        flush=True,
+    )
+
+
+def print_breakdown(fns: dict, sets, reps: int, top: int, unit: str = "product") -> None:
+    """Each function's device time per `unit` (one input set) by op, its `top` largest ops and the rest."""
     from profile_step import op_breakdown  # scripts/ is on sys.path when this file runs as a script
 
     for key, fn in fns.items():
         rows = op_breakdown(lambda fn=fn: jax.block_until_ready(fn(sets)), reps)
         total = sum(ms for _, ms, _ in rows) / SETS
-        print(f"  {key}: {total:.4f} ms of device time a product, by op:", flush=True)
+        print(f"  {key}: {total:.4f} ms of device time a {unit}, by op:", flush=True)
         for name, ms, calls in rows[:top]:
             print(f"    {ms / SETS:.4f} ms  {calls / SETS:g} calls  {name}", flush=True)
         rest = sum(ms for _, ms, _ in rows[top:]) / SETS
@@ -499,8 +553,9 @@ def main() -> int:
     ap.add_argument("--fp8", action="store_true", help="model.fp8's products (Mosaic and Triton) against bf16")
     ap.add_argument("--grouped", action="store_true", help="gpu_medium's experts: bf16 Triton / Mosaic, fp8 Mosaic")
     ap.add_argument(
-        "--breakdown", type=int, default=0, help="--grouped: the first product's N largest device ops per path"
+        "--swiglu", action="store_true", help="gpu_medium's experts' whole SwiGLU: Triton vs padded-layout Mosaic"
     )
+    ap.add_argument("--breakdown", type=int, default=0, help="--grouped / --swiglu: each path's N largest device ops")
     a = ap.parse_args()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, M = {M} rows", flush=True)
     if a.tile_bits:
@@ -509,6 +564,8 @@ def main() -> int:
         sweep(a.reps, tuple(a.kinds.split(",")), tuple(int(c) for c in a.dw_chunks.split(",") if c))
     if a.fp8:
         fp8_table(a.reps)
+    if a.swiglu:
+        swiglu_table(a.reps, a.breakdown)
     if a.grouped:
         grouped_table(a.reps, a.breakdown)
     if a.mosaic_variants:

@@ -513,6 +513,56 @@ def test_gmm_compute_copy_gives_the_cast_at_use_bits():
         grouped_matmul_copy(x, w, gs, grouped_compute_copy(w[:, :128], jnp.bfloat16))
 
 
+def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypatch):
+    """gmm.ops.grouped_swiglu_padded (the experts' three products with the rows kept in the padded group
+    layout, Mosaic under its interpreter) gives the bytes of three grouped_matmul(..., "mosaic") calls around
+    the same SwiGLU: y, dx and the three float32 weight gradients, on general values, with the weights cast
+    at use or read from the step's copies. dispatch.expert_ffn takes it where swiglu_on_padded_layout says
+    so. Negative control: swapped group sizes change y."""
+    from detjax.model import dispatch
+    from detjax.pallas_kernels.gmm.ops import grouped_compute_copy, grouped_swiglu_padded
+
+    bf = jnp.bfloat16
+    ks = jax.random.split(jax.random.key(7), 5)
+    gs = jnp.asarray([0, 300, 90], jnp.int32)
+    x = jax.random.normal(ks[0], (390, 256)).astype(bf)
+    ws = (
+        0.1 * jax.random.normal(ks[1], (3, 256, 256)),
+        0.1 * jax.random.normal(ks[2], (3, 256, 256)),
+        0.1 * jax.random.normal(ks[3], (3, 256, 256)),
+    )
+    g = jax.random.normal(ks[4], (390, 256))
+
+    def per_product(x, *ws, gs=gs):
+        def mm(a, w):
+            return grouped_matmul(a.astype(bf), w.astype(bf), gs, "mosaic")
+
+        return mm((jax.nn.silu(mm(x, ws[0])) * mm(x, ws[1])).astype(bf), ws[2])
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(f, x, ws):
+        y, pull = jax.vjp(f, x, *ws)
+        return y, *pull(g)
+
+    def padded(x, *ws):
+        return grouped_swiglu_padded(x, gs, ws, bf)
+
+    def padded_copies(x, *ws):
+        return grouped_swiglu_padded(x, gs, ws, bf, tuple(grouped_compute_copy(w, bf) for w in ws))
+
+    want = run(per_product, x, ws)
+    for got in (run(padded, x, ws), run(padded_copies, x, ws)):
+        for name, a, b in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), want, got, strict=True):
+            assert a.dtype == b.dtype and _bits(a) == _bits(b), name
+    assert want[0].dtype == jnp.float32 and want[4].dtype == jnp.float32
+    assert float(jnp.max(jnp.abs(want[4][1]))) > 0 and not np.any(np.asarray(want[4][0]))  # expert 0: no rows
+
+    monkeypatch.setattr(dispatch, "swiglu_on_padded_layout", lambda dtype, d, f: True)
+    routed = dispatch.expert_ffn(x, gs, *ws, bf, "pallas")
+    assert _bits(routed) == _bits(want[0])
+    assert _bits(grouped_swiglu_padded(x, gs[::-1], ws, bf)) != _bits(want[0])
+
+
 @pytest.mark.gpu
 def test_gmm_mosaic_path_gives_the_triton_bits_and_replays_on_gpu():
     """On Hopper, the bf16 experts' products on general values (sums that round): the Mosaic path at

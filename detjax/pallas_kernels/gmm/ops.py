@@ -5,7 +5,8 @@ Two kernels, one rule: the Triton gmm / tgmm (gmm/kernel.py, every GPU and the C
 bf16 operands on Hopper, bf16 wgmma through the Mosaic GPU kernel on the padded group layout (gmm/mosaic.py,
 `use_mosaic`; slower, so not the default: MOSAIC_BF16). Both reduce each output element in one ascending loop
 into one float32 accumulator: over K (or N) for the forward and dx, and for dw over the group's own rows in
-blocks aligned to its first row, the rows past its end zero."""
+blocks aligned to its first row, the rows past its end zero. grouped_swiglu_padded runs the experts' whole
+SwiGLU on the Mosaic path with the rows kept in the padded layout between the three products."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ import jax.numpy as jnp
 from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.gmm.kernel import gmm, tgmm
 
-# Whether "auto" takes the Mosaic path for bf16 experts. Off: it gives the Triton kernels' bytes, but took 0.82 ms
+# Whether "auto" takes the Mosaic path for bf16 experts (and dispatch.expert_ffn their whole SwiGLU on the padded
+# layout, grouped_swiglu_padded). Off: it gives the Triton kernels' bytes, but took 0.82 ms
 # against Triton's 0.51 for gpu_medium's expert product, forward and backward, on an H200 (16384 rows x 1024 x
 # 1024 over 8 experts; `scripts/gemm_bench.py --grouped --breakdown 12`, docs/BENCHMARKS.md "GEMMs"): its
-# kernels took 0.18 ms against Triton's 0.34, its layout copies 0.52. Not yet timed with _materialized below.
+# kernels took 0.18 ms against Triton's 0.34, its layout copies 0.52. Neither _materialized nor
+# grouped_swiglu_padded below has been timed (`scripts/gemm_bench.py --swiglu` times the latter).
 MOSAIC_BF16 = False
 
 
@@ -142,3 +145,106 @@ def _bwd_mosaic(res, dy_RN):
 
 
 grouped_matmul.defvjp(_fwd, _bwd)
+
+
+# ------------------------------------------------------------------ the experts' SwiGLU on the padded layout
+def swiglu_on_padded_layout(dtype, d: int, f: int) -> bool:
+    """Whether the experts' SwiGLU (d_model d, expert width f) runs as grouped_swiglu_padded: where "auto"
+    takes the Mosaic path for all three products (MOSAIC_BF16 and use_mosaic of (d, f) and (f, d))."""
+    return MOSAIC_BF16 and use_mosaic(dtype, dtype, d, f) and use_mosaic(dtype, dtype, f, d)
+
+
+def grouped_swiglu_padded(xs_RD, gs_E, weights: tuple, dtype, copies: tuple | None = None) -> jax.Array:
+    """silu(x w_gate[e]) * (x w_up[e]), times w_down[e], per expert over rows sorted by expert (group sizes
+    gs_E), float32 (R, D): the three products on the Mosaic kernel with the rows kept in the padded group
+    layout from the first product to the last. The rows are copied in once and out once (and their
+    cotangents once each way), where three grouped_matmul calls copy in and out around every product.
+
+    The same bytes as three grouped_matmul(..., impl="mosaic") calls around the same SwiGLU, so the Triton
+    gmm / tgmm's (tests): the products see the same rows, the padding rows are zeros (silu(0) * 0 = 0, and
+    their cotangents are zeros), the two cotangents of x are added on the padded rows as they were on the
+    sorted ones, and each dw reaches its weight rounded to the compute dtype. `weights`: the (gate, up, down)
+    stacks (E, D, F), (E, D, F), (E, F, D) as stored; `copies`: their grouped_compute_copy made once per
+    step, or None (cast here)."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+    from detjax.pallas_kernels.matmul import mosaic
+
+    lay = gmosaic.padded_layout(gs_E, xs_RD.shape[0], mosaic.block_r(dtype))
+    cs = copies if copies is not None else tuple(grouped_compute_copy(w, dtype) for w in weights)
+    x_PD = _padded_in(xs_RD.astype(dtype), lay)
+    g_PF = _padded_product(x_PD, weights[0], *cs[0], lay)
+    u_PF = _padded_product(x_PD, weights[1], *cs[1], lay)
+    h_PF = (jax.nn.silu(g_PF) * u_PF).astype(dtype)
+    return _padded_out(_padded_product(h_PF, weights[2], *cs[2], lay), lay)
+
+
+@jax.custom_vjp
+def _padded_in(x_RK: jax.Array, lay) -> jax.Array:
+    """Sorted rows into the padded layout (gmm/mosaic.py to_padded); the cotangent goes back by the inverse
+    row gather (from_padded): each sorted row has one padded row, the padding rows come from no row."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    return _materialized(gmosaic.to_padded(x_RK, lay))
+
+
+def _padded_in_fwd(x_RK, lay):
+    return _padded_in(x_RK, lay), lay
+
+
+def _padded_in_bwd(lay, ct_PK):
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    return gmosaic.from_padded(ct_PK, lay), None
+
+
+_padded_in.defvjp(_padded_in_fwd, _padded_in_bwd)
+
+
+@jax.custom_vjp
+def _padded_out(y_PN: jax.Array, lay) -> jax.Array:
+    """The padded rows that hold sorted rows, in sorted order (from_padded); the cotangent goes back into the
+    padded layout (to_padded: zeros on the padding rows)."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    return gmosaic.from_padded(y_PN, lay)
+
+
+def _padded_out_fwd(y_PN, lay):
+    return _padded_out(y_PN, lay), lay
+
+
+def _padded_out_bwd(lay, ct_RN):
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    return _materialized(gmosaic.to_padded(ct_RN, lay)), None
+
+
+_padded_out.defvjp(_padded_out_fwd, _padded_out_bwd)
+
+
+@jax.custom_vjp
+def _padded_product(x_PK, w_EKN, w_c_EKN, w_c_ENK, lay) -> jax.Array:
+    """x @ w[expert] per padded row tile, float32 (P, N), reading the compute copy w_c (and w_c with K and N
+    swapped, for the forward); w (the stored stack) only receives dw, rounded to the copy's dtype first."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    return gmosaic.grouped_nt(x_PK, w_c_ENK, lay, out_dtype=jnp.float32, interpret=interpret_mode())
+
+
+def _padded_product_fwd(x_PK, w_EKN, w_c_EKN, w_c_ENK, lay):
+    like = jnp.zeros((0,), w_EKN.dtype)  # the stored stack's dtype, for dw (no data)
+    return _padded_product(x_PK, w_EKN, w_c_EKN, w_c_ENK, lay), (x_PK, w_c_EKN, lay, like)
+
+
+def _padded_product_bwd(res, dy_PN):
+    """dx = dy w[e]^T per row tile; dw[e] over the transposed copies of x and dy (as _bwd_mosaic)."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    x_PK, w_c_EKN, lay, like = res
+    dy_PN = _materialized(dy_PN.astype(x_PK.dtype))
+    dx = gmosaic.grouped_nt(dy_PN, w_c_EKN, lay, out_dtype=x_PK.dtype, interpret=interpret_mode())
+    dw = gmosaic.grouped_tnt(x_PK.T, dy_PN.T, lay, interpret=interpret_mode())
+    return dx, dw.astype(w_c_EKN.dtype).astype(like.dtype), None, None, None
+
+
+_padded_product.defvjp(_padded_product_fwd, _padded_product_bwd)
