@@ -12,9 +12,11 @@ import math
 import os
 import platform
 import re
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from detjax.config import Config
@@ -262,8 +264,33 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+def code_revision(root: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """The detjax code a run used: its installed version and, where detjax runs from a git checkout of its own
+    (`root`, default the directory above the package, is the checkout's top level), the commit and whether
+    tracked files differ from it; None for what cannot be read (no git, not a checkout, another repository
+    around an installed copy)."""
+    top = Path(root) if root is not None else Path(__file__).resolve().parents[1]
+    rec: dict[str, Any] = {"detjax": _version("detjax"), "git_commit": None, "git_dirty": None}
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(top), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    level = git("rev-parse", "--show-toplevel")
+    if level is None or Path(level).resolve() != top.resolve():
+        return rec
+    rec["git_commit"] = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    rec["git_dirty"] = None if status is None else bool(status)
+    return rec
+
+
 def policy_record(cfg: Config) -> dict[str, Any]:
-    """Everything that is a 'fixed input' beyond the config: mode, flags, versions, device."""
+    """Everything that is a 'fixed input' beyond the config: mode, flags, versions, the detjax code
+    (code_revision), device."""
     import jax
 
     devices = jax.devices()
@@ -283,6 +310,7 @@ def policy_record(cfg: Config) -> dict[str, Any]:
                 p: _version(p) for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "grain", "numpy")
             },
         },
+        "code": code_revision(),
         "platform": devices[0].platform,
         "device_kind": devices[0].device_kind,
         "device_count": len(devices),

@@ -108,7 +108,7 @@ def _layout_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 def _policy_drift(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Differences outside the determinism promise that are allowed with a warning."""
-    keys = ["versions", "env", "process_count"] + ([] if now.get("platform") == "cpu" else ["device_count"])
+    keys = ["versions", "code", "env", "process_count"] + ([] if now.get("platform") == "cpu" else ["device_count"])
     return [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
 
 

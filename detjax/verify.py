@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.hash() != saved.hash():
         print("error: the overrides change the trajectory config; verify takes run.* and trace.* only", file=sys.stderr)
         return 2
-    from detjax.train import _layout_changes, train
+    from detjax.train import _layout_changes, _policy_drift, train
 
     policy_path = Path(args.reference) / "determinism.json"
     out = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="detjax_verify_"))
@@ -75,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     if policy_path.is_file():
         from detjax import determinism
 
-        changes = _layout_changes(json.loads(policy_path.read_text()), determinism.policy_record(cfg))
-        for c in changes:
+        saved, now = json.loads(policy_path.read_text()), determinism.policy_record(cfg)
+        for c in _layout_changes(saved, now):
             print(f"note: this machine differs from the reference's: {c}", file=sys.stderr)
+        for c in _policy_drift(saved, now):  # library versions, the detjax code: outside the promise
+            print(f"note: outside the determinism promise, this run differs from the reference's: {c}", file=sys.stderr)
     got = load_fingerprints(result.run_dir)
     d = first_divergence(want, got)
     if d is None:

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -94,6 +95,20 @@ def test_policy_record(tiny_path, tmp_path):
     assert rec["mode"] == "strict" and rec["config_hash"] == cfg.hash()
     assert rec["versions"]["jax"] and rec["device_kind"]
     assert all(f in rec["xla_flags"] for f in determinism.STRICT_XLA_FLAGS)
+    assert set(rec["code"]) == {"detjax", "git_commit", "git_dirty"}
+
+
+def test_code_revision_names_this_checkout_and_nothing_else(tmp_path):
+    """determinism.json's "code": in a git checkout of detjax, its HEAD commit; None outside a checkout and
+    in a directory that is only inside one (an installed copy within another repository)."""
+    repo = Path(determinism.__file__).resolve().parents[1]
+    rec = determinism.code_revision()
+    if (repo / ".git").exists():
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
+        assert rec["git_commit"] == head.stdout.strip() and len(rec["git_commit"]) == 40
+        assert isinstance(rec["git_dirty"], bool)
+    assert determinism.code_revision(tmp_path)["git_commit"] is None
+    assert determinism.code_revision(repo / "detjax")["git_commit"] is None
 
 
 def test_kernels_strategy_needs_the_pallas_kernels(tiny_path):

@@ -221,3 +221,6 @@ def test_layout_changes_list_what_changes_bits():
     assert got[0] == "device_kind: saved 'H200', now 'H100'" and "only at save ['--a=1'], only now ['--a=2']" in got[1]
     cpu = {"platform": "cpu", "device_kind": "cpu", "device_count": 1, "xla_flags": ""}
     assert _layout_changes(cpu, dict(cpu, device_count=8)) == ["host CPU devices: saved 1, now 8"]
+    code = dict(cpu, code={"git_commit": "a" * 40})
+    newer = dict(code, code={"git_commit": "b" * 40})
+    assert _layout_changes(code, newer) == [] and [d[:6] for d in _policy_drift(code, newer)] == ["code: "]
