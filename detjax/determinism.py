@@ -288,6 +288,15 @@ def code_revision(root: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     return rec
 
 
+def code_line(rec: dict[str, Any] | None = None) -> str:
+    """code_revision in words, for a benchmark's output: "code 1a2b3c4d5e6f" (", with local changes" where
+    tracked files differ from the commit), or the installed version where there is no checkout."""
+    rec = code_revision() if rec is None else rec
+    if rec["git_commit"] is None:
+        return f"code: detjax {rec['detjax']} (not a git checkout)"
+    return f"code {rec['git_commit'][:12]}" + (", with local changes" if rec["git_dirty"] else "")
+
+
 def policy_record(cfg: Config) -> dict[str, Any]:
     """Everything that is a 'fixed input' beyond the config: mode, flags, versions, the detjax code
     (code_revision), device."""

@@ -210,11 +210,12 @@ def main() -> int:
     any_res = results[ran[0]][0]
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from detjax.config import load_config
+    from detjax.determinism import code_line
     from detjax.flops import PEAK_FLOPS_BF16, model_flops_per_step
 
     flops = model_flops_per_step(load_config(a.config, a.overrides))
     print(
-        f"\n{any_res['device']}, jax {any_res['jax']}, {any_res['tokens_per_step']} tokens/step, "
+        f"\n{any_res['device']}, jax {any_res['jax']}, {code_line()}, {any_res['tokens_per_step']} tokens/step, "
         f"{flops / 1e12:.2f} model TFLOP/step, {a.rounds} rounds x {a.steps} timed steps"
     )
     pbase = statistics.median(x["pipelined_ms"] for x in results[base_mode])

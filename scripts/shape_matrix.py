@@ -201,8 +201,10 @@ def main() -> int:
             with open(a.results, "a") as f:
                 f.write(json.dumps(rec) + "\n")
     if not a.list and seen:
+        from detjax.determinism import code_line
+
         dev, jax_v = seen.get("device", "?"), seen.get("jax", "?")
-        print(f"\n{dev}, jax {jax_v}, {a.steps} timed steps after {a.warmup} warm-up, pipelined")
+        print(f"\n{dev}, jax {jax_v}, {code_line()}, {a.steps} timed steps after {a.warmup} warm-up, pipelined")
     return 1 if bad else 0
 
 

@@ -109,6 +109,9 @@ def test_code_revision_names_this_checkout_and_nothing_else(tmp_path):
         assert isinstance(rec["git_dirty"], bool)
     assert determinism.code_revision(tmp_path)["git_commit"] is None
     assert determinism.code_revision(repo / "detjax")["git_commit"] is None
+    line = determinism.code_line({"detjax": "0.1", "git_commit": "ab" * 20, "git_dirty": True})
+    assert line == "code " + "ab" * 6 + ", with local changes"
+    assert determinism.code_line({"detjax": "0.1", "git_commit": None, "git_dirty": None}).endswith("checkout)")
 
 
 def test_kernels_strategy_needs_the_pallas_kernels(tiny_path):
