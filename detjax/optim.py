@@ -46,25 +46,25 @@ def _adamw(t: TrainConfig) -> optax.GradientTransformation:
     return optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=_decay_mask)
 
 
-def _apart(x: jax.Array) -> jax.Array:
-    """A product that must reach the following add rounded (an optimization barrier between them)."""
-    return jax.lax.optimization_barrier(x)
-
-
 def pinned_adamw(t: TrainConfig, keys: list | None = None) -> optax.GradientTransformation:
     """optax.adamw (same math, same state pytree, so checkpoints are interchangeable) with every product that
-    feeds an add passed through an optimization barrier, including the final step -lr * u that
-    optax.apply_updates adds to the parameters. XLA contracts a multiply and an add into one FMA when they
-    land in one fusion, and which ones do depends on the whole program: measured on CPU, the one-device and
-    the dp8 programs of the same canonical step had equal gradients at step 1 but other AdamW updates. An
-    elementwise rule with rounded products is one rounding sequence in every program. keys:
-    canonical.stack_groups' per-leaf keys (small leaves of one shape and sharding computed stacked, the same
-    bits in fewer kernels), or None (every leaf alone)."""
+    feeds an add rounded before it (`canonical.rounded`), including the final step -lr * u that
+    optax.apply_updates adds to the parameters. XLA contracts a multiply and an add into one FMA when they land
+    in one fusion, and which ones do depends on the whole program: measured on CPU, the one-device and the dp8
+    programs of the same canonical step had equal gradients at step 1 but other AdamW updates. An elementwise
+    rule with rounded products is one rounding sequence in every program, and with `rounded` the whole update
+    of a leaf is still one elementwise kernel. keys: canonical.stack_groups' per-leaf keys (small leaves of
+    one shape and sharding computed stacked, the same bits in fewer kernels), or None (every leaf alone)."""
     schedule = lr_schedule(t)
     b1, b2, eps, wd = t.b1, t.b2, t.eps, t.weight_decay
 
     def update_fn(grads, state, params):
         adam, masked, sched = state
+        zero = canonical.unseen_zero()
+
+        def _apart(x):
+            return canonical.rounded(x, zero)
+
         count = optax.safe_increment(adam.count)
         c1 = (1 - jnp.asarray(b1, jnp.float32) ** count).astype(jnp.float32)
         c2 = (1 - jnp.asarray(b2, jnp.float32) ** count).astype(jnp.float32)

@@ -784,8 +784,9 @@ def _resume_moved(tmp_path, canon: list[str], ref_mesh: list[str], first_mesh: l
 
 def test_pinned_adamw_is_optax_adamw_with_rounded_products():
     """The canonical optimizer keeps optax.adamw's state pytree (checkpoints interchangeable) and its math
-    (equal to float32 rounding over five steps with weight decay on matrices only), and its compiled update
-    holds the optimization barriers that keep XLA from contracting a product into an FMA."""
+    (equal to float32 rounding over five steps with weight decay on matrices only), and its update passes each
+    product through an integer xor with a zero behind an optimization barrier (optim.rounded), which keeps
+    XLA from contracting a product into an FMA; optax's has neither."""
     import optax
 
     from detjax.config import TrainConfig
@@ -804,8 +805,65 @@ def test_pinned_adamw_is_optax_adamw_with_rounded_products():
         pr, pp = optax.apply_updates(pr, ur), optax.apply_updates(pp, up)
     for a, b in zip(jax.tree.leaves((pr, sr)), jax.tree.leaves((pp, sp)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
-    assert "optimization_barrier" in jax.jit(pin.update).lower(g, sp, pp).as_text()
-    assert "optimization_barrier" not in jax.jit(ref.update).lower(g, sr, pr).as_text()  # control
+    pinned, plain = (jax.jit(tx.update).lower(g, st, q).as_text() for tx, st, q in ((pin, sp, pp), (ref, sr, pr)))
+    # one xor per product that feeds an add: six for the decayed matrix, five for the vector (no decay)
+    assert pinned.count("optimization_barrier") == 1 and pinned.count("stablehlo.xor") == 6 + 5
+    compiled = jax.jit(pin.update).lower(g, sp, pp).compile().as_text()  # XLA did not fold the xors away
+    assert "u32[4,3]{1,0} xor(" in compiled and "u32[3]{0} xor(" in compiled
+    assert "optimization_barrier" not in plain and "stablehlo.xor" not in plain  # control
+
+
+def test_pinned_adamw_rounds_as_optimization_barriers_would():
+    """optim.rounded gives each product the bits an optimization barrier between product and add gives it (the
+    rule before it, kept here as the oracle): params, mu and nu byte-equal over four steps, with and without
+    weight decay, stacked small leaves included. Negative control: another eps gives other bits."""
+    import optax
+
+    from detjax.config import TrainConfig
+    from detjax.optim import _decay_mask, lr_schedule, pinned_adamw
+
+    t = TrainConfig(steps=10, warmup_steps=1, lr=1e-2, weight_decay=0.1)
+
+    def barrier_rule(t):  # every product that feeds an add through its own optimization barrier
+        schedule, b1, b2, eps, wd = lr_schedule(t), t.b1, t.b2, t.eps, t.weight_decay
+        apart = jax.lax.optimization_barrier
+
+        def update(grads, state, params):
+            adam, masked, sched = state
+            count = optax.safe_increment(adam.count)
+            c1 = (1 - jnp.asarray(b1, jnp.float32) ** count).astype(jnp.float32)
+            c2 = (1 - jnp.asarray(b2, jnp.float32) ** count).astype(jnp.float32)
+            step = -schedule(sched.count)
+
+            def leaf(g, m, v, p, d):
+                mu = apart((1 - b1) * g) + apart(b1 * m)
+                nu = apart((1 - b2) * (g * g)) + apart(b2 * v)
+                u = (mu / c1) / (jnp.sqrt(nu / c2) + eps)
+                u = u + apart(wd * p) if d else u
+                return mu, nu, apart(u * step)
+
+            out = jax.tree.map(leaf, grads, adam.mu, adam.nu, params, _decay_mask(params))
+            pick = [jax.tree.map(lambda o, k=k: o[k], out, is_leaf=lambda o: isinstance(o, tuple)) for k in range(3)]
+            new = (adam._replace(count=count, mu=pick[0], nu=pick[1]), masked, sched._replace(count=sched.count + 1))
+            return pick[2], new
+
+        return update
+
+    def run(update, init):
+        keys = iter(jax.random.split(jax.random.key(11), 16))
+        p = {"w": jax.random.normal(next(keys), (16, 12)), "b": jax.random.normal(next(keys), (12,))}
+        st = init(p)
+        for _ in range(4):
+            g = jax.tree.map(lambda x: 1e-2 * jax.random.normal(next(keys), x.shape), p)
+            u, st = jax.jit(update)(g, st, p)
+            p = jax.jit(optax.apply_updates)(p, u)
+        return p, st[0].mu, st[0].nu
+
+    pin = pinned_adamw(t)
+    want = run(barrier_rule(t), pin.init)
+    assert _same(run(pin.update, pin.init), want)
+    other = TrainConfig(steps=10, warmup_steps=1, lr=1e-2, weight_decay=0.1, eps=2e-8)
+    assert not _same(run(pinned_adamw(other).update, pin.init)[0], want[0]), "negative control: another eps"
 
 
 def test_stacked_optimizer_and_square_sums_give_the_per_leaf_bits():

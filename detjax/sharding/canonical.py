@@ -183,17 +183,37 @@ def unstacked(idx: list[int], x: jax.Array) -> list[jax.Array]:
     return [x] if len(idx) == 1 else [x[n] for n in range(len(idx))]
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def unseen_zero() -> jax.Array:
+    """A uint32 zero that the compiler cannot see is zero (an optimization barrier around the constant)."""
+    return jax.lax.optimization_barrier(jnp.zeros((), jnp.uint32))
+
+
+def rounded(x: jax.Array, zero: jax.Array) -> jax.Array:
+    """x, a product that must reach the following add rounded: its bits pass through an integer xor with
+    `zero` (unseen_zero), after which it is no longer a product to any compiler, so the multiply cannot be
+    contracted with the add into an FMA. The values and bits are x's, as an optimization barrier between
+    product and add would give them, but without the barrier's cost: the barrier writes x to memory and the
+    add reads it back, where this keeps both in one elementwise kernel."""
+    uint = _UINT[jnp.dtype(x.dtype).itemsize]
+    bits = jax.lax.bitcast_convert_type(x, uint) ^ zero.astype(uint)
+    return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+
 def square_sums(tree: Any, keys: list[Any] | None = None) -> list[jax.Array]:
     """Each leaf's sum of squares in float32 by full_sum: the same bits however the leaf is sharded. The
-    squares pass an optimization barrier first: fused with the first adds, x*x + y*y may be contracted to
+    squares are rounded before the first adds (`rounded`): fused with them, x*x + y*y may be contracted to
     one FMA (one rounding instead of two) in some fusions and not in others, and where a fusion ends
     depends on the sharding (measured on CPU: fsdp 2 x data 4 changed the last bit of the grad norm).
     With `keys` (stack_groups) small leaves are summed stacked (vmapped full_sum: each leaf's own tree)."""
 
     leaves = jax.tree.leaves(tree)
     out: list[Any] = [None] * len(leaves)
+    zero = unseen_zero()
     for idx in stack_groups(leaves, keys):
-        sq = jax.lax.optimization_barrier(jnp.square(stacked(idx, leaves).astype(jnp.float32)))
+        sq = rounded(jnp.square(stacked(idx, leaves).astype(jnp.float32)), zero)
         sums = full_sum(sq) if len(idx) == 1 else jax.vmap(full_sum)(sq)
         for i, x in zip(idx, unstacked(idx, sums), strict=True):
             out[i] = x
