@@ -133,15 +133,23 @@ def _fwd_mosaic(x_RK, w_EKN, gs_E, w_ENK=None):
 
 
 def _bwd_mosaic(res, dy_RN):
-    """dx = dy w[e]^T per row tile (w as stored: N contiguous); dw[e] over the transposed copies of x and dy,
-    each group's padded rows in ascending blocks."""
+    """dy copied into the padded layout, its products there (_padded_grads), dx copied back out."""
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
 
     x_PK, w_EKN, lay = res
-    dy_PN = _materialized(gmosaic.to_padded(dy_RN.astype(x_PK.dtype), lay))
-    dx = gmosaic.grouped_nt(dy_PN, w_EKN, lay, out_dtype=x_PK.dtype, interpret=interpret_mode())
-    dw = gmosaic.grouped_tnt(x_PK.T, dy_PN.T, lay, interpret=interpret_mode())
+    dx, dw = _padded_grads(x_PK, w_EKN, gmosaic.to_padded(dy_RN.astype(x_PK.dtype), lay), lay)
     return gmosaic.from_padded(dx, lay), dw.astype(w_EKN.dtype), None
+
+
+def _padded_grads(x_PK, w_EKN, dy_PN, lay) -> tuple[jax.Array, jax.Array]:
+    """(dx, float32 dw) of x @ w[expert] on the padded layout: dx = dy w[e]^T per row tile (w as stored, N
+    contiguous), dw[e] over the transposed copies of x and dy, each group's padded rows in ascending blocks.
+    dy is rounded to x's dtype and written once before either product reads it (_materialized)."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    dy_PN = _materialized(dy_PN.astype(x_PK.dtype))
+    dx = gmosaic.grouped_nt(dy_PN, w_EKN, lay, out_dtype=x_PK.dtype, interpret=interpret_mode())
+    return dx, gmosaic.grouped_tnt(x_PK.T, dy_PN.T, lay, interpret=interpret_mode())
 
 
 grouped_matmul.defvjp(_fwd, _bwd)
@@ -237,13 +245,8 @@ def _padded_product_fwd(x_PK, w_EKN, w_c_EKN, w_c_ENK, lay):
 
 
 def _padded_product_bwd(res, dy_PN):
-    """dx = dy w[e]^T per row tile; dw[e] over the transposed copies of x and dy (as _bwd_mosaic)."""
-    from detjax.pallas_kernels.gmm import mosaic as gmosaic
-
     x_PK, w_c_EKN, lay, like = res
-    dy_PN = _materialized(dy_PN.astype(x_PK.dtype))
-    dx = gmosaic.grouped_nt(dy_PN, w_c_EKN, lay, out_dtype=x_PK.dtype, interpret=interpret_mode())
-    dw = gmosaic.grouped_tnt(x_PK.T, dy_PN.T, lay, interpret=interpret_mode())
+    dx, dw = _padded_grads(x_PK, w_c_EKN, dy_PN, lay)
     return dx, dw.astype(w_c_EKN.dtype).astype(like.dtype), None, None, None
 
 
