@@ -78,6 +78,7 @@ def rmsnorm_candidates(dp: int) -> list[dict]:
 
 
 SSD_WARPS = [4, 2, 8]
+SSD_PASS_ROWS = [8, 16, 32, 64]
 GMM = [
     {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3},
     {"block_m": 64, "block_k": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
@@ -311,34 +312,50 @@ def sweep_rmsnorm(reps: int, widths=RMSNORM_WIDTHS) -> None:
                 print(f"    {which} pinned {pin[0][0]:.4f} ms = {gb / pin[0][0]:.2f} TB/s {keep}", flush=True)
 
 
-def sweep_ssd(reps: int, old_src: str | None) -> None:
-    from detjax.pallas_kernels.ssd import kernel as sk
+def sweep_ssd(reps: int, old_src: str | None, pinned_only: bool = False) -> None:
+    """The SSD scan as the model calls it (ssd.ops.ssd, forward and fwd+bwd, layout copies included), over
+    the chunk kernels' warps and the walks' state rows per program; the outputs' digest of the pinned tiles.
+    old_src: the same timing and digest under an older tree's detjax (a child process), for before/after."""
+    import hashlib
 
-    # gpu_medium Mamba2 layer per microbatch: B 4, H 32, L 2048, P 64, N 64, chunk 64
+    from detjax.pallas_kernels.ssd import kernel as sk
+    from detjax.pallas_kernels.ssd.ops import ssd
+
+    # gpu_medium Mamba2 layer per microbatch: B 4, L 2048, H 32, P 64, N 64, chunk 64
     b, h, length, p, n, chunk = 4, 32, 2048, 64, 64, 64
     ks = jax.random.split(jax.random.key(2), 5)
-    x = _stack(ks[0], (b * h, length, p), jnp.float32)
-    arow = [-jax.nn.softplus(t) for t in _stack(ks[1], (b * h, 1, length), jnp.float32)]
+    x = _stack(ks[0], (b, length, h, p), jnp.float32)
+    a = [-jax.nn.softplus(t) for t in _stack(ks[1], (b, length, h), jnp.float32)]
     bb, cc = _stack(ks[2], (b, length, n), jnp.float32), _stack(ks[3], (b, length, n), jnp.float32)
-    dy = _stack(ks[4], (b * h, length, p), jnp.float32)
+    dy = _stack(ks[4], (b, length, h, p), jnp.float32)
 
-    def cases(mod):
-        def fwd(x, arow, bb, cc):
-            return mod.ssd_fwd(x, arow, bb, cc, h=h, chunk=chunk, interpret=False)
+    def fwd(x, a, bb, cc):
+        return ssd(x, a, bb, cc, chunk)
 
-        def both(x, arow, bb, cc, dy):
-            y, s = mod.ssd_fwd(x, arow, bb, cc, h=h, chunk=chunk, interpret=False)
-            return y, mod.ssd_bwd(x, arow, bb, cc, s, dy, h=h, chunk=chunk, interpret=False)
+    def both(x, a, bb, cc, dy):
+        y, vjp = jax.vjp(fwd, x, a, bb, cc)
+        return y, vjp(dy)
 
-        return [("fwd", fwd, (x, arow, bb, cc)), ("fwd+bwd", both, (x, arow, bb, cc, dy))]
+    cases = [("fwd", fwd, (x, a, bb, cc)), ("fwd+bwd", both, (x, a, bb, cc, dy))]
+    pinned = dict(sk.TILES)
+    cands = [pinned]
+    if not pinned_only:
+        cands += [{**pinned, "num_warps": w} for w in SSD_WARPS if w != pinned["num_warps"]]
+        cands += [{**pinned, "pass_rows": r} for r in SSD_PASS_ROWS if r != pinned.get("pass_rows")]
+    _sweep("ssd", sk.TILES, None, cands, cases, reps)
+    out = jax.jit(both)(*(t[0] for t in cases[1][2]))
+    import detjax
 
-    _sweep("ssd", sk.TILES, None, [{"num_warps": w} for w in SSD_WARPS], cases(sk), reps)
-    if old_src:  # the kernel of an older tree, for before/after and a bit comparison
-        old = _old_kernel(old_src, "ssd")
-        _sweep("ssd (old tree)", old.TILES, None, [dict(old.TILES)], cases(old), reps)
-        new_out = jax.jit(cases(sk)[1][1])(*(a[0] for a in cases(sk)[1][2]))
-        old_out = jax.jit(cases(old)[1][1])(*(a[0] for a in cases(old)[1][2]))
-        print(f"  ssd new vs old tree, fwd+bwd outputs byte-equal: {_bytes(new_out) == _bytes(old_out)}", flush=True)
+    digest = hashlib.sha256(_bytes(out)).hexdigest()[:16]
+    print(f"  ssd fwd+bwd digest (pinned tiles): {digest}; detjax from {detjax.__path__[0]}", flush=True)
+    if old_src:
+        import os
+        import subprocess
+
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([old_src, os.environ.get("PYTHONPATH", "")]))
+        cmd = [sys.executable, __file__, "--kernels", "ssd", "--reps", str(reps), "--ssd-pinned-only"]
+        print(f"  the tree {old_src}:", flush=True)
+        subprocess.run(cmd, env=env, check=False)
 
 
 def sweep_gmm(reps: int) -> None:
@@ -472,6 +489,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--widths", default=",".join(map(str, RMSNORM_WIDTHS)), help="RMSNorm widths to sweep")
     ap.add_argument("--old-src", default=None, help="an older tree: time and compare its ssd / flash kernels")
+    ap.add_argument("--ssd-pinned-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if jax.default_backend() != "gpu":
         print("tile_sweep: needs a GPU (the tiles are Triton launch parameters)", file=sys.stderr)
@@ -483,7 +501,7 @@ def main() -> int:
     if "rmsnorm" in which:
         sweep_rmsnorm(a.reps, [int(x) for x in a.widths.split(",")])
     if "ssd" in which:
-        sweep_ssd(a.reps, a.old_src)
+        sweep_ssd(a.reps, a.old_src, a.ssd_pinned_only)
     if "gmm" in which:
         sweep_gmm(a.reps)
     if "quantize" in which:

@@ -404,6 +404,50 @@ def test_ssd_splits_heads_that_are_not_powers_of_two():
         assert _bits(u) == _bits(w)
 
 
+def test_ssd_walks_split_over_state_rows_change_no_byte(monkeypatch):
+    """The two walks run one program per block of TILES["pass_rows"] state rows; the recurrence is elementwise,
+    so four blocks of 16 rows and one block of 64 give the same bytes, forward and every gradient. Control: one
+    x element 0.1 % larger changes bytes."""
+    from detjax.pallas_kernels.ssd import kernel as sk
+
+    args, g = _ssd_inputs(3, b=1, length=32, h=2, p=64)
+
+    def run(*a):
+        return _bits(ssd(*a, 16)) + b"".join(_bits(d) for d in _ssd_grads(lambda *t: ssd(*t, 16), a, g))
+
+    monkeypatch.setitem(sk.TILES, "pass_rows", 16)
+    jax.clear_caches()
+    split = run(*args)
+    monkeypatch.setitem(sk.TILES, "pass_rows", 64)
+    jax.clear_caches()
+    assert run(*args) == split
+    assert run(args[0].at[0, 5, 1, 7].multiply(1.001), *args[1:]) != split
+    jax.clear_caches()
+
+
+def _transposes_of_size(fn, args, size: int) -> int:
+    text = jax.jit(fn).lower(*args).as_text()
+    sizes = []
+    for line in text.splitlines():
+        if "stablehlo.transpose" in line:
+            dims = line.rsplit("-> tensor<", 1)[1].split("x")[:-1]
+            sizes.append(int(np.prod([int(d) for d in dims])))
+    return sum(1 for s in sizes if s == size)
+
+
+def test_ssd_reads_and_writes_heads_in_place():
+    """The kernel reads x and dy and writes y and dx in the model's (B, L, H*P) layout: the scan's forward and
+    backward move no x-sized array to heads-first. Control: a heads-first copy of x is seen."""
+    args, g = _ssd_inputs(4, b=2, length=32, h=2, p=16)
+
+    def fwd_bwd(*a):
+        y, vjp = jax.vjp(lambda *t: ssd(*t, 16), *a)
+        return y, vjp(g)
+
+    assert _transposes_of_size(fwd_bwd, args, args[0].size) == 0
+    assert _transposes_of_size(lambda x: jnp.moveaxis(x, 2, 1) * 2.0, args[:1], args[0].size) == 1
+
+
 def test_ssd_replays_bit_exact():
     args, g = _ssd_inputs(1, length=32)
     fn = jax.jit(lambda *a: (ssd(*a, 16), _ssd_grads(lambda *b: ssd(*b, 16), a, g)))

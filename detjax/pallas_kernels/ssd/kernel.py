@@ -1,20 +1,23 @@
 """Mamba2 SSD chunked scan in Pallas: forward, and a backward whose every reduction has a fixed order.
 
-Layout: x and dy (B*H, L, P); a = A*dt as a row (B*H, 1, L); B and C (B, L, N), shared by the H heads of a
-batch row.
+Layout: x, y, dy and dx in the model's own (B, L, H*P) (a head's P columns side by side, so no transpose
+on either side of the kernel); a = A*dt as a row (B*H, 1, L); B and C (B, L, N), shared by the H heads of a
+batch row. A program's row g is batch row g // H, head g % H.
 
 Within a chunk of Q rows (acs = cumsum of a inside the chunk, S = the state entering the chunk):
     y  = ((C B^T) o D) x + e^{acs} o (C S^T),          D[i, j] = e^{acs_i - acs_j} for i >= j, else 0
     S' = e^{acs_last} S + x^T (w o B),                  w = e^{acs_last - acs}
 Chunk-parallel (the Mamba2 "chunk state / state passing / chunk scan" split), three launches each way:
-- forward: every (row, chunk) computes its state increment x^T (w o B) in parallel; one program per row
-  then walks the chunks in ascending order, S_{c+1} = e^{last_c} S_c + inc_c, writing the state entering
-  every chunk (kept for the backward); every (row, chunk) then forms y in parallel.
-- backward: every (row, chunk) computes (dy o e^{acs})^T C in parallel; one program per row walks the chunks
-  in descending order, G_{c-1} = inc_c + e^{last_c} G_c (G_c: the gradient of the state leaving chunk c);
-  every (row, chunk) then forms dx, da, dB, dC in parallel from S_c and G_c.
-Only the two walks are serial, and they are elementwise over a (P, N) state, so the matmul work runs on
-B*H*L/Q programs at once.
+- forward: every (row, chunk) computes its state increment x^T (w o B) and its decay e^{last} in parallel;
+  one program per (row, block of TILES["pass_rows"] state rows) then walks the chunks in ascending order,
+  S_{c+1} = e^{last_c} S_c + inc_c, writing the state entering every chunk (kept for the backward, with the
+  decays); every (row, chunk) then forms y in parallel.
+- backward: every (row, chunk) computes (dy o e^{acs})^T C in parallel; one program per (row, block of state
+  rows) walks the chunks in descending order, G_{c-1} = inc_c + e^{last_c} G_c (G_c: the gradient of the
+  state leaving chunk c), with the forward's decays; every (row, chunk) then forms dx, da, dB, dC in
+  parallel from S_c and G_c.
+Only the two walks are serial, and they are elementwise over a (P, N) state (so splitting its rows over
+programs changes no value), and the matmul work runs on B*H*L/Q programs at once.
 
 Fixed-order reductions:
 - each recurrence step is one elementwise multiply-add in a fixed chunk order, the same expression as a
@@ -41,9 +44,10 @@ from jax.experimental import pallas as pl
 from detjax.pallas_kernels.backend import triton_params
 
 TILES = {
-    "program": "one (batch row, head, chunk); the two walks one (batch row, head)",
+    "program": "one (batch row, head, chunk); the two walks one (batch row, head, block of pass_rows state rows)",
     "chunk": "model.mamba.chunk_size",
     "num_warps": 4,
+    "pass_rows": 16,  # the walks: rows of the (P, N) state per program (P / pass_rows programs per row)
 }
 
 
@@ -75,30 +79,32 @@ def _chunk_terms(a_row, q):
     return i, j, acs_col, decay, last
 
 
-def _state_kernel(x_ref, arow_ref, b_ref, inc_ref, *, q: int):
-    """One (row, chunk): what the chunk adds to the state it passes on, x^T (w o B)."""
+def _state_kernel(x_ref, arow_ref, b_ref, inc_ref, el_ref, *, q: int):
+    """One (row, chunk): what the chunk adds to the state it passes on, x^T (w o B), and the chunk's decay
+    e^{last} (as a (1, N) row, for the two walks)."""
     _, _, acs_col, _, last = _chunk_terms(arow_ref[...].astype(jnp.float32), q)
     w = jnp.exp(last - acs_col)
     inc_ref[...] = jnp.dot(x_ref[...].astype(jnp.float32).T, b_ref[...].astype(jnp.float32) * w)
+    el_ref[...] = jnp.broadcast_to(jnp.exp(last), el_ref.shape)
 
 
-def _pass_kernel(arow_ref, inc_ref, s_ref, *, q: int, nc: int, reverse: bool):
-    """One row: the short recurrence over chunks, in chunk order.
+def _pass_kernel(el_ref, inc_ref, s_ref, *, nc: int, reverse: bool):
+    """One row's block of state rows: the short recurrence over chunks, in chunk order, elementwise.
 
     Forward: s_ref[c] = the state entering chunk c; S_{c+1} = e^{last_c} S_c + inc_c.
     Reverse: s_ref[c] = the gradient of the state leaving chunk c; G_{c-1} = inc_c + e^{last_c} G_c.
     """
-    p, n = inc_ref.shape[-2:]
+    rows, n = inc_ref.shape[-2:]
 
-    def body(k, carry_PN):
+    def body(k, carry_RN):
         ci = nc - 1 - k if reverse else k
-        _, _, _, _, last = _chunk_terms(arow_ref[:, pl.ds(ci * q, q)].astype(jnp.float32), q)
-        s_ref[ci, :, :] = carry_PN
+        el_1N = el_ref[ci, :, :]
+        s_ref[ci, :, :] = carry_RN
         if reverse:
-            return inc_ref[ci, :, :] + jnp.exp(last) * carry_PN
-        return jnp.exp(last) * carry_PN + inc_ref[ci, :, :]
+            return inc_ref[ci, :, :] + el_1N * carry_RN
+        return el_1N * carry_RN + inc_ref[ci, :, :]
 
-    jax.lax.fori_loop(0, nc, body, jnp.zeros((p, n), jnp.float32))
+    jax.lax.fori_loop(0, nc, body, jnp.zeros((rows, n), jnp.float32))
 
 
 def _out_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, y_ref, *, q: int):
@@ -173,14 +179,17 @@ class _Specs:
 
     def __init__(self, h: int, length: int, chunk: int, p: int, n: int):
         nc = length // chunk
-        self.x = pl.BlockSpec((None, chunk, p), lambda g, c: (g, c, 0))
+        self.x = pl.BlockSpec((None, chunk, p), lambda g, c: (g // h, c, g % h))
         self.arow = pl.BlockSpec((None, 1, chunk), lambda g, c: (g, 0, c))
         self.shared = pl.BlockSpec((None, chunk, n), lambda g, c: (g // h, c, 0))
         self.slot = pl.BlockSpec((None, chunk, n), lambda g, c: (g, c, 0))
         self.col = pl.BlockSpec((None, chunk, 1), lambda g, c: (g, c, 0))
         self.state = pl.BlockSpec((None, None, p, n), lambda g, c: (g, c, 0, 0))
-        self.row_arow = pl.BlockSpec((None, 1, length), lambda g: (g, 0, 0))
-        self.row_states = pl.BlockSpec((None, nc, p, n), lambda g: (g, 0, 0, 0))
+        self.decay = pl.BlockSpec((None, None, 1, n), lambda g, c: (g, c, 0, 0))
+        rows = min(TILES["pass_rows"], p)
+        self.pass_grid = p // rows
+        self.row_decays = pl.BlockSpec((None, nc, 1, n), lambda g, r: (g, 0, 0, 0))
+        self.row_states = pl.BlockSpec((None, nc, rows, n), lambda g, r: (g, 0, r, 0))
 
 
 def _chunk_call(kernel, grid, in_specs, out_specs, out_shape, name, interpret):
@@ -196,55 +205,56 @@ def _chunk_call(kernel, grid, in_specs, out_specs, out_shape, name, interpret):
     )
 
 
-def _pass(arow_G1L, inc_GCPN, *, chunk, nc, reverse, name, interpret):
-    g, _, length = arow_G1L.shape
-    sp = _Specs(1, length, chunk, *inc_GCPN.shape[-2:])
+def _pass(el_GC1N, inc_GCPN, *, chunk, reverse, name, interpret):
+    g, nc, p, n = inc_GCPN.shape
+    sp = _Specs(1, nc * chunk, chunk, p, n)
     return _chunk_call(
-        functools.partial(_pass_kernel, q=chunk, nc=nc, reverse=reverse),
-        (g,),
-        [sp.row_arow, sp.row_states],
+        functools.partial(_pass_kernel, nc=nc, reverse=reverse),
+        (g, sp.pass_grid),
+        [sp.row_decays, sp.row_states],
         sp.row_states,
         jax.ShapeDtypeStruct(inc_GCPN.shape, jnp.float32),
         name,
         interpret,
-    )(arow_G1L, inc_GCPN)
+    )(el_GC1N, inc_GCPN)
 
 
 @functools.partial(jax.jit, static_argnames=("h", "chunk", "interpret"))
-def ssd_fwd(x_GLP, arow_G1L, b_BLN, c_BLN, *, h: int, chunk: int, interpret: bool):
-    """G = B*H rows -> y (G, L, P) and the state entering every chunk (G, nc, P, N)."""
-    g, length, p = x_GLP.shape
-    n = b_BLN.shape[-1]
+def ssd_fwd(x_BLK, arow_G1L, b_BLN, c_BLN, *, h: int, chunk: int, interpret: bool):
+    """x (B, L, K = H*P), G = B*H rows -> y (B, L, K), the state entering every chunk (G, nc, P, N) and every
+    chunk's decay e^{last} (G, nc, 1, N), both kept for the backward."""
+    bsz, length, width = x_BLK.shape
+    g, p, n = bsz * h, width // h, b_BLN.shape[-1]
     nc = _check(length, chunk, p, n)
     sp = _Specs(h, length, chunk, p, n)
     states_shape = jax.ShapeDtypeStruct((g, nc, p, n), jnp.float32)
-    inc = _chunk_call(
+    inc, el = _chunk_call(
         functools.partial(_state_kernel, q=chunk),
         (g, nc),
         [sp.x, sp.arow, sp.shared],
-        sp.state,
-        states_shape,
+        [sp.state, sp.decay],
+        [states_shape, jax.ShapeDtypeStruct((g, nc, 1, n), jnp.float32)],
         "ssd_chunk_state",
         interpret,
-    )(x_GLP, arow_G1L, b_BLN)
-    states = _pass(arow_G1L, inc, chunk=chunk, nc=nc, reverse=False, name="ssd_state_pass", interpret=interpret)
+    )(x_BLK, arow_G1L, b_BLN)
+    states = _pass(el, inc, chunk=chunk, reverse=False, name="ssd_state_pass", interpret=interpret)
     y = _chunk_call(
         functools.partial(_out_kernel, q=chunk),
         (g, nc),
         [sp.x, sp.arow, sp.shared, sp.shared, sp.state],
         sp.x,
-        jax.ShapeDtypeStruct((g, length, p), jnp.float32),
+        jax.ShapeDtypeStruct((bsz, length, width), jnp.float32),
         "ssd_fwd",
         interpret,
-    )(x_GLP, arow_G1L, b_BLN, c_BLN, states)
-    return y, states
+    )(x_BLK, arow_G1L, b_BLN, c_BLN, states)
+    return y, states, el
 
 
 @functools.partial(jax.jit, static_argnames=("h", "chunk", "interpret"))
-def ssd_bwd(x_GLP, arow_G1L, b_BLN, c_BLN, s_GCPN, dy_GLP, *, h: int, chunk: int, interpret: bool):
-    """-> dx (G, L, P), da (G, L, 1), and per-head slots dB, dC (G, L, N) for the caller to add in order."""
-    g, length, p = x_GLP.shape
-    n = b_BLN.shape[-1]
+def ssd_bwd(x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, el_GC1N, dy_BLK, *, h: int, chunk: int, interpret: bool):
+    """-> dx (B, L, K), da (G, L, 1), and per-head slots dB, dC (G, L, N) for the caller to add in order."""
+    bsz, length, width = x_BLK.shape
+    g, p, n = bsz * h, width // h, b_BLN.shape[-1]
     nc = _check(length, chunk, p, n)
     sp = _Specs(h, length, chunk, p, n)
     dinc = _chunk_call(
@@ -255,8 +265,8 @@ def ssd_bwd(x_GLP, arow_G1L, b_BLN, c_BLN, s_GCPN, dy_GLP, *, h: int, chunk: int
         jax.ShapeDtypeStruct(s_GCPN.shape, jnp.float32),
         "ssd_chunk_dstate",
         interpret,
-    )(arow_G1L, c_BLN, dy_GLP)
-    ds = _pass(arow_G1L, dinc, chunk=chunk, nc=nc, reverse=True, name="ssd_dstate_pass", interpret=interpret)
+    )(arow_G1L, c_BLN, dy_BLK)
+    ds = _pass(el_GC1N, dinc, chunk=chunk, reverse=True, name="ssd_dstate_pass", interpret=interpret)
     f32 = jnp.float32
     return _chunk_call(
         functools.partial(_bwd_kernel, q=chunk),
@@ -264,11 +274,11 @@ def ssd_bwd(x_GLP, arow_G1L, b_BLN, c_BLN, s_GCPN, dy_GLP, *, h: int, chunk: int
         [sp.x, sp.arow, sp.shared, sp.shared, sp.state, sp.state, sp.x],
         [sp.x, sp.col, sp.slot, sp.slot],
         [
-            jax.ShapeDtypeStruct((g, length, p), f32),
+            jax.ShapeDtypeStruct((bsz, length, width), f32),
             jax.ShapeDtypeStruct((g, length, 1), f32),
             jax.ShapeDtypeStruct((g, length, n), f32),
             jax.ShapeDtypeStruct((g, length, n), f32),
         ],
         "ssd_bwd",
         interpret,
-    )(x_GLP, arow_G1L, b_BLN, c_BLN, s_GCPN, ds, dy_GLP)
+    )(x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, ds, dy_BLK)

@@ -53,27 +53,28 @@ def _fwd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk):
     bsz, length, heads, p = x_BLHP.shape
     k = sub_heads(p)
     h = heads * k  # the kernel's heads: each head's k sub-heads side by side, in column order
-    x = _heads_first(x_BLHP.astype(jnp.float32).reshape(bsz, length, h, p // k))
+    x = x_BLHP.astype(jnp.float32).reshape(bsz, length, heads * p)  # the kernel reads heads in place
     a = jnp.repeat(a_BLH.astype(jnp.float32), k, axis=2) if k > 1 else a_BLH.astype(jnp.float32)
     arow = _heads_first(a).reshape(bsz * h, 1, length)
     b, c = b_BLN.astype(jnp.float32), c_BLN.astype(jnp.float32)
-    y, states = ssd_fwd(x, arow, b, c, h=h, chunk=chunk, interpret=interpret_mode())
-    return _heads_last(y, bsz, h).reshape(bsz, length, heads, p), (x, arow, b, c, states)
+    y, states, decays = ssd_fwd(x, arow, b, c, h=h, chunk=chunk, interpret=interpret_mode())
+    return y.reshape(bsz, length, heads, p), (x, arow, b, c, states, decays)
 
 
 def _bwd(chunk, res, dy_BLHP):
-    x, arow, b, c, states = res
+    x, arow, b, c, states, decays = res
     bsz, length, heads, p = dy_BLHP.shape
     k = sub_heads(p)
     h = heads * k
-    dy = _heads_first(dy_BLHP.astype(jnp.float32).reshape(bsz, length, h, p // k))
-    dx, da, db_slots, dc_slots = ssd_bwd(x, arow, b, c, states, dy, h=h, chunk=chunk, interpret=interpret_mode())
+    dy = dy_BLHP.astype(jnp.float32).reshape(bsz, length, heads * p)
+    grads = ssd_bwd(x, arow, b, c, states, decays, dy, h=h, chunk=chunk, interpret=interpret_mode())
+    dx, da, db_slots, dc_slots = grads
     da_BLhk = _heads_last(da.reshape(bsz * h, length), bsz, h).reshape(bsz, length, heads, k)
     da_BLH = da_BLhk[..., 0]
     for j in range(1, k):  # the sub-heads' da in ascending order
         da_BLH = da_BLH + da_BLhk[..., j]
     return (
-        _heads_last(dx, bsz, h).reshape(bsz, length, heads, p),
+        dx.reshape(bsz, length, heads, p),
         da_BLH,
         _sum_heads_in_order(db_slots, bsz, h),
         _sum_heads_in_order(dc_slots, bsz, h),
