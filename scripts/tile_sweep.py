@@ -6,6 +6,7 @@
     python3 scripts/tile_sweep.py --kernels quantize,swiglu  # model.fp8's quantization kernels (gpu_dense)
     python3 scripts/tile_sweep.py --kernels rope        # RoPE's backward, bf16 and fp8 variants (gpu_dense)
     python3 scripts/tile_sweep.py --kernels norm-stream # RMSNorm's backward adding the stream's cotangent vs XLA
+    python3 scripts/tile_sweep.py --kernels ssd --old-src OLD_TREE  # the SSD scan vs an older tree's, with digests
 
 For each candidate tile set the kernel's TILES entry is replaced, every jit cache is cleared, and the kernel
 (forward, and backward where it has one) is timed: one jitted call runs it on SETS different input sets, the
