@@ -318,7 +318,10 @@ def sweep_ssd(reps: int, old_src: str | None, pinned_only: bool = False) -> None
     the chunk kernels' warps and the walks' state rows per program; the outputs' digest of the pinned tiles.
     old_src: the same timing and digest under an older tree's detjax (a child process), for before/after."""
     import hashlib
+    import os
+    import subprocess
 
+    import detjax
     from detjax.pallas_kernels.ssd import kernel as sk
     from detjax.pallas_kernels.ssd.ops import ssd
 
@@ -345,14 +348,9 @@ def sweep_ssd(reps: int, old_src: str | None, pinned_only: bool = False) -> None
         cands += [{**pinned, "pass_rows": r} for r in SSD_PASS_ROWS if r != pinned.get("pass_rows")]
     _sweep("ssd", sk.TILES, None, cands, cases, reps)
     out = jax.jit(both)(*(t[0] for t in cases[1][2]))
-    import detjax
-
     digest = hashlib.sha256(_bytes(out)).hexdigest()[:16]
     print(f"  ssd fwd+bwd digest (pinned tiles): {digest}; detjax from {detjax.__path__[0]}", flush=True)
     if old_src:
-        import os
-        import subprocess
-
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([old_src, os.environ.get("PYTHONPATH", "")]))
         cmd = [sys.executable, __file__, "--kernels", "ssd", "--reps", str(reps), "--ssd-pinned-only"]
         print(f"  the tree {old_src}:", flush=True)

@@ -67,8 +67,9 @@ def _bwd(chunk, res, dy_BLHP):
     k = sub_heads(p)
     h = heads * k
     dy = dy_BLHP.astype(jnp.float32).reshape(bsz, length, heads * p)
-    grads = ssd_bwd(x, arow, b, c, states, decays, dy, h=h, chunk=chunk, interpret=interpret_mode())
-    dx, da, db_slots, dc_slots = grads
+    dx, da, db_slots, dc_slots = ssd_bwd(
+        x, arow, b, c, states, decays, dy, h=h, chunk=chunk, interpret=interpret_mode()
+    )
     da_BLhk = _heads_last(da.reshape(bsz * h, length), bsz, h).reshape(bsz, length, heads, k)
     da_BLH = da_BLhk[..., 0]
     for j in range(1, k):  # the sub-heads' da in ascending order
