@@ -67,12 +67,12 @@ def as_u32(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
 
-def _meta_salt(x: jax.Array) -> np.uint32:
+def meta_salt(x: jax.Array) -> np.uint32:
     meta = f"{tuple(x.shape)}|{x.dtype}".encode()
     return np.uint32(int.from_bytes(hashlib.blake2s(meta, digest_size=4).digest(), "little"))
 
 
-def _positions(shape: tuple[int, ...]) -> jax.Array:
+def positions(shape: tuple[int, ...]) -> jax.Array:
     """Row-major flat index of every element, built from per-dimension iotas (mod 2^32). No reshape of the
     data is needed, so a sharded array is digested shard by shard and only the two sums are reduced."""
     pos = jnp.zeros(shape, jnp.uint32)
@@ -83,8 +83,13 @@ def _positions(shape: tuple[int, ...]) -> jax.Array:
     return pos
 
 
-def _element_hashes(bits: jax.Array, salt: np.uint32, version: int = DIGEST_VERSION) -> tuple[jax.Array, jax.Array]:
-    pos = _positions(bits.shape)
+def element_hashes(
+    bits: jax.Array, salt: np.uint32, version: int = DIGEST_VERSION, pos: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """The two lanes' hashes of every element of `bits` (uint32), at flat positions `pos` (uint32, mod 2^32;
+    default: `bits`'s own row-major positions). Elementwise: a kernel that holds a block of a tensor passes
+    the block's positions in the whole tensor and gets the same hashes."""
+    pos = positions(bits.shape) if pos is None else pos
     if version == 1:
         p1 = _fmix(pos * _C1 + salt)
         p2 = _fmix(pos * _C2 + (salt ^ np.uint32(0x5BD1E995)))
@@ -104,7 +109,7 @@ def _lane_sums(
     one elementwise producer: XLA fuses them into one kernel that reads the tensor once (stacking the lanes
     first materialised a 2x copy: 9.6 ms/step of digests on gpu_medium, docs/BENCHMARKS.md)."""
     bits = as_u32(x)  # element shape kept (8-byte dtypes add a trailing 2): positions as if flattened
-    h1, h2 = _element_hashes(bits, _meta_salt(x), version)
+    h1, h2 = element_hashes(bits, meta_salt(x), version)
     bad = nonfinite_count(x) if count_nonfinite else jnp.zeros((), jnp.uint32)
     return jnp.sum(h1, dtype=jnp.uint32), jnp.sum(h2, dtype=jnp.uint32), bad
 
@@ -126,7 +131,7 @@ def tensor_digest(x: jax.Array, version: int = DIGEST_VERSION) -> jax.Array:
 def row_digest(x: jax.Array) -> jax.Array:
     """uint32[rows, 2]: one digest per slice along axis 0, positions counted within the row."""
     bits = as_u32(x).reshape(x.shape[0], -1)
-    h1, h2 = jax.vmap(lambda r: _element_hashes(r, _meta_salt(x)))(bits)
+    h1, h2 = jax.vmap(lambda r: element_hashes(r, meta_salt(x)))(bits)
     return jnp.sum(jnp.stack([h1, h2], axis=-1), axis=1, dtype=jnp.uint32)
 
 
@@ -162,12 +167,23 @@ def _bounded(groups: Any, leaves: list) -> list[list[int]]:
     return out
 
 
+# Leaves of at least this many of the digest kernel's programs take the kernel where it runs (`kernel_here`)
+KERNEL_MIN_PROGRAMS = 64
+
+
+def kernel_here() -> bool:
+    """Whether the digests take the Pallas kernel (pallas_kernels/digest) for large leaves: on a GPU, with one
+    device (a pallas_call is not split over a sharded leaf; XLA's reductions are, shard by shard)."""
+    return jax.default_backend() == "gpu" and jax.device_count() == 1
+
+
 def tree_digest_and_finite(
     tree: Any,
     count_nonfinite: bool = True,
     grouped: bool = True,
     version: int = DIGEST_VERSION,
     alone_bytes: int | None = -1,
+    kernel: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(tree_digest, bool[leaves]: each leaf has no inf/NaN), from one pass over each leaf (the non-finite
     guard rides on the digest's reads).
@@ -175,12 +191,25 @@ def tree_digest_and_finite(
     `grouped`: leaves of one role in different layers (the same path once layer numbers are dropped, the same
     shape and dtype) are stacked and digested by one vmapped reduction instead of one reduction per leaf — a
     few dozen reductions for a tree of hundreds of leaves. Integer sums: the same bits either way (tested).
-    `alone_bytes`: leaves of at least this many bytes are not stacked (-1: the module's ALONE_BYTES)."""
+    `alone_bytes`: leaves of at least this many bytes are not stacked (-1: the module's ALONE_BYTES).
+    `kernel`: leaves of at least KERNEL_MIN_PROGRAMS of its programs are digested by the Pallas kernel, one
+    pass each (None: where `kernel_here`; the same bits either way)."""
+    from detjax.pallas_kernels.backend import interpret_mode
+    from detjax.pallas_kernels.digest import kernel as digest
+
     if alone_bytes == -1:
         alone_bytes = ALONE_BYTES
+    if kernel is None:
+        kernel = kernel_here()
 
     def lane_sums(x):
         return _lane_sums(x, count_nonfinite, version)
+
+    def by_kernel(x):
+        salt = int(meta_salt(x))
+        return digest.lane_sums(
+            x, salt=salt, version=version, count_nonfinite=count_nonfinite, interpret=interpret_mode()
+        )
 
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     sums: list[Any] = [None] * len(leaves)
@@ -188,7 +217,9 @@ def tree_digest_and_finite(
     for i, (path, leaf) in enumerate(leaves):
         key = jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
         big = not key and alone_bytes is not None and leaf.size * jnp.dtype(leaf.dtype).itemsize >= alone_bytes
-        if grouped and not key and not big:
+        if kernel and not key and digest.takes(leaf, KERNEL_MIN_PROGRAMS):
+            sums[i] = by_kernel(leaf)
+        elif grouped and not key and not big:
             role = re.sub(r"\d+", "#", jax.tree_util.keystr(path))
             groups.setdefault((role, tuple(leaf.shape), str(leaf.dtype)), []).append(i)
         else:

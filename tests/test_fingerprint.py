@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from detjax.fingerprint import digest_hex, row_digest, tensor_digest, tree_digest, tree_digest_and_finite
 
@@ -113,3 +114,79 @@ def test_both_digest_versions_see_every_single_bit_and_swaps_and_differ_from_eac
         assert (each != base).all(), f"version {v}: a bit flip left a lane unchanged"
         assert not np.array_equal(np.asarray(tensor_digest(jnp.asarray(swapped.view(np.float32)), v)), base)
     assert digest_hex(tensor_digest(x, 1)) != digest_hex(tensor_digest(x, 2))
+
+
+def _small_digest_tiles(monkeypatch):
+    """The digest kernel at 128-wide rows, programs of 8 rows in 4-row sub-blocks (tiny tensors, several
+    programs and a tail of rows on the interpreter)."""
+    from detjax.pallas_kernels.digest import kernel as dk
+
+    monkeypatch.setattr(dk, "WIDTH", 128)
+    monkeypatch.setattr(dk, "TILES", {"rows": 8, "block_rows": 4, "num_warps": 4, "num_stages": 1})
+    jax.clear_caches()
+    return dk
+
+
+def test_digest_kernel_gives_the_reductions_bits(monkeypatch):
+    """The Pallas digest (interpreted) gives _lane_sums' exact bits: float32 with a tail of rows past the last
+    whole program and non-finite elements, bfloat16, int32, both digest versions; and a tree digested with the
+    kernel for its large leaves equals the XLA reductions'. Negative controls: swapping two elements, or one
+    ulp in one element, changes the kernel's sums."""
+    import detjax.fingerprint as fp
+
+    dk = _small_digest_tiles(monkeypatch)
+    rng = np.random.default_rng(0)
+    f32 = rng.standard_normal((21, 4, 128)).astype(np.float32)  # 84 rows: 10 programs and 4 tail rows
+    f32[3, 1, 7], f32[20, 3, 127] = np.inf, np.nan
+    cases = [
+        jnp.asarray(f32),
+        jnp.asarray(rng.standard_normal((16, 128)), jnp.bfloat16),
+        jnp.asarray(rng.integers(-(2**31), 2**31, (8, 256)), jnp.int32),
+    ]
+    for x in cases:
+        for version in fp.DIGEST_VERSIONS:
+            want = [int(v) for v in fp._lane_sums(x, True, version)]
+            got = dk.lane_sums(x, salt=int(fp.meta_salt(x)), version=version, count_nonfinite=True, interpret=True)
+            assert [int(v) for v in got] == want, (x.dtype, version)
+    assert int(dk.lane_sums(cases[0], salt=1, version=2, count_nonfinite=True, interpret=True)[2]) == 2
+
+    def sums(x):
+        return [int(v) for v in dk.lane_sums(x, salt=5, version=2, count_nonfinite=False, interpret=True)[:2]]
+
+    base = sums(cases[0])
+    swapped = f32.copy()
+    swapped[0, 0, [5, 6]] = swapped[0, 0, [6, 5]]
+    assert sums(jnp.asarray(swapped)) != base
+    ulp = f32.copy()
+    ulp.view(np.uint32)[10, 2, 64] ^= 1
+    assert sums(jnp.asarray(ulp)) != base
+
+    monkeypatch.setattr(fp, "KERNEL_MIN_PROGRAMS", 2)
+    taken = []
+    real = dk.lane_sums
+    monkeypatch.setattr(dk, "lane_sums", lambda x, **kw: taken.append(x.shape) or real(x, **kw))
+    tree = {"a": cases[0], "b": {"w": cases[1], "small": jnp.ones((3, 5))}, "c": cases[2]}
+    with_kernel = jax.jit(lambda t: tree_digest_and_finite(t, kernel=True))(tree)
+    without = jax.jit(lambda t: tree_digest_and_finite(t, kernel=False))(tree)
+    assert np.array_equal(np.asarray(with_kernel[0]), np.asarray(without[0]))
+    assert np.asarray(with_kernel[1]).tolist() == np.asarray(without[1]).tolist() == [False, True, True, True]
+    assert taken == [(21, 4, 128), (16, 128), (8, 256)]  # the large leaves took the kernel, the (3, 5) one not
+
+
+@pytest.mark.gpu
+def test_digest_kernel_replays_and_matches_on_gpu():
+    """Compiled (Triton), at the pinned tiles: the reductions' bits for a (4100, 1024) float32 tensor (64
+    whole programs and a tail) and a bfloat16 one, the same bytes on every replay, quiet and beside a GEMM
+    stream."""
+    import detjax.fingerprint as fp
+    from detjax.pallas_kernels.digest import kernel as dk
+    from detjax.pallas_kernels.harness import assert_replays_bit_exact, matmul_contention
+
+    x = jax.random.normal(jax.random.key(3), (4100, 1024), jnp.float32).at[77, 5].set(jnp.inf)
+    for a in (x, x.astype(jnp.bfloat16)):
+        salt = int(fp.meta_salt(a))
+        fn = jax.jit(lambda a, salt=salt: dk.lane_sums(a, salt=salt, version=2, count_nonfinite=True, interpret=False))
+        want = [int(v) for v in jax.jit(lambda a: fp._lane_sums(a, True, 2))(a)]
+        assert [int(v) for v in fn(a)] == want and want[2] == 1
+        assert_replays_bit_exact(fn, (a,), replays=5)
+        assert_replays_bit_exact(fn, (a,), replays=3, contention=matmul_contention(256, 5))
