@@ -208,7 +208,14 @@ def tree_digest_and_finite(
     def by_kernel(x):
         salt = int(meta_salt(x))
         return digest.lane_sums(
-            x, salt=salt, version=version, count_nonfinite=count_nonfinite, interpret=interpret_mode()
+            x,
+            bits_of=as_u32,
+            hashes=element_hashes,
+            positions=positions,
+            salt=salt,
+            version=version,
+            count_nonfinite=count_nonfinite,
+            interpret=interpret_mode(),
         )
 
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]

@@ -116,6 +116,15 @@ def test_both_digest_versions_see_every_single_bit_and_swaps_and_differ_from_eac
     assert digest_hex(tensor_digest(x, 1)) != digest_hex(tensor_digest(x, 2))
 
 
+def _how():
+    import detjax.fingerprint as fp
+
+    return {"bits_of": fp.as_u32, "hashes": fp.element_hashes, "positions": fp.positions, "interpret": True}
+
+
+_HOW = _how()
+
+
 def _small_digest_tiles(monkeypatch):
     """The digest kernel at 128-wide rows, programs of 8 rows in 4-row sub-blocks (tiny tensors, several
     programs and a tail of rows on the interpreter)."""
@@ -146,12 +155,12 @@ def test_digest_kernel_gives_the_reductions_bits(monkeypatch):
     for x in cases:
         for version in fp.DIGEST_VERSIONS:
             want = [int(v) for v in fp._lane_sums(x, True, version)]
-            got = dk.lane_sums(x, salt=int(fp.meta_salt(x)), version=version, count_nonfinite=True, interpret=True)
+            got = dk.lane_sums(x, salt=int(fp.meta_salt(x)), version=version, count_nonfinite=True, **_HOW)
             assert [int(v) for v in got] == want, (x.dtype, version)
-    assert int(dk.lane_sums(cases[0], salt=1, version=2, count_nonfinite=True, interpret=True)[2]) == 2
+    assert int(dk.lane_sums(cases[0], salt=1, version=2, count_nonfinite=True, **_HOW)[2]) == 2
 
     def sums(x):
-        return [int(v) for v in dk.lane_sums(x, salt=5, version=2, count_nonfinite=False, interpret=True)[:2]]
+        return [int(v) for v in dk.lane_sums(x, salt=5, version=2, count_nonfinite=False, **_HOW)[:2]]
 
     base = sums(cases[0])
     swapped = f32.copy()
@@ -185,7 +194,8 @@ def test_digest_kernel_replays_and_matches_on_gpu():
     x = jax.random.normal(jax.random.key(3), (4100, 1024), jnp.float32).at[77, 5].set(jnp.inf)
     for a in (x, x.astype(jnp.bfloat16)):
         salt = int(fp.meta_salt(a))
-        fn = jax.jit(lambda a, salt=salt: dk.lane_sums(a, salt=salt, version=2, count_nonfinite=True, interpret=False))
+        how = dict(_HOW, interpret=False)
+        fn = jax.jit(lambda a, salt=salt, how=how: dk.lane_sums(a, salt=salt, version=2, count_nonfinite=True, **how))
         want = [int(v) for v in jax.jit(lambda a: fp._lane_sums(a, True, 2))(a)]
         assert [int(v) for v in fn(a)] == want and want[2] == 1
         assert_replays_bit_exact(fn, (a,), replays=5)

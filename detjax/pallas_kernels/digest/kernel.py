@@ -4,7 +4,7 @@ A digest is a pair of uint32 sums of per-element hashes, and integer addition is
 hashes every element at its flat position and adds the hashes gives the digest's exact bits, whatever its
 blocking. This one views the tensor as rows of WIDTH elements (a free reshape of a row-major array); a
 program owns `rows` consecutive rows and walks them in sub-blocks of `block_rows`, hashing each element with
-fingerprint.element_hashes at its flat position (mod 2^32, as fingerprint.positions counts) and adding the
+the fingerprint's element hash at its flat position (mod 2^32, as fingerprint.positions counts) and adding the
 hashes and the non-finite flags (read from the exponent bits) into three uint32 sums of its own. XLA adds
 the programs' sums and the rows past the last whole program (hashed by the same function), so the result is
 fingerprint._lane_sums' to the bit: tests/test_fingerprint.py checks it on the interpreter.
@@ -17,6 +17,7 @@ Why a kernel: XLA's reductions of the digests ran at about 0.9 TB/s on an H100 (
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +46,7 @@ def takes(x: jax.ShapeDtypeStruct | jax.Array, min_programs: int = 1) -> bool:
     return x.size % WIDTH == 0 and x.size // WIDTH >= min_programs * TILES["rows"]
 
 
-def _kernel(x_ref, h1_ref, h2_ref, bad_ref, *, salt, version: int, br: int, nsub: int, exponent):
-    from detjax import fingerprint as fp
-
+def _kernel(x_ref, h1_ref, h2_ref, bad_ref, *, bits_of, hashes, salt, version: int, br: int, nsub: int, exponent):
     span = np.uint32(br * nsub * WIDTH)  # elements a program owns (wraps as positions do)
     base = pl.program_id(0).astype(jnp.uint32) * span
     within = jax.lax.broadcasted_iota(jnp.uint32, (br, WIDTH), 0) * np.uint32(WIDTH)
@@ -55,9 +54,9 @@ def _kernel(x_ref, h1_ref, h2_ref, bad_ref, *, salt, version: int, br: int, nsub
 
     def body(s, acc):
         rows = pl.ds(pl.multiple_of(s * br, br), br)
-        bits = fp.as_u32(x_ref[rows, :])
+        bits = bits_of(x_ref[rows, :])
         pos = base + s.astype(jnp.uint32) * np.uint32(br * WIDTH) + within
-        h1, h2 = fp.element_hashes(bits, salt, version, pos=pos)
+        h1, h2 = hashes(bits, salt, version, pos=pos)
         if exponent is None:
             bad = jnp.zeros_like(bits)
         else:
@@ -70,15 +69,25 @@ def _kernel(x_ref, h1_ref, h2_ref, bad_ref, *, salt, version: int, br: int, nsub
         ref[...] = jnp.sum(a, axis=1, keepdims=True, dtype=jnp.uint32)
 
 
-@functools.partial(jax.jit, static_argnames=("salt", "version", "count_nonfinite", "interpret"))
+_STATIC = ("bits_of", "hashes", "positions", "salt", "version", "count_nonfinite", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def lane_sums(
-    x: jax.Array, *, salt: int, version: int, count_nonfinite: bool, interpret: bool
+    x: jax.Array,
+    *,
+    bits_of: Callable,
+    hashes: Callable,
+    positions: Callable,
+    salt: int,
+    version: int,
+    count_nonfinite: bool,
+    interpret: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(sum of lane-1 hashes, sum of lane-2 hashes, non-finite count or 0) of x, uint32: the bits of
-    fingerprint._lane_sums(x, count_nonfinite, version) with salt = fingerprint.meta_salt(x). x must pass
-    `takes`."""
-    from detjax import fingerprint as fp
-
+    fingerprint._lane_sums(x, count_nonfinite, version) when given fingerprint's as_u32, element_hashes and
+    positions, and salt = fingerprint.meta_salt(x) (passed in: this module does not import the fingerprint
+    module, which imports it). x must pass `takes`."""
     if not takes(x):
         raise ValueError(f"digest kernel: {x.shape} {x.dtype} is not a whole number of {WIDTH}-wide rows")
     dt = jnp.dtype(x.dtype)
@@ -90,7 +99,16 @@ def lane_sums(
     part = jax.ShapeDtypeStruct((g, 1), jnp.uint32)
     one = pl.BlockSpec((1, 1), lambda i: (i, 0))
     h1p, h2p, badp = pl.pallas_call(
-        functools.partial(_kernel, salt=np.uint32(salt), version=version, br=br, nsub=r // br, exponent=exponent),
+        functools.partial(
+            _kernel,
+            bits_of=bits_of,
+            hashes=hashes,
+            salt=np.uint32(salt),
+            version=version,
+            br=br,
+            nsub=r // br,
+            exponent=exponent,
+        ),
         grid=(g,),
         in_specs=[pl.BlockSpec((r, WIDTH), lambda i: (i, 0))],
         out_specs=[one, one, one],
@@ -101,9 +119,9 @@ def lane_sums(
     )(x2)
     sums = [jnp.sum(p, dtype=jnp.uint32) for p in (h1p, h2p, badp)]
     if g * r < rows:  # the rows past the last whole program
-        tail = fp.as_u32(x2[g * r :])
-        pos = fp.positions(tail.shape) + np.uint32((g * r * WIDTH) % 2**32)
-        t1, t2 = fp.element_hashes(tail, np.uint32(salt), version, pos=pos)
+        tail = bits_of(x2[g * r :])
+        pos = positions(tail.shape) + np.uint32((g * r * WIDTH) % 2**32)
+        t1, t2 = hashes(tail, np.uint32(salt), version, pos=pos)
         sums[0] = sums[0] + jnp.sum(t1, dtype=jnp.uint32)
         sums[1] = sums[1] + jnp.sum(t2, dtype=jnp.uint32)
         if exponent is not None:
