@@ -27,9 +27,10 @@ digest fusion takes under 0.1 ms per call; with the parameters' non-finite count
 reduction of its own) they stayed, two of them then named as concatenate-reduce fusions (2026-12-02). Writing
 each stack out before its reduction (an optimization barrier) was slower still: 8.7 against 4.5 ms alone, 6.8
 against 3.2 ms in the step (2026-12-02), so XLA's fused concatenate-reduce is the cheaper form.
-Those reductions ran at about 0.9 TB/s on larger leaves (22 ms of a 1.3 B-parameter step on an H100,
-2026-12-05), so on a one-device GPU run the leaves of at least KERNEL_MIN_PROGRAMS of its programs go through
-the Pallas kernel of pallas_kernels/digest instead: the same bits (integer sums), one pass each.
+The Pallas kernel of pallas_kernels/digest gives the same bits (integer sums) in one pass per large leaf. It is
+off by default (DIGEST_KERNEL): on an H100 (2026-12-05, docs/BENCHMARKS.md "The d 4096 dense cell") it digested
+a 1.3 B-parameter state's 19 GiB in 8.52 ms against the XLA reductions' 8.66, and in the step the time moved
+between scopes rather than clearly going away.
 """
 
 from __future__ import annotations
@@ -170,14 +171,17 @@ def _bounded(groups: Any, leaves: list) -> list[list[int]]:
     return out
 
 
-# Leaves of at least this many of the digest kernel's programs take the kernel where it runs (`kernel_here`)
+# Whether the step's digests take the Pallas kernel (pallas_kernels/digest) where it can run (`kernel_here`).
+# Off: not shown faster in the step (module docstring); `scripts/digest_bench.py --kernel` times both.
+DIGEST_KERNEL = False
+# Leaves of at least this many of the digest kernel's programs take the kernel where it runs
 KERNEL_MIN_PROGRAMS = 64
 
 
 def kernel_here() -> bool:
-    """Whether the digests take the Pallas kernel (pallas_kernels/digest) for large leaves: on a GPU, with one
+    """Whether the digests take the Pallas kernel for large leaves: with DIGEST_KERNEL on, on a GPU, with one
     device (a pallas_call is not split over a sharded leaf; XLA's reductions are, shard by shard)."""
-    return jax.default_backend() == "gpu" and jax.device_count() == 1
+    return DIGEST_KERNEL and jax.default_backend() == "gpu" and jax.device_count() == 1
 
 
 def tree_digest_and_finite(

@@ -1,3 +1,3 @@
-"""The fingerprint digests' lane sums of large tensors in one Pallas pass (kernel.py). Not a model kernel: the
-trainer's fingerprints use it on a one-device GPU run, and detjax.fingerprint's XLA reductions everywhere else,
-with the same bits (integer sums: any order, any blocking)."""
+"""The fingerprint digests' lane sums of large tensors in one Pallas pass (kernel.py). Not a model kernel, and
+off by default (detjax.fingerprint.DIGEST_KERNEL): where it is on, a one-device GPU run's digests use it for
+large leaves, with the XLA reductions' bits (integer sums: any order, any blocking)."""

@@ -9,9 +9,11 @@ hashes and the non-finite flags (read from the exponent bits) into three uint32 
 the programs' sums and the rows past the last whole program (hashed by the same function), so the result is
 fingerprint._lane_sums' to the bit: tests/test_fingerprint.py checks it on the interpreter.
 
-Why a kernel: XLA's reductions of the digests ran at about 0.9 TB/s on an H100 (22 ms of a 462 ms step of
-1.3 B parameters, `scripts/profile_step.py`, 2026-12-05), where the tensors' bytes allow a few ms.
-`scripts/digest_bench.py --kernel` times both.
+Why it was written: the digests' scope took 22 ms of a 462 ms step of 1.3 B parameters on an H100
+(`scripts/profile_step.py`, 2026-12-05). Timed alone the XLA reductions turned out to run at 2.3 TB/s (8.66 ms
+for the state's 19 GiB) and this kernel at the same rate (8.52 ms), so it is off by default
+(fingerprint.DIGEST_KERNEL; docs/BENCHMARKS.md "The d 4096 dense cell"). `scripts/digest_bench.py --kernel`
+times both.
 """
 
 from __future__ import annotations
