@@ -13,6 +13,7 @@ sets and shape classes (detjax/pallas_kernels/matmul/kernel.py: TILE_SETS, tile_
     python3 scripts/gemm_bench.py --mosaic-variants --no-table --only mlp  # the MLP's products only
     python3 scripts/gemm_bench.py --grouped --no-table  # gpu_medium's experts: bf16 Triton / Mosaic, fp8 Mosaic
     python3 scripts/gemm_bench.py --swiglu --no-table   # their whole SwiGLU: Triton / Mosaic on the padded layout
+    python3 scripts/gemm_bench.py --config configs/gpu_dense.yaml model.d_model=4096 ...   # another dense shape
 
 Run with XLA's default flags (autotuning on): the XLA column is the GEMM XLA picks for the shape. Times: one
 jitted call runs the product on 8 different input sets (so no launch or host sync is timed per product);
@@ -27,6 +28,7 @@ import functools
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +58,34 @@ SHAPES = {
 }
 M = 8192
 SETS = 8
+
+
+def config_shapes(path: str, overrides: list[str]) -> tuple[int, list[tuple]]:
+    """(rows of one microbatch, SHAPES rows) of a dense config's projections: attention's fused q+k+v (zero
+    columns up to the fused multiple, as matmul.ops.fuse pads), o, the MLP's fused gate+up, down and the LM
+    head, each counted once per block that has it. Mamba2, MoE and MTP products are not listed."""
+    from detjax.config import load_config
+    from detjax.pallas_kernels.matmul.ops import FUSED_COLUMN_MULTIPLE
+
+    c = load_config(path, overrides)
+    m = c.model
+    if set(m.pattern) - {"*", "-"}:
+        raise SystemExit(f"gemm_bench --config: dense patterns only ('*' and '-'), got {m.pattern!r}")
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    fused = q + 2 * kv
+    fused += -fused % FUSED_COLUMN_MULTIPLE
+    att, mlp = m.pattern.count("*"), m.pattern.count("-")
+    gate_up = 2 * m.ffn_dim + -(2 * m.ffn_dim) % FUSED_COLUMN_MULTIPLE
+    rows = [
+        ("attn q+k+v", m.d_model, fused, "bfloat16", att),
+        ("attn o", q, m.d_model, "bfloat16", att),
+        ("mlp gate+up", m.d_model, gate_up, "bfloat16", mlp),
+        ("mlp down", m.ffn_dim, m.d_model, "bfloat16", mlp),
+        ("lm head", m.d_model, m.vocab_size, "bfloat16", 1),
+    ]
+    return c.train.micro_batch * c.train.seq_len, [r for r in rows if r[-1]]
+
+
 EXTRA_BF16 = [
     {"bm": 256, "bn": 128, "block_r": 64, "num_warps": 8, "num_stages": 3, "split": 0},
     {"bm": 128, "bn": 64, "block_r": 64, "num_warps": 4, "num_stages": 4, "split": 0},
@@ -556,7 +586,18 @@ def main() -> int:
         "--swiglu", action="store_true", help="gpu_medium's experts' whole SwiGLU: Triton vs padded-layout Mosaic"
     )
     ap.add_argument("--breakdown", type=int, default=0, help="--grouped / --swiglu: each path's N largest device ops")
+    ap.add_argument("--config", help="the table over this dense config's projections instead (config_shapes)")
+    ap.add_argument("overrides", nargs="*", help="--config: key=value overrides")
     a = ap.parse_args()
+    if a.overrides and not a.config:
+        ap.error("overrides need --config")
+    if a.config and (a.fp8 or a.grouped or a.swiglu or a.mosaic_variants or a.tile_bits):
+        ap.error("--config sets the shapes of the table and --sweep only")
+    if a.config:
+        global M
+        M, rows = config_shapes(a.config, a.overrides)
+        SHAPES.clear()
+        SHAPES[Path(a.config).stem] = rows
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, M = {M} rows", flush=True)
     if a.tile_bits:
         tile_bits()

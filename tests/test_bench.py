@@ -161,3 +161,27 @@ def test_op_breakdown_counts_each_op_once_a_call():
     assert [ms for _, ms, _ in rows] == sorted((ms for _, ms, _ in rows), reverse=True) and rows[0][1] > 0
     more = profile_step.op_breakdown(lambda: jax.block_until_ready(two(x)), 2)
     assert sum(calls for _, _, calls in more) > sum(calls for _, _, calls in rows)
+
+
+def test_gemm_bench_takes_a_dense_configs_projections():
+    """gemm_bench --config: the products of a dense config at one microbatch's rows (the fused q+k+v and
+    gate+up padded to the fused column multiple, as the model fuses them), counted per block; hybrid
+    patterns are refused."""
+    import gemm_bench
+
+    root = Path(__file__).resolve().parents[1]
+    over = ["model.d_model=4096", "model.head_dim=128", "model.n_heads=32", "model.n_kv_heads=16"]
+    over += ["model.ffn_dim=16384", "train.seq_len=4096", "train.micro_batch=2", "train.global_batch=8"]
+    m, rows = gemm_bench.config_shapes(str(root / "configs/gpu_dense.yaml"), [*over, "model.pattern=*-*-*-*-"])
+    assert m == 8192
+    assert [r[:3] + r[4:] for r in rows] == [
+        ("attn q+k+v", 4096, 8192, 4),
+        ("attn o", 4096, 4096, 4),
+        ("mlp gate+up", 4096, 32768, 4),
+        ("mlp down", 16384, 4096, 4),
+        ("lm head", 4096, 32768, 1),
+    ]
+    _, odd = gemm_bench.config_shapes(str(root / "configs/gpu_dense.yaml"), ["model.n_kv_heads=1"])
+    assert odd[0][2] == 1280  # q 1024 + k 64 + v 64 = 1152 columns, padded to a multiple of 256
+    with pytest.raises(SystemExit, match="dense patterns only"):
+        gemm_bench.config_shapes(str(root / "configs/gpu_medium.yaml"), [])
