@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import detjax.fingerprint as fp
 from detjax.fingerprint import digest_hex, row_digest, tensor_digest, tree_digest, tree_digest_and_finite
 
 
@@ -60,8 +61,6 @@ def test_grouped_tree_digest_equals_the_per_leaf_one(monkeypatch):
     assert [p for p, ok in zip(paths, np.asarray(ok_g), strict=True) if not ok] == ["['layer_2']['w']"]
     swapped = {**tree, "layer_0": tree["layer_1"], "layer_1": tree["layer_0"]}
     assert digest_hex(tree_digest(swapped)) != digest_hex(grouped)  # negative control
-    import detjax.fingerprint as fp
-
     monkeypatch.setattr(fp, "GROUP_BYTES", 2 * 6 * 5 * 4)  # two w leaves per stacked run: still the same bits
     assert np.array_equal(np.asarray(jax.jit(lambda t: tree_digest_and_finite(t))(tree)[0]), np.asarray(single))
     # the w leaves (120 bytes) alone, the s leaves (20 bytes) stacked: still the same bits and flags
@@ -116,13 +115,8 @@ def test_both_digest_versions_see_every_single_bit_and_swaps_and_differ_from_eac
     assert digest_hex(tensor_digest(x, 1)) != digest_hex(tensor_digest(x, 2))
 
 
-def _how():
-    import detjax.fingerprint as fp
-
-    return {"bits_of": fp.as_u32, "hashes": fp.element_hashes, "positions": fp.positions, "interpret": True}
-
-
-_HOW = _how()
+# the fingerprint's hash functions, as tree_digest_and_finite hands them to the digest kernel (interpreted)
+_HOW = {"bits_of": fp.as_u32, "hashes": fp.element_hashes, "positions": fp.positions, "interpret": True}
 
 
 def _small_digest_tiles(monkeypatch):
@@ -141,8 +135,6 @@ def test_digest_kernel_gives_the_reductions_bits(monkeypatch):
     whole program and non-finite elements, bfloat16, int32, both digest versions; and a tree digested with the
     kernel for its large leaves equals the XLA reductions'. Negative controls: swapping two elements, or one
     ulp in one element, changes the kernel's sums."""
-    import detjax.fingerprint as fp
-
     dk = _small_digest_tiles(monkeypatch)
     rng = np.random.default_rng(0)
     f32 = rng.standard_normal((21, 4, 128)).astype(np.float32)  # 84 rows: 10 programs and 4 tail rows
@@ -187,7 +179,6 @@ def test_digest_kernel_replays_and_matches_on_gpu():
     """Compiled (Triton), at the pinned tiles: the reductions' bits for a (4100, 1024) float32 tensor (64
     whole programs and a tail) and a bfloat16 one, the same bytes on every replay, quiet and beside a GEMM
     stream."""
-    import detjax.fingerprint as fp
     from detjax.pallas_kernels.digest import kernel as dk
     from detjax.pallas_kernels.harness import assert_replays_bit_exact, matmul_contention
 

@@ -48,6 +48,11 @@ def takes(x: jax.ShapeDtypeStruct | jax.Array, min_programs: int = 1) -> bool:
     return x.size % WIDTH == 0 and x.size // WIDTH >= min_programs * TILES["rows"]
 
 
+def _nonfinite(bits: jax.Array, exponent) -> jax.Array:
+    """1 (uint32) where the exponent field of `bits` is all ones (inf or NaN), else 0."""
+    return ((bits & exponent) == exponent).astype(jnp.uint32)
+
+
 def _kernel(x_ref, h1_ref, h2_ref, bad_ref, *, bits_of, hashes, salt, version: int, br: int, nsub: int, exponent):
     span = np.uint32(br * nsub * WIDTH)  # elements a program owns (wraps as positions do)
     base = pl.program_id(0).astype(jnp.uint32) * span
@@ -59,11 +64,7 @@ def _kernel(x_ref, h1_ref, h2_ref, bad_ref, *, bits_of, hashes, salt, version: i
         bits = bits_of(x_ref[rows, :])
         pos = base + s.astype(jnp.uint32) * np.uint32(br * WIDTH) + within
         h1, h2 = hashes(bits, salt, version, pos=pos)
-        if exponent is None:
-            bad = jnp.zeros_like(bits)
-        else:
-            bad = ((bits & exponent) == exponent).astype(jnp.uint32)
-        parts = (h1, h2, bad)
+        parts = (h1, h2, jnp.zeros_like(bits) if exponent is None else _nonfinite(bits, exponent))
         return tuple(a + jnp.sum(v, axis=0, keepdims=True, dtype=jnp.uint32) for a, v in zip(acc, parts, strict=True))
 
     zero = tuple(jnp.zeros((1, WIDTH), jnp.uint32) for _ in range(3))
@@ -127,5 +128,5 @@ def lane_sums(
         sums[0] = sums[0] + jnp.sum(t1, dtype=jnp.uint32)
         sums[1] = sums[1] + jnp.sum(t2, dtype=jnp.uint32)
         if exponent is not None:
-            sums[2] = sums[2] + jnp.sum(((tail & exponent) == exponent).astype(jnp.uint32), dtype=jnp.uint32)
+            sums[2] = sums[2] + jnp.sum(_nonfinite(tail, exponent), dtype=jnp.uint32)
     return sums[0], sums[1], sums[2]
