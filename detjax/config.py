@@ -241,6 +241,11 @@ class TrainConfig:
     # state saved), or "skip_step": keep the old parameters and optimizer state, advance the step and the data,
     # and record `"skipped": true` in that step's fingerprint (deterministic: decided on device).
     on_nonfinite: Literal["stop", "skip_step"] = "stop"
+    # The gradient accumulation fusion: with model.kernels=pallas on one device (no fp8, canonical numerics or
+    # pipeline), each microbatch's weight gradients of the fused projections are added to the running sum by
+    # the dw kernel itself instead of by a pass of their own (detjax.step.Trainer.fuses_accumulation). The same
+    # bits either way; false keeps the separate sums (to time them).
+    grad_accumulation_fusion: bool = True
 
     @property
     def n_micro(self) -> int:

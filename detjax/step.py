@@ -20,7 +20,7 @@ from detjax import fingerprint as fp
 from detjax import step_canonical
 from detjax.config import Config, ConfigError, expert_dispatch, with_canonical_leaf, with_flash_backend
 from detjax.loss import Objective, token_ce_sum
-from detjax.model import fp8
+from detjax.model import fp8, layers
 from detjax.model.layers import DTYPES, module_copies
 from detjax.model.lm import HybridLM, block_class, layer_key
 from detjax.optim import lr_schedule, make_optimizer
@@ -262,6 +262,37 @@ class Trainer:
         with jax.named_scope("compute_copies"):
             return walk(params, fp8_scales if self.fp8 else None)
 
+    def fuses_accumulation(self) -> bool:
+        """Whether the microbatch loop runs the gradient accumulation fusion (train.grad_accumulation_fusion):
+        the projections' weight gradients are added to the loop's running sums by the dw kernel
+        (pallas_kernels.matmul.ops.matmul's acc_KN) rather than by a pass over each microbatch's gradient.
+        It needs the compute copies (model.kernels=pallas, a low-precision compute dtype) on one device or a
+        trivial mesh, and no fp8, canonical numerics, pipeline or tensor chunks (their loops keep the sums)."""
+        m = self.cfg.model
+        return (
+            self.cfg.train.grad_accumulation_fusion
+            and m.kernels == "pallas"
+            and DTYPES[m.compute_dtype] != jnp.float32
+            and not (self.fp8 or self.canonical or self.pipelined)
+            and self.tensor_split is None
+            and (self.layout is None or self.layout.trivial)
+        )
+
+    def accumulators(self, params: Any) -> dict:
+        """The fusion's running sums at zero: a float32 array per fused projection group, in its compute copy's
+        layout (layers.module_accumulators), nested as the parameters are. The LM head is left out when the
+        MTP heads share it (its gradient is the sum of two products' there)."""
+        exclude = (("w_head",),) if self.cfg.model.mtp.depth else ()
+
+        def walk(tree):
+            out = layers.module_accumulators(tree, exclude)
+            for name, sub in tree.items():
+                if isinstance(sub, Mapping) and (sums := walk(sub)):
+                    out[name] = sums
+            return out
+
+        return walk(params)
+
     def apply_model(
         self,
         params: Any,
@@ -271,13 +302,17 @@ class Trainer:
         model=None,
         compute=None,
         targets_BL: jax.Array | None = None,
+        accs=None,
     ):
         """The training forward of `model` (default: the step's model; canonical numerics: the leaf model),
         reading `compute` (compute_copies of params) where given. `targets_BL`: a fused fp8 head may return
-        the per-token losses instead of logits (detjax.model.ce.TokenCE)."""
+        the per-token losses instead of logits (detjax.model.ce.TokenCE). `accs`: the gradient accumulation
+        fusion's running sums (accumulators), which the projections pass to their dw kernels."""
         variables = {"params": params} if fp8_scales is None else {"params": params, "fp8": fp8_scales}
         if compute:
             variables["compute"] = compute
+        if accs:
+            variables["grad_acc"] = accs
         return (model or self.model).apply(variables, ids_BL, train=True, key=key, targets_BL=targets_BL)
 
     def fp8_scales(self, state: TrainState) -> Any:
@@ -285,11 +320,18 @@ class Trainer:
         return state.collections["fp8"]["scale"] if self.fp8 else None
 
     def micro_objective(
-        self, params: Any, tokens_BL1: jax.Array, key: jax.Array, fp8_scales: Any = None, model=None, compute=None
+        self,
+        params: Any,
+        tokens_BL1: jax.Array,
+        key: jax.Array,
+        fp8_scales: Any = None,
+        model=None,
+        compute=None,
+        accs=None,
     ):
         """(j, (lm sum, MTP sum, aux)) of one microbatch (with model=self.leaf_model: one leaf of canonical
         numerics' gradient tree); the gradient is taken of j, not of the compute copies."""
-        outs = self.apply_model(params, tokens_BL1[:, :-1], key, fp8_scales, model, compute, tokens_BL1[:, 1:])
+        outs = self.apply_model(params, tokens_BL1[:, :-1], key, fp8_scales, model, compute, tokens_BL1[:, 1:], accs)
         with jax.named_scope("loss"):
             terms = self.objective.terms(*outs, tokens_BL1, split=getattr(model, "tp", None))
         return self.objective.total(terms), terms
@@ -315,6 +357,8 @@ class Trainer:
         kernels a step, for 65 projections x 4 microbatches (docs/benchmarks-history.md set 34)."""
 
         compute = self.compute_copies(params, fp8_scales) if micro_fn is None else None
+        if compute is not None and self.fuses_accumulation():
+            return self.fused_accumulate(params, micro_tokens, step_key, compute)
         running_max = micro_fn is None and bool(jax.tree.leaves(fp8_scales))  # (None has no leaves)
 
         def plain(params, tokens, key, g_acc):
@@ -345,6 +389,68 @@ class Trainer:
         n = micro_tokens.shape[0]
         (g_sum, sums, *amax), extras = jax.lax.scan(body, zeros, (micro_tokens, jnp.arange(n)))
         return (g_sum, sums), (unravel(amax[0]) if running_max else extras)
+
+    def fused_accumulate(self, params: Any, micro_tokens: jax.Array, step_key: jax.Array, compute: Any):
+        """accumulate's sums with the gradient accumulation fusion (fuses_accumulation): the loop carries the
+        fused projections' running sums (accumulators) and differentiates each microbatch's objective with
+        respect to them, whose gradient is the new sum (the dw kernel adds the microbatch's weight gradient to
+        it); the other parameters' gradients are added as accumulate adds them. The fused weights' gradients
+        are cut out of the sums after the loop (layers.accumulated_grads). Every element gets the same float32
+        additions in the same order as in accumulate, so the bits are the same (tests/test_step.py)."""
+        accs0 = self.accumulators(params)
+        fused = set()
+        for path, _ in jax.tree_util.tree_flatten_with_path(accs0)[0]:
+            *module, key = (k.key for k in path)
+            fused.update((*module, name) for name in key.split("+"))
+        leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+        paths = [tuple(k.key for k in p) for p, _ in leaves_with_path]
+        leaves = [leaf for _, leaf in leaves_with_path]
+        is_fused = [p in fused for p in paths]
+        expected = {tuple(k.key for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(accs0)[0]}
+
+        def objective(rest, accs, tokens, key):
+            full = treedef.unflatten([f if fu else r for r, f, fu in zip(rest, leaves, is_fused, strict=True)])
+            with layers.accumulator_uses() as uses:
+                out = self.micro_objective(full, tokens, key, compute=compute, accs=accs)
+            if set(uses) != expected or any(n != 1 for n in uses.values()):
+                wrong = sorted("/".join(k) for k in expected.symmetric_difference(uses)) or sorted(
+                    "/".join(k) for k, n in uses.items() if n != 1
+                )
+                raise ValueError(
+                    f"the gradient accumulation fusion's running sums must each reach one product; these did not: "
+                    f"{wrong[:4]}. Fix: set train.grad_accumulation_fusion=false"
+                )
+            return out
+
+        grad = jax.grad(objective, argnums=(0, 1), has_aux=True)
+        rest = [None if fu else leaf for leaf, fu in zip(leaves, is_fused, strict=True)]
+
+        def body(carry, xs):
+            g_acc, accs, sums = carry
+            tokens, i = xs
+            (g, accs), terms = grad(rest, accs, tokens, jax.random.fold_in(step_key, i))
+            with jax.named_scope("grad_accumulate"):
+                g_acc = jax.tree.map(jnp.add, g_acc, g)
+            return (g_acc, accs, jax.tree.map(jnp.add, sums, terms)), ()
+
+        zeros = [None if fu else jnp.zeros_like(leaf) for leaf, fu in zip(leaves, is_fused, strict=True)]
+        n = micro_tokens.shape[0]
+        init = (zeros, accs0, (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())))
+        (g_rest, accs, sums), _ = jax.lax.scan(body, init, (micro_tokens, jnp.arange(n)))
+
+        cut: dict[tuple, jax.Array] = {}
+
+        def walk(p_tree, a_tree, prefix):  # a module's sums beside its submodules' dicts
+            sums_here = {k: v for k, v in a_tree.items() if not isinstance(v, Mapping)}
+            for name, g in layers.accumulated_grads(p_tree, sums_here).items():
+                cut[(*prefix, name)] = g
+            for name, sub in a_tree.items():
+                if isinstance(sub, Mapping):
+                    walk(p_tree[name], sub, (*prefix, name))
+
+        walk(params, accs, ())
+        g_sum = treedef.unflatten([cut[p] if fu else g for p, g, fu in zip(paths, g_rest, is_fused, strict=True)])
+        return (g_sum, sums), ()
 
     def pipeline_fns(self) -> pipeline.StageFns:
         """The model pieces a pipeline stage runs (detjax.sharding.pipeline takes functions, not models)."""

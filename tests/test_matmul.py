@@ -577,3 +577,67 @@ def test_fp8_ce_grad_kernel_matches_its_formula_and_replays():
         assert abs(float(amax) - float(fp8._amax(d))) <= 1e-5 * float(fp8._amax(d))
     assert_replays_bit_exact(jax.jit(run), (dce,), replays=20, contention=matmul_contention(256 if interp else 2048, 5))
     assert not _same(run(dce * 1.5)[0].view(jnp.uint8), q.view(jnp.uint8)), "negative control: dce is used"
+
+
+def _with_acc(kind_tiles, x, g, acc):
+    """(acc + dw, dw with acc) of matmul_kernel under the tile options `kind_tiles` (None: the pinned path)."""
+    t = tuple(sorted(kind_tiles.items())) if kind_tiles else None
+    run = functools.partial(matmul_kernel, kind="dw", out_dtype=jnp.float32, interpret=True, sweep_tiles=t)
+    return acc + run(x, g), run(x, g, acc=acc)
+
+
+def test_dw_adds_into_the_running_sum():
+    """matmul_kernel's `acc` (the gradient accumulation fusion): acc + dw with the bits of adding them apart,
+    on the Triton path and on the Mosaic kernel's in-place epilogue (interpreted; one loop, and token chunks),
+    with an output that is not a whole number of tiles (the running sum is padded and cut). Negative control:
+    one running-sum element moved by one ulp moves that output element only."""
+    x, _, g = _inputs(11, 192, 64, 250)
+    g = g.astype(jnp.bfloat16)
+    acc = jax.random.normal(jax.random.key(12), (64, 250), jnp.float32) * 30
+    for tiles in (None, {"backend": "mosaic", "r_chunk": 0}, {"backend": "mosaic", "r_chunk": 64}):
+        want, got = _with_acc(tiles, x, g, acc)
+        assert _same(got, want), tiles
+    moved = acc.at[5, 7].set(jnp.nextafter(acc[5, 7], jnp.inf))
+    _, got_moved = _with_acc({"backend": "mosaic", "r_chunk": 0}, x, g, moved)
+    differ = np.argwhere(_bits(got_moved) != _bits(got))
+    assert differ.tolist() == [[5, 7]]
+    with pytest.raises(ValueError, match="float32 dw"):
+        matmul_kernel(x, g, kind="fwd", out_dtype=jnp.float32, interpret=True, acc=acc)
+
+
+def test_mosaic_dw_into_a_running_sum_lowers_for_cuda(monkeypatch):
+    """The Mosaic kernel's in-place epilogue (acc_ref: each output piece loaded, added to and written back)
+    goes through the Mosaic GPU lowering for CUDA (jax.export, no GPU), in both pipelines."""
+    from detjax.pallas_kernels.matmul import mosaic
+
+    monkeypatch.setattr(mosaic, "_num_sms", lambda: 132)
+    x, g = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((512, 512), jnp.bfloat16)
+    acc = jnp.zeros((256, 512), jnp.float32)
+    for stream in (True, False):
+
+        def into(x, g, acc, stream=stream):
+            ref = jax.new_ref(acc)
+            mosaic.mosaic_matmul(x, g, kind="dw", out_dtype=jnp.float32, r_chunk=0, acc_ref=ref, stream=stream)
+            return jax.freeze(ref)
+
+        text = jax.export.export(jax.jit(into), platforms=["cuda"])(x, g, acc).mlir_module()
+        assert "mosaic_gpu" in text, stream
+
+
+@pytest.mark.gpu
+def test_dw_into_a_running_sum_on_gpu():
+    """On the GPU, a weight large enough for the Mosaic kernel's one-loop dw (the gradient accumulation
+    fusion's in-place epilogue): acc + dw byte-equal to adding them apart, and replayed byte-equal, quiet and
+    under a GEMM stream."""
+    from detjax.pallas_kernels.matmul.kernel import DW_UNCHUNKED_SIZE
+
+    k, n = 4096, DW_UNCHUNKED_SIZE // 4096
+    ks = jax.random.split(jax.random.key(21), 3)
+    x = jax.random.normal(ks[0], (4096, k), jnp.bfloat16)
+    g = jax.random.normal(ks[1], (4096, n), jnp.bfloat16)
+    acc = jax.random.normal(ks[2], (k, n), jnp.float32) * 30
+    run = functools.partial(matmul_kernel, kind="dw", out_dtype=jnp.float32, interpret=False)
+    fused = jax.jit(lambda x, g, acc: run(x, g, acc=acc))
+    assert _same(fused(x, g, acc), acc + jax.jit(run)(x, g))
+    assert_replays_bit_exact(fused, (x, g, acc), replays=3)
+    assert_replays_bit_exact(fused, (x, g, acc), replays=3, contention=matmul_contention(2048, 5))

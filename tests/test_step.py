@@ -151,3 +151,51 @@ def test_experts_read_their_compute_copies(tiny_path):
     assert copied(["mesh.expert=2", "model.moe.experts_impl=pallas"]) == []
     assert copied(["model.moe.experts_impl=ragged_dot"]) == []  # XLA's grouped products cast at use
     assert copied(["model.moe.experts_impl=pallas"])  # control: no expert axis, the experts read copies
+
+
+def test_gradient_accumulation_fusion_gives_the_bits_of_separate_sums(tiny_path):
+    """train.grad_accumulation_fusion (on by default with model.kernels=pallas on one device): the microbatch
+    loop's gradient sums, with the projections' weight gradients added by their dw kernels to running sums in
+    the fused-copy layout, equal the separate sums byte for byte, every leaf, on the hybrid with an MTP head
+    (whose shared LM head keeps the separate sum). Negative control: the separate sums of the same
+    three microbatches in the other order differ in some fused weight's gradient. A running sum that would reach
+    two products (the shared head) is refused while tracing."""
+    from detjax.model import layers
+
+    over = ["model.kernels=pallas", "train.seq_len=32", "model.dropout=0", "train.global_batch=6"]
+    over.append("train.micro_batch=2")
+    fused_tr = Trainer(load_config(tiny_path, over))
+    plain_tr = Trainer(load_config(tiny_path, [*over, "train.grad_accumulation_fusion=false"]))
+    assert fused_tr.fuses_accumulation() and not plain_tr.fuses_accumulation()
+    assert fused_tr.cfg.model.mtp.depth > 0 and set("M*E-") <= set(fused_tr.cfg.model.pattern)
+    state = jax.jit(fused_tr.init_state)(jax.random.key(0))
+    tokens = fused_tr.micro_tokens(jax.random.randint(jax.random.key(1), (6, 33), 0, fused_tr.cfg.model.vocab_size))
+
+    def sums_of(trainer):
+        return jax.jit(lambda s, t: trainer.grad_sums(s, t, jax.random.key(3))[:2])
+
+    fused = jax.device_get(sums_of(fused_tr)(state, tokens))
+    separate_fn = sums_of(plain_tr)
+    separate = jax.device_get(separate_fn(state, tokens))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(fused)[0]]
+    for p, a, b in zip(paths, jax.tree.leaves(fused), jax.tree.leaves(separate), strict=True):
+        assert np.asarray(a).dtype == np.asarray(b).dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes(), p
+
+    sums = fused_tr.accumulators(state.params)
+    fused_keys = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(sums)[0]}
+    assert "['layer_3']['mixer']['w_gate+w_up']" in fused_keys and "['w_head']" not in fused_keys
+    reordered = jax.device_get(separate_fn(state, tokens[::-1]))
+    moved = [
+        p
+        for p, a, b in zip(paths, jax.tree.leaves(fused), jax.tree.leaves(reordered), strict=True)
+        if np.asarray(a).tobytes() != np.asarray(b).tobytes() and "w_gate" in p
+    ]
+    assert moved, "the other order of the same sums should change some fused weight's bits"
+
+    shared = Trainer(load_config(tiny_path, over))
+    shared.accumulators = lambda params: {
+        **fused_tr.accumulators(params),
+        **layers.module_accumulators({"w_head": params["w_head"]}),
+    }
+    with pytest.raises(ValueError, match="one product"):
+        jax.eval_shape(lambda s, t: shared.grad_sums(s, t, jax.random.key(3)), state, tokens)

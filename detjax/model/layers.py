@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections import Counter
 from typing import Any
 
 import jax
@@ -118,6 +120,67 @@ def module_copies(tree: dict, dtype, fp8_scales: dict | None = None, experts: bo
     return out
 
 
+def module_accumulators(tree: dict, exclude: tuple[tuple[str, ...], ...] = ()) -> dict:
+    """The gradient accumulation fusion's running sums of one module's parameter dict, {copy_key: zeros}:
+    one float32 array shaped like each of module_copies' 2-D compute copies (the fused, padded layout the
+    products' weight gradient has), except the COMPUTE_COPIES groups named in `exclude`."""
+    out = {}
+    for names, (contracted, ndim) in COMPUTE_COPIES.items():
+        ws = [tree.get(n) for n in names]
+        if names in exclude or not (
+            all(isinstance(w, jax.Array) and w.dtype == jnp.float32 for w in ws) and ws[0].ndim == ndim
+        ):
+            continue
+        shape = jax.eval_shape(lambda ws=ws, c=contracted: compute_copy(ws, c, jnp.float32))
+        out[copy_key(names)] = jnp.zeros(shape.shape, jnp.float32)
+    return out
+
+
+def accumulated_grads(tree: dict, sums: dict) -> dict:
+    """{parameter name: gradient} of one module's weights from its running sums (module_accumulators' keys):
+    each weight's columns of its group's sum, zero padding dropped, in the weight's shape."""
+    out = {}
+    for key, acc in sums.items():
+        names = tuple(key.split("+"))
+        contracted = COMPUTE_COPIES[names][0]
+        start = 0
+        for n in names:
+            w = tree[n]
+            width = math.prod(w.shape[contracted:])
+            out[n] = acc[:, start : start + width].reshape(w.shape)
+            start += width
+    return out
+
+
+_ACC_USES: list[Counter] = []
+
+
+@contextlib.contextmanager
+def accumulator_uses():
+    """Counts, while tracing, how often each running sum (module path, copy key) reaches a product: the
+    trainer checks each reached exactly one (a weight used twice, or one a product never passes to the
+    Pallas matmul, would get a wrong gradient)."""
+    uses: Counter = Counter()
+    _ACC_USES.append(uses)
+    try:
+        yield uses
+    finally:
+        _ACC_USES.pop()
+
+
+def acc_of(copy: tuple[nn.Module, tuple[str, ...]] | None) -> jax.Array | None:
+    """The running gradient sum of `copy`'s weights from the "grad_acc" collection (the trainer's gradient
+    accumulation fusion), or None."""
+    if copy is None:
+        return None
+    module, names = copy
+    if not module.has_variable("grad_acc", copy_key(names)):
+        return None
+    if _ACC_USES:
+        _ACC_USES[-1][(*module.scope.path, copy_key(names))] += 1
+    return module.get_variable("grad_acc", copy_key(names))
+
+
 def copy_of(copy: tuple[nn.Module, tuple[str, ...]] | None) -> jax.Array | None:
     if copy is None:
         return None
@@ -150,7 +213,7 @@ def proj(
         wq = copy_of(copy if kernels == "pallas" else None)
         return fp8_dense_many([spec], x, [w], dtype, fp8_scale, kernels, wq, widen=out_f32)[0]
     if kernels == "pallas":
-        y = dense(spec, x, w, dtype, w_c=copy_of(copy))
+        y = dense(spec, x, w, dtype, w_c=copy_of(copy), acc=acc_of(copy))
     else:
         y = _xla_dense(spec, jnp.dtype(dtype), x.dtype, w.dtype, x, w)
     return y.astype(jnp.float32) if out_f32 else y
@@ -204,10 +267,10 @@ def proj_many(
         return fp8_dense_many(specs, x, ws, dtype, fp8_scale, kernels, wq, rope=rope)
     if kernels == "pallas":
         if rope is None:
-            return dense_many(specs, x, ws, dtype, w_cat_c=copy_of(copy))
+            return dense_many(specs, x, ws, dtype, w_cat_c=copy_of(copy), acc=acc_of(copy))
         width = sum(math.prod(w.shape[1:]) for w in ws)  # (the fused weight's zero columns are sliced off)
         split = lambda y: split_rope(y[:, :width] if y.shape[1] > width else y, *rope)  # noqa: E731
-        return dense_many(specs, x, ws, dtype, w_cat_c=copy_of(copy), split=split)
+        return dense_many(specs, x, ws, dtype, w_cat_c=copy_of(copy), split=split, acc=acc_of(copy))
     if rope is not None:
         raise ValueError("proj_many: rope needs kernels=pallas")
     return [proj(s, x, w, dtype) for s, w in zip(specs, ws, strict=True)]

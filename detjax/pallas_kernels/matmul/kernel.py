@@ -129,10 +129,12 @@ def use_mosaic(a_dtype, b_dtype, k: int, n: int, interpret: bool) -> bool:
     return not interpret and a_dtype == b_dtype == jnp.bfloat16 and k * n >= MOSAIC_MIN_SIZE and mosaic.available()
 
 
-def _mosaic_product(a, b, *, kind, out_dtype, k_w, n_w, m, n, r, t, interpret):
+def _mosaic_product(a, b, *, kind, out_dtype, k_w, n_w, m, n, r, t, interpret, acc=None):
     """kind's product through mosaic.mosaic_matmul: the same reduction rule as the Triton path (one
     ascending loop of 64-row blocks per output tile; dw of weights under DW_UNCHUNKED_SIZE elements in
-    dw_row_chunk chunks whose float32 sums are added in ascending order here)."""
+    dw_row_chunk chunks whose float32 sums are added in ascending order here). `acc` (dw): acc + the product,
+    added in the kernel's epilogue in place (a Ref of acc, padded to whole tiles where it is not) when dw
+    runs in one loop, else added to the chunks' sum here."""
     trans_a, trans_b = kind == "dw", kind == "dx"
     chunk_rows = t.get("r_chunk", dw_row_chunk(k_w, n_w)) if kind == "dw" else 0
     r_chunk = chunk_rows if 0 < chunk_rows < r else 0
@@ -140,18 +142,17 @@ def _mosaic_product(a, b, *, kind, out_dtype, k_w, n_w, m, n, r, t, interpret):
     cm, cn = mosaic.cta_tile(kind)
     a = _pad_to(a, (r_mult, cm) if trans_a else (cm, r_mult))
     b = _pad_to(b, (cn, r_mult) if trans_b else (r_mult, cn))
-    out = mosaic.mosaic_matmul(
-        a,
-        b,
-        kind=kind,
-        out_dtype=out_dtype,
-        r_chunk=r_chunk,
-        stages=t.get("stages", mosaic.STAGES),
-        interpret=interpret,
-    )
+    knobs = {"stages": t.get("stages", mosaic.STAGES), "interpret": interpret}
+    if acc is not None and not r_chunk:
+        ref = jax.new_ref(_pad_to(acc, (cm, cn)))
+        mosaic.mosaic_matmul(a, b, kind=kind, out_dtype=out_dtype, r_chunk=0, acc_ref=ref, **knobs)
+        out = jax.freeze(ref)
+        return out[:m, :n] if out.shape != (m, n) else out
+    out = mosaic.mosaic_matmul(a, b, kind=kind, out_dtype=out_dtype, r_chunk=r_chunk, **knobs)
     if r_chunk:
         out = _add_in_order(out).astype(out_dtype)
-    return out[:m, :n] if out.shape != (m, n) else out
+    out = out[:m, :n] if out.shape != (m, n) else out
+    return out if acc is None else acc + out
 
 
 MOSAIC_FP8_MIN_SIZE = 1 << 20  # fp8 products of weights with this many elements or more: Mosaic on Hopper
@@ -229,9 +230,14 @@ def _pad_to(x: jax.Array, mult: tuple[int, int]) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "out_dtype", "interpret", "sweep_tiles"))
-def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: tuple | None = None):
+def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: tuple | None = None, acc=None):
     """The product named by `kind` (see the module docstring); a and b share one dtype, or are both fp8
     (e4m3 / e5m2: model.fp8's products, float32 accumulation).
+
+    `acc` (float32 dw only, the output's shape): returns acc + the product, one float32 add per element after
+    the product's own sum (so the bits of adding them apart). The Mosaic kernel adds it in its epilogue when
+    dw runs in one loop (weights of DW_UNCHUNKED_SIZE elements or more): the gradient accumulation fusion of
+    detjax.step, which then needs no pass of its own over the weight gradient; elsewhere XLA adds it.
 
     `sweep_tiles` (sorted (name, value) pairs) replaces the pinned tiles: for the offline sweep in
     scripts/gemm_bench.py and the tests only (they may also set `r_chunk`, or `backend`: "mosaic" / "triton"
@@ -244,10 +250,16 @@ def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: t
     m = a.shape[1] if trans_a else a.shape[0]
     n = b.shape[0] if trans_b else b.shape[1]
     r = a.shape[0] if trans_a else a.shape[1]
+    if acc is not None and (kind != "dw" or jnp.dtype(out_dtype) != jnp.float32 or acc.shape != (m, n)):
+        raise ValueError(f"matmul {kind}: acc is for float32 dw products of the output's shape {(m, n)}")
+    if acc is not None and acc.dtype != jnp.float32:
+        raise ValueError(f"matmul dw: acc must be float32, got {acc.dtype}")
     if t.get("backend", "mosaic" if use_mosaic(a.dtype, b.dtype, k_w, n_w, interpret) else "triton") == "mosaic":
         return _mosaic_product(
-            a, b, kind=kind, out_dtype=out_dtype, k_w=k_w, n_w=n_w, m=m, n=n, r=r, t=t, interpret=interpret
+            a, b, kind=kind, out_dtype=out_dtype, k_w=k_w, n_w=n_w, m=m, n=n, r=r, t=t, interpret=interpret, acc=acc
         )
+    if acc is not None:
+        return acc + matmul_kernel(a, b, kind=kind, out_dtype=out_dtype, interpret=interpret, sweep_tiles=sweep_tiles)
     bm, bn, br = t["bm"], t["bn"], t["block_r"]
     # dw reduces over tokens: in chunks of dw_row_chunk rows once there is more than one (rows padded with
     # zeros to whole chunks, which add exact zeros), except for weights of DW_UNCHUNKED_SIZE elements or

@@ -128,7 +128,8 @@ def mosaic_matmul(
     interpret: bool = False,
     tile_groups=None,
     group_blocks=None,
-) -> jax.Array:
+    acc_ref=None,
+) -> jax.Array | None:
     """The product `kind` of kernel.py, or "nt" (a @ b^T: a (m, R), b (n, R)), on operands already padded:
     the output's rows and columns whole multiples of cta_tile(kind) and R a multiple of block_r (and of
     r_chunk when r_chunk > 0). a, b bf16, or fp8 (e4m3 / e5m2) for "nt" only: Hopper's fp8 wgmma reads both
@@ -151,7 +152,13 @@ def mosaic_matmul(
       R's blocks first..first+count-1 of a (m, R) and b (n, R) in ascending order (count 0: the item writes
       zeros, an empty expert; with stream=False and delay > 0, count must not be 1). Out (G * m, n): group
       g's product in rows g*m..(g+1)*m-1.
-    Either way every output tile is still one ascending loop into one accumulator."""
+    Either way every output tile is still one ascending loop into one accumulator.
+
+    `acc_ref` (dw only, float32, no r_chunk or scale; a jax Ref of the output's shape, `jax.new_ref`): the
+    product is added to it in place and nothing is returned. The epilogue loads each piece of the Ref's tile
+    into shared memory, adds the tile's float32 sums to it (one float32 add per element: the bits of
+    `acc + product`) and writes the piece back (the gradient accumulation fusion: a weight gradient summed
+    over microbatches without a separate pass over it)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -161,6 +168,8 @@ def mosaic_matmul(
     if scale is not None and r_chunk:
         raise ValueError("mosaic matmul: a scale applies to whole sums, not to chunk partials")
     grouped = tile_groups is not None or group_blocks is not None
+    if acc_ref is not None and (kind != "dw" or r_chunk or scale is not None or jnp.dtype(out_dtype) != jnp.float32):
+        raise ValueError("mosaic matmul: acc_ref is for float32 dw products without r_chunk or a scale")
     if grouped and (kind != "nt" or r_chunk or (tile_groups is not None and group_blocks is not None)):
         raise ValueError("mosaic matmul: tile_groups or group_blocks (one of them) is for nt products without r_chunk")
     if tile_groups is not None and b.ndim != 3:
@@ -222,9 +231,10 @@ def mosaic_matmul(
             return pl.ds(wg * TILE, TILE), slice(None), cn
         return slice(None), pl.ds(wg * TILE, TILE), TILE
 
-    def epilogue(acc, s_gmem, out_smem, out_gmem, wg, out_rows, cols):
+    def epilogue(acc, s_gmem, out_smem, out_gmem, wg, out_rows, cols, in_bar=None):
         """Scale, round and write this warpgroup's accumulator in (epi_m x epi_n) pieces through two
-        shared-memory slots."""
+        shared-memory slots. `in_bar` (acc_ref): each piece of the output is first loaded into its slot and
+        the sums are added to it."""
         wrows, wcols, wn = wg_part(wg)
         val = acc[...] if s_gmem is None else acc[...] * s_gmem[0]
         val = val.astype(out_dtype)
@@ -235,12 +245,17 @@ def mosaic_matmul(
                 slot = piece % 2
                 piece += 1
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                out_smem[wg, slot] = val[pm * epi_m : (pm + 1) * epi_m, pn * epi_n : (pn + 1) * epi_n]
+                piece_rows, piece_cols = pl.ds(pm * epi_m, epi_m), pl.ds(pn * epi_n, epi_n)
+                dst = out_gmem.at[out_rows, cols].at[wrows, wcols].at[piece_rows, piece_cols]
+                part = val[pm * epi_m : (pm + 1) * epi_m, pn * epi_n : (pn + 1) * epi_n]
+                if in_bar is not None:  # the slot's last store has read it (the wait above): load the piece
+                    bar = in_bar.at[wg * 2 + slot]
+                    plgpu.copy_gmem_to_smem(dst, out_smem.at[wg, slot], bar)
+                    plgpu.barrier_wait(bar)
+                    part = out_smem[wg, slot] + part
+                out_smem[wg, slot] = part
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    out_smem.at[wg, slot],
-                    out_gmem.at[out_rows, cols].at[wrows, wcols].at[pl.ds(pm * epi_m, epi_m), pl.ds(pn * epi_n, epi_n)],
-                )
+                plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst)
 
     def mma(acc, a_smem, b_smem, wg):
         wrows, wcols, _ = wg_part(wg)
@@ -252,8 +267,11 @@ def mosaic_matmul(
         refs = list(refs)
         s_gmem = refs.pop(0) if scale is not None else None
         g_gmem = refs.pop(0) if grouped else None
-        (out_gmem,) = refs
+        (out_gmem,) = refs  # the output, or acc_ref (the last input; the kernel then has no output)
         return s_gmem, g_gmem, out_gmem
+
+    # acc_ref: one barrier per (compute warpgroup, epilogue slot) for the loads of the output's pieces
+    in_bars = {"in_bar": plgpu.Barrier(num_arrivals=1, num_barriers=4)} if acc_ref is not None else {}
 
     def pipeline(body, context, steps=chunk // br, first=0):
         # grouped reductions: a dynamic number of steps from a dynamic first block (whole-R views)
@@ -290,8 +308,9 @@ def mosaic_matmul(
             allocs=pipeline(no_op, no_op, alloc_steps).get_allocations(a_gmem, b_alloc),
             out_smem=plgpu.SMEM((2, 2, epi_m, epi_n), out_dtype, transforms=out_tiled),
             collective_axes="wg",
+            **in_bars,
         )
-        def scope(allocs, out_smem):
+        def scope(allocs, out_smem, in_bar=None):
             wg = lax.axis_index("wg")
 
             @plgpu.nd_loop((n_items,), collective_axes="sm")
@@ -303,7 +322,7 @@ def mosaic_matmul(
                     @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE, wg_part(0)[2]), jnp.float32))
                     def acc_scope(acc):
                         run(acc)
-                        epilogue(acc, s_gmem, out_smem, out_gmem, wg, out_rows, cols)
+                        epilogue(acc, s_gmem, out_smem, out_gmem, wg, out_rows, cols, in_bar)
 
                 def step(_, a_smem, b_smem, acc):
                     mma(acc, a_smem, b_smem, wg)
@@ -337,8 +356,9 @@ def mosaic_matmul(
             ready=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             collective_axes="wg",
+            **in_bars,
         )
-        def scope(a_smem, b_smem, out_smem, ready, consumed):
+        def scope(a_smem, b_smem, out_smem, ready, consumed, in_bar=None):
             wg = lax.axis_index("wg")
 
             @pl.when(wg == 2)
@@ -406,7 +426,7 @@ def mosaic_matmul(
                                 def _(j=j):
                                     plgpu.barrier_arrive(consumed.at[lax.rem(g_end - j, stages)])
 
-                        epilogue(acc, s_gmem, out_smem, out_gmem, wg, out_rows, cols)
+                        epilogue(acc, s_gmem, out_smem, out_gmem, wg, out_rows, cols, in_bar)
                         return g_end
 
                     return acc_scope
@@ -416,9 +436,11 @@ def mosaic_matmul(
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     out_rows_total = n_chunks * m if (r_chunk or group_blocks is not None) else m
+    if acc_ref is not None and tuple(acc_ref.shape) != (m, n):
+        raise ValueError(f"mosaic matmul: acc_ref has shape {tuple(acc_ref.shape)}, want the output's {(m, n)}")
     run = plgpu.kernel(
         streamed_body if stream else tiled_body,
-        out_type=jax.ShapeDtypeStruct((out_rows_total, n), out_dtype),
+        out_type=() if acc_ref is not None else jax.ShapeDtypeStruct((out_rows_total, n), out_dtype),
         grid=(min(INTERPRET_SMS if interpret else _num_sms(), n_items),),
         grid_names=("sm",),
         num_threads=3,
@@ -427,5 +449,8 @@ def mosaic_matmul(
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
     )
     extra = [x for x in (scale, tile_groups if tile_groups is not None else group_blocks) if x is not None]
+    if acc_ref is not None:
+        run(a, b, acc_ref)
+        return None
     out = run(a, b, *extra)
     return out.reshape(n_chunks, m, n) if r_chunk else out

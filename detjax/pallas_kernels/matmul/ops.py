@@ -21,18 +21,36 @@ from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.matmul.kernel import matmul_kernel
 
 
-def matmul(x_MK: jax.Array, w_KN: jax.Array, out_dtype=None, w_c_KN: jax.Array | None = None) -> jax.Array:
+def matmul(
+    x_MK: jax.Array,
+    w_KN: jax.Array,
+    out_dtype=None,
+    w_c_KN: jax.Array | None = None,
+    acc_KN: jax.Array | None = None,
+) -> jax.Array:
     """x @ w in x's dtype with float32 accumulation; the weight gradient in w's dtype (the float32 master).
 
     `w_c_KN`: w already in x's dtype (a compute copy the trainer makes once per step, outside the microbatch
     loop: detjax.step.Trainer.compute_copies). The products then read it and never w's values; w only receives
     the gradient. Without it w is cast here, in the forward and again in the backward. The same cast either
-    way, so the same bits."""
+    way, so the same bits.
+
+    `acc_KN` (with w_c_KN; float32, w's shape): the gradient accumulation fusion. The weight gradient is then
+    not w's: w gets none, and the cotangent of acc_KN is acc_KN + the weight gradient, added by the dw
+    kernel (matmul_kernel's `acc`). detjax.step differentiates with respect to the microbatch loop's running
+    sum passed here, so the gradient it gets back is the new running sum: the bits of adding the microbatch's
+    gradient to it, without a pass of its own. acc_KN must reach one product only."""
     out_dtype = jnp.dtype(out_dtype or x_MK.dtype)
     if w_c_KN is None:
+        if acc_KN is not None:
+            raise ValueError("matmul: acc_KN needs the compute copy w_c_KN")
         return _matmul_cast(x_MK, w_KN, out_dtype)
     if w_c_KN.shape != w_KN.shape or w_c_KN.dtype != x_MK.dtype:
         raise ValueError(f"compute copy {w_c_KN.shape} {w_c_KN.dtype} does not match w {w_KN.shape} in {x_MK.dtype}")
+    if acc_KN is not None:
+        if acc_KN.shape != w_KN.shape or acc_KN.dtype != jnp.float32:
+            raise ValueError(f"accumulator {acc_KN.shape} {acc_KN.dtype} does not match w {w_KN.shape} in float32")
+        return _matmul_acc(x_MK, w_c_KN, acc_KN, out_dtype)
     return _matmul_copy(x_MK, w_KN, w_c_KN, out_dtype, jnp.dtype(w_KN.dtype))
 
 
@@ -80,6 +98,26 @@ def _copy_bwd(out_dtype, w_dtype, res, dy_MN):
 _matmul_copy.defvjp(_copy_fwd, _copy_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _matmul_acc(x_MK: jax.Array, w_c_KN: jax.Array, acc_KN: jax.Array, out_dtype) -> jax.Array:
+    return matmul_kernel(x_MK, w_c_KN, kind="fwd", out_dtype=out_dtype, interpret=interpret_mode())
+
+
+def _acc_fwd(x_MK, w_c_KN, acc_KN, out_dtype):
+    return _matmul_acc(x_MK, w_c_KN, acc_KN, out_dtype), (x_MK, w_c_KN, acc_KN)
+
+
+def _acc_bwd(out_dtype, res, dy_MN):
+    x_MK, w_c_KN, acc_KN = res
+    dy = dy_MN.astype(x_MK.dtype)
+    dx = matmul_kernel(dy, w_c_KN, kind="dx", out_dtype=x_MK.dtype, interpret=interpret_mode())
+    acc = matmul_kernel(x_MK, dy, kind="dw", out_dtype=jnp.float32, interpret=interpret_mode(), acc=acc_KN)
+    return dx, None, acc  # the copy is a constant of the step; the running sum's cotangent is the new sum
+
+
+_matmul_acc.defvjp(_acc_fwd, _acc_bwd)
+
+
 # Fused weights are padded with zero columns to a whole number of the widest output tile (no effect on the
 # other columns' bits: the kernel is column-invariant).
 FUSED_COLUMN_MULTIPLE = 256
@@ -113,11 +151,19 @@ def compute_copy(ws: list[jax.Array], contracted: int, dtype) -> jax.Array:
     return fuse([w.reshape(k, -1).astype(dtype) for w in ws])
 
 
-def dense(spec: str, x: jax.Array, w: jax.Array, dtype, out_dtype=None, w_c: jax.Array | None = None) -> jax.Array:
+def dense(
+    spec: str,
+    x: jax.Array,
+    w: jax.Array,
+    dtype,
+    out_dtype=None,
+    w_c: jax.Array | None = None,
+    acc: jax.Array | None = None,
+) -> jax.Array:
     """einsum(spec, x, w) for specs of the form '<free x><contracted>,<contracted><free w>-><free x><free w>'
     (every projection in the model), as one 2-D Pallas matmul in `dtype` with float32 accumulation. `w_c`:
-    compute_copy([w], ...), made beforehand (else w is cast at use)."""
-    return dense_many([spec], x, [w], dtype, out_dtype, w_cat_c=w_c)[0]
+    compute_copy([w], ...), made beforehand (else w is cast at use); `acc`: as dense_many's."""
+    return dense_many([spec], x, [w], dtype, out_dtype, w_cat_c=w_c, acc=acc)[0]
 
 
 def dense_many(
@@ -129,6 +175,7 @@ def dense_many(
     product: Callable | None = None,
     w_cat_c: jax.Array | None = None,
     split: Callable | None = None,
+    acc: jax.Array | None = None,
 ) -> list[jax.Array]:
     """Several projections of one input as ONE matmul over the weights concatenated along N, split after.
 
@@ -137,7 +184,9 @@ def dense_many(
     the Pallas matmul (detjax.model.fp8: the fp8 product; no tile padding then). `w_cat_c`: compute_copy of
     ws, made beforehand; the product reads it, and the float32 concatenation only carries the gradient back
     to the masters (nothing computes it in the forward). `split(y)`: the outputs from the product's result
-    instead of its column blocks reshaped (the attention block's q, k, v with RoPE: detjax.model.layers.proj_many)."""
+    instead of its column blocks reshaped (the attention block's q, k, v with RoPE: detjax.model.layers.proj_many).
+    `acc` (with w_cat_c): the running gradient sum of the fused weights, shaped like w_cat_c in float32
+    (matmul's acc_KN); the weights in `ws` then get no gradient from this product."""
     cs = {contracted_dims(s) for s in specs}
     if len(cs) != 1:
         raise ValueError(f"dense_many() needs specs contracting the same dims of x, got {specs}")
@@ -147,7 +196,9 @@ def dense_many(
     w2 = [w.reshape(k, -1) for w in ws]
     w_cat = fuse(w2, padded=product is None)
     x2d = x.astype(dtype).reshape(-1, k)
-    y = matmul(x2d, w_cat, out_dtype or dtype, w_cat_c) if product is None else product(x2d, w_cat)
+    if acc is not None and product is not None:
+        raise ValueError("dense_many: acc is for the Pallas matmul, not a replacement product")
+    y = matmul(x2d, w_cat, out_dtype or dtype, w_cat_c, acc) if product is None else product(x2d, w_cat)
     if split is not None:
         return list(split(y))
     outs, start = [], 0
