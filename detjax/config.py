@@ -627,6 +627,7 @@ class Config:
         t = d["train"]
         t["decay_steps"] = t["decay_steps"] or t.pop("steps")
         t.pop("steps", None)
+        t.pop("grad_accumulation_fusion")  # speed only: the same bits either way (tests/test_step.py)
         if self.determinism.canonical:  # mesh and microbatch size are schedule choices there, not numerics
             d.pop("mesh")
             t.pop("micro_batch")
