@@ -3,7 +3,9 @@ tracer (detjax.trace) compiles its own instrumented variants, built from the sam
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -398,15 +400,12 @@ class Trainer:
         are cut out of the sums after the loop (layers.accumulated_grads). Every element gets the same float32
         additions in the same order as in accumulate, so the bits are the same (tests/test_step.py)."""
         accs0 = self.accumulators(params)
-        fused = set()
-        for path, _ in jax.tree_util.tree_flatten_with_path(accs0)[0]:
-            *module, key = (k.key for k in path)
-            fused.update((*module, name) for name in key.split("+"))
+        expected = {dict_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(accs0)[0]}
+        fused = {(*sum_path[:-1], name) for sum_path in expected for name in sum_path[-1].split("+")}
         leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
-        paths = [tuple(k.key for k in p) for p, _ in leaves_with_path]
+        paths = [dict_path(p) for p, _ in leaves_with_path]
         leaves = [leaf for _, leaf in leaves_with_path]
         is_fused = [p in fused for p in paths]
-        expected = {tuple(k.key for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(accs0)[0]}
 
         def objective(rest, accs, tokens, key):
             full = treedef.unflatten([f if fu else r for r, f, fu in zip(rest, leaves, is_fused, strict=True)])
@@ -439,16 +438,10 @@ class Trainer:
         (g_rest, accs, sums), _ = jax.lax.scan(body, init, (micro_tokens, jnp.arange(n)))
 
         cut: dict[tuple, jax.Array] = {}
-
-        def walk(p_tree, a_tree, prefix):  # a module's sums beside its submodules' dicts
-            sums_here = {k: v for k, v in a_tree.items() if not isinstance(v, Mapping)}
-            for name, g in layers.accumulated_grads(p_tree, sums_here).items():
-                cut[(*prefix, name)] = g
-            for name, sub in a_tree.items():
-                if isinstance(sub, Mapping):
-                    walk(p_tree[name], sub, (*prefix, name))
-
-        walk(params, accs, ())
+        for *module, key in expected:
+            p_tree, a_tree = (functools.reduce(operator.getitem, module, t) for t in (params, accs))
+            for name, g in layers.accumulated_grads(p_tree, {key: a_tree[key]}).items():
+                cut[(*module, name)] = g
         g_sum = treedef.unflatten([cut[p] if fu else g for p, g, fu in zip(paths, g_rest, is_fused, strict=True)])
         return (g_sum, sums), ()
 

@@ -250,10 +250,10 @@ def matmul_kernel(a, b, *, kind: str, out_dtype, interpret: bool, sweep_tiles: t
     m = a.shape[1] if trans_a else a.shape[0]
     n = b.shape[0] if trans_b else b.shape[1]
     r = a.shape[0] if trans_a else a.shape[1]
-    if acc is not None and (kind != "dw" or jnp.dtype(out_dtype) != jnp.float32 or acc.shape != (m, n)):
-        raise ValueError(f"matmul {kind}: acc is for float32 dw products of the output's shape {(m, n)}")
-    if acc is not None and acc.dtype != jnp.float32:
-        raise ValueError(f"matmul dw: acc must be float32, got {acc.dtype}")
+    if acc is not None and (
+        kind != "dw" or jnp.float32 != jnp.dtype(out_dtype) or acc.dtype != jnp.float32 or acc.shape != (m, n)
+    ):
+        raise ValueError(f"matmul {kind}: acc is for float32 dw products, a float32 sum of the output's shape {(m, n)}")
     if t.get("backend", "mosaic" if use_mosaic(a.dtype, b.dtype, k_w, n_w, interpret) else "triton") == "mosaic":
         return _mosaic_product(
             a, b, kind=kind, out_dtype=out_dtype, k_w=k_w, n_w=n_w, m=m, n=n, r=r, t=t, interpret=interpret, acc=acc
