@@ -112,10 +112,10 @@ def _bwd(impl, res, dy_RN):
 
 
 def _materialized(v_PK: jax.Array) -> jax.Array:
-    """A padded-layout copy written once, before anything reads it: the products read it and dw reads its plain
-    transpose, where XLA could otherwise fuse the row gather into that transpose (a gather whose writes are
-    strided; the bf16 path's select-and-transpose fusions, docs/BENCHMARKS.md "GEMMs"). Data movement only: the
-    bytes are the same either way."""
+    """An array written once, before anything reads it (XLA fuses nothing across it). For a padded-layout copy:
+    the products read it and dw reads its plain transpose, where XLA could otherwise fuse the row gather into
+    that transpose (a gather whose writes are strided; the bf16 path's select-and-transpose fusions,
+    docs/BENCHMARKS.md "GEMMs")."""
     return jax.lax.optimization_barrier(v_PK)
 
 
@@ -133,11 +133,15 @@ def _fwd_mosaic(x_RK, w_EKN, gs_E, w_ENK=None):
 
 
 def _bwd_mosaic(res, dy_RN):
-    """dy copied into the padded layout, its products there (_padded_grads), dx copied back out."""
+    """dy rounded to x's dtype and written once (_materialized), copied into the padded layout, its products
+    there (_padded_grads), dx copied back out. Written once so that the math that made dy (the SwiGLU's
+    backward) is not fused into the row gather, as grouped_swiglu_padded (which computes it on the padded rows)
+    does not fuse it: with that fusion, XLA's CPU backend of jax 0.12.0.1 gave one element of dw_gate one bf16
+    ulp apart from grouped_swiglu_padded's."""
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
 
     x_PK, w_EKN, lay = res
-    dx, dw = _padded_grads(x_PK, w_EKN, gmosaic.to_padded(dy_RN.astype(x_PK.dtype), lay), lay)
+    dx, dw = _padded_grads(x_PK, w_EKN, gmosaic.to_padded(_materialized(dy_RN.astype(x_PK.dtype)), lay), lay)
     return gmosaic.from_padded(dx, lay), dw.astype(w_EKN.dtype), None
 
 
