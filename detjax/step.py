@@ -545,17 +545,13 @@ class Trainer:
                 squares = leaf_square_sums(grads)
                 norm = global_norm(grads, squares)
             out = dict(losses, grad_norm=norm, lr=self.schedule(state.step))
-        # The digests and the finiteness check read the updated parameters and optimizer state as the step
-        # writes them: without the barrier XLA fuses the optimizer's update into their reductions, which then
-        # read the gradients, parameters and both moments again to recompute it.
-        params, opt_state = jax.lax.optimization_barrier((new_state.params, new_state.opt_state))
         if self.cfg.run.fingerprints:
             with jax.named_scope("fingerprint"):
-                params_digest, params_finite = fp.tree_digest_and_finite(params)
+                params_digest, params_finite = fp.tree_digest_and_finite(new_state.params)
                 out["digest"] = {
                     "params": params_digest,
                     "grads": fp.tree_digest(grads),
-                    "opt_state": fp.tree_digest(opt_state),
+                    "opt_state": fp.tree_digest(new_state.opt_state),
                     "batch": fp.tensor_digest(batch),
                     "rng": fp.tensor_digest(step_key),
                 }
@@ -565,7 +561,7 @@ class Trainer:
             return out
         with jax.named_scope("nonfinite_guard"):  # its own scope: scripts/profile_step.py --scope prices it
             if not self.cfg.run.fingerprints:  # else the params digest's pass counted them
-                params_finite = jnp.stack([fp.nonfinite_count(p) == 0 for p in jax.tree.leaves(params)])
+                params_finite = jnp.stack([fp.nonfinite_count(p) == 0 for p in jax.tree.leaves(new_state.params)])
             out["finite"] = {"grads": jnp.stack([jnp.isfinite(sq) for sq in squares]), "params": params_finite}
         return out
 
