@@ -244,9 +244,8 @@ class TrainConfig:
     # The gradient accumulation fusion: with model.kernels=pallas on one device (no fp8, canonical numerics or
     # pipeline), each microbatch's weight gradients of the fused projections are added to the running sum by
     # the dw kernel itself instead of by a pass of their own (detjax.step.Trainer.fuses_accumulation). The same
-    # bits either way. Off by default: it has not yet been run or timed on a GPU (tests/test_matmul.py's GPU
-    # test and scripts/det_tax.py `strict-kernels+train.grad_accumulation_fusion=true` are how to).
-    grad_accumulation_fusion: bool = False
+    # bits either way (docs/BENCHMARKS.md "The d 4096 dense cell": 2.9 % of that step on an H100).
+    grad_accumulation_fusion: bool = True
 
     @property
     def n_micro(self) -> int:

@@ -154,7 +154,7 @@ def test_experts_read_their_compute_copies(tiny_path):
 
 
 def test_gradient_accumulation_fusion_gives_the_bits_of_separate_sums(tiny_path):
-    """train.grad_accumulation_fusion (with model.kernels=pallas on one device): the microbatch
+    """train.grad_accumulation_fusion (on by default; with model.kernels=pallas on one device): the microbatch
     loop's gradient sums, with the projections' weight gradients added by their dw kernels to running sums in
     the fused-copy layout, equal the separate sums byte for byte, every leaf, on the hybrid with an MTP head
     (whose shared LM head keeps the separate sum). Negative control: the separate sums of the same
@@ -164,8 +164,8 @@ def test_gradient_accumulation_fusion_gives_the_bits_of_separate_sums(tiny_path)
 
     over = ["model.kernels=pallas", "train.seq_len=32", "model.dropout=0", "train.global_batch=6"]
     over.append("train.micro_batch=2")
-    fused_tr = Trainer(load_config(tiny_path, [*over, "train.grad_accumulation_fusion=true"]))
-    plain_tr = Trainer(load_config(tiny_path, over))
+    fused_tr = Trainer(load_config(tiny_path, over))  # on by default
+    plain_tr = Trainer(load_config(tiny_path, [*over, "train.grad_accumulation_fusion=false"]))
     assert fused_tr.fuses_accumulation() and not plain_tr.fuses_accumulation()
     assert fused_tr.cfg.model.mtp.depth > 0 and set("M*E-") <= set(fused_tr.cfg.model.pattern)
     state = jax.jit(fused_tr.init_state)(jax.random.key(0))
