@@ -244,7 +244,8 @@ class TrainConfig:
     # The gradient accumulation fusion: with model.kernels=pallas on one device (no fp8, canonical numerics or
     # pipeline), each microbatch's weight gradients of the fused projections are added to the running sum by
     # the dw kernel itself instead of by a pass of their own (detjax.step.Trainer.fuses_accumulation). The same
-    # bits either way (docs/BENCHMARKS.md "The d 4096 dense cell": 2.9 % of that step on an H100).
+    # bits either way; 2.9 % of a step on an H100 (docs/BENCHMARKS.md, "The gradient accumulation fusion at
+    # the d 4096 cell").
     grad_accumulation_fusion: bool = True
 
     @property
