@@ -153,7 +153,8 @@ def main() -> int:
         "--budget-s",
         type=float,
         default=0,
-        help="start no cell once the elapsed time plus the longest cell so far would pass this many seconds",
+        help="start no cell once the elapsed time plus the cell's estimated time (cell_estimate_s: from the cells "
+        "this call finished) would pass this many seconds",
     )
     ap.add_argument("overrides", nargs="*", help="key=value applied to every cell and mode")
     a = ap.parse_args()
@@ -161,7 +162,7 @@ def main() -> int:
     options = dict(steps=a.steps, warmup=a.warmup, l1=not a.no_l1, max_blocks=a.max_blocks, extra=a.overrides)
     platforms = parent_on_cpu()
     done = _recorded(a.results, options)
-    started, longest = time.perf_counter(), 0.0
+    started, finished = time.perf_counter(), []  # finished: (kind, model FLOPs, seconds) of this call's cells
     from detjax.config import load_config
     from detjax.flops import model_flops_per_step
 
@@ -184,7 +185,7 @@ def main() -> int:
         if cell in done:
             print(done[cell]["row"] + " (recorded)", flush=True)
             continue
-        if a.budget_s and time.perf_counter() - started + longest > a.budget_s:
+        if a.budget_s and time.perf_counter() - started + cell_estimate_s(kind, flops, finished) > a.budget_s:
             print(f"| {cell} | not run: --budget-s {a.budget_s:.0f} reached |||||||||", flush=True)
             continue
         t_cell = time.perf_counter()
@@ -194,7 +195,7 @@ def main() -> int:
         row, errs = cell_row(cell, nblocks, params, flops, base_mode, base, dets, l1=not a.no_l1)
         bad += bool(errs)
         print(row, flush=True)
-        longest = max(longest, time.perf_counter() - t_cell)
+        finished.append((kind, flops, time.perf_counter() - t_cell))
         seen = next((r for r in (base, *dets) if "error" not in r), seen)
         if a.results and not errs:  # a failed cell is run again by the next call
             rec = {"cell": cell, "options": options, "row": row, "base": base, "strict": dets}
@@ -206,6 +207,22 @@ def main() -> int:
         dev, jax_v = seen.get("device", "?"), seen.get("jax", "?")
         print(f"\n{dev}, jax {jax_v}, {code_line()}, {a.steps} timed steps after {a.warmup} warm-up, pipelined")
     return 1 if bad else 0
+
+
+def cell_estimate_s(kind: str, flops: float, finished: list[tuple[str, float, float]]) -> float:
+    """How long a cell of this kind and model FLOPs a step should take, from the cells this call finished
+    ((kind, flops, seconds) each; 0 before any). A cell's time grows with its FLOPs (its compile and its steps),
+    so: the fastest finished cell of the same kind with at least these FLOPs, else the longest of that kind
+    scaled by the FLOPs' ratio. With none of its kind finished (a hybrid cell compiles longer than a dense one
+    of its FLOPs): the longest cell, scaled up by the FLOPs' ratio where this cell has more."""
+    same = [f for f in finished if f[0] == kind]
+    if not finished:
+        return 0.0
+    _, f_long, t_long = max(same or finished, key=lambda f: f[2])
+    if not same:
+        return t_long * max(1.0, flops / f_long)
+    above = [t for _, f, t in same if f >= flops]
+    return min(above) if above else t_long * flops / f_long
 
 
 def cell_row(

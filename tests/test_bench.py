@@ -129,6 +129,24 @@ def test_shape_matrix_rows_show_what_ran():
     assert row.endswith("| DIFFER |")
 
 
+def test_shape_matrix_budget_estimates_a_cell_from_the_finished_ones():
+    """--budget-s starts a cell only if its estimate fits: the fastest finished cell of its kind with at least its
+    FLOPs; else the longest of its kind scaled by the FLOPs' ratio; with none of its kind, the longest of any
+    kind, scaled up only; 0 before any cell finished. A small cell after a big one is not judged by the big
+    one's time."""
+    import shape_matrix
+
+    est = shape_matrix.cell_estimate_s
+    done = [("dense", 8e14, 140.0), ("dense", 2e14, 80.0), ("dense", 4e14, 100.0)]
+    assert est("dense", 1e14, []) == 0.0
+    assert est("dense", 1e14, done) == 80.0
+    assert est("dense", 3e14, done) == 100.0
+    assert est("dense", 16e14, done) == 280.0
+    assert est("hybrid", 4e14, done) == 140.0  # no hybrid finished: the longest dense one, not scaled down
+    assert est("hybrid", 16e14, done) == 280.0
+    assert est("hybrid", 4e14, [*done, ("hybrid", 4e14, 120.0)]) == 120.0
+
+
 def test_shape_matrix_parent_runs_jax_on_the_cpu_and_workers_get_the_callers_platforms():
     """The parent's parameter count must not start a GPU backend (it would preallocate the memory its workers
     need); the workers get the caller's JAX_PLATFORMS back. The subprocess asks for cuda: without
