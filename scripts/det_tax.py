@@ -22,8 +22,11 @@ Modes (each a separate process, since XLA reads its flags once):
               the pair tree; e.g. `canonical+determinism.canonical_leaf=1`)
 A mode may carry overrides of its own after "+": `strict-kernels+model.fp8.enabled=true` is strict-kernels in
 fp8; `+noguard` drops the non-finite guard's on-device checks from the step (its cost is the difference:
-`--modes strict-kernels,strict-kernels+noguard`), and `+xla=FLAG` starts that mode's worker with an XLA
-flag (`strict-kernels+xla=--xla_gpu_graph_min_graph_size=1`). Workers never inherit the caller's XLA_FLAGS.
+`--modes strict-kernels,strict-kernels+noguard`), `+xla=FLAG` starts that mode's worker with an XLA
+flag (`strict-kernels+xla=--xla_gpu_graph_min_graph_size=1`), and `+src=DIR` runs that mode's worker from
+another tree (DIR/scripts/det_tax.py with DIR's detjax, e.g. an older commit's `git archive`), so two trees'
+steps are paired in one call: `--modes strict-kernels,strict-kernels+src=old`. Workers never inherit the
+caller's XLA_FLAGS.
 The trailing key=value arguments apply to every mode; run.fingerprints is on unless they say otherwise.
 Rounds alternate the modes (fastest, strict, ..., fastest, strict, ...) so drift hits all alike. Reported:
 each round's last-step params digest and fp8 collections digest (equal digests across rounds, or across two
@@ -46,6 +49,11 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+# this tree's detjax, whatever PYTHONPATH says: a worker run from another tree (`src=DIR`, or `cd DIR &&
+# python3 scripts/det_tax.py`) must time that tree's code, not the detjax a PYTHONPATH entry names first
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 MODES = {
     "plain": [],
@@ -75,7 +83,30 @@ def split_mode(mode: str) -> tuple[str, list[str], list[str]]:
     """A mode's name, its config overrides and its XLA flags (the `xla=FLAG` items after "+")."""
     name, *items = mode.split("+")
     flags = [x[4:] for x in items if x.startswith("xla=")]
-    return name, [x for x in items if not x.startswith("xla=") and x != "noguard"], flags
+    return name, [x for x in items if not x.startswith(("xla=", "src=")) and x != "noguard"], flags
+
+
+def worker_command(
+    mode: str, config: str, steps: int, warmup: int, overrides: list[str], environ: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """One mode's worker: its command and environment. The worker starts from no XLA flags (its determinism
+    mode adds its own, and the mode's xla= items add theirs; the caller's XLA_FLAGS are not passed on). A
+    `src=DIR` item runs DIR's det_tax on the mode without that item. The worker's tree comes first on its
+    PYTHONPATH, so it imports that tree's detjax even where its det_tax predates ROOT's sys.path entry."""
+    items = mode.split("+")
+    src = [x[4:] for x in items[1:] if x.startswith("src=")]
+    root = Path(src[-1]).resolve() if src else ROOT
+    script = root / "scripts" / "det_tax.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"mode {mode!r}: {script} does not exist; src=DIR names a detjax tree")
+    env = {k: v for k, v in environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [environ.get("PYTHONPATH")])])
+    flags = split_mode(mode)[2]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    plain_mode = "+".join(x for x in items if not x.startswith("src=") or x is items[0])
+    cmd = [sys.executable, str(script), "--config", config, "--steps", str(steps), "--warmup", str(warmup)]
+    return [*cmd, "--worker", plain_mode, *overrides], env
 
 
 def error_line(out: subprocess.CompletedProcess) -> str:
@@ -147,6 +178,12 @@ def main() -> int:
     if unknown:
         print(f"error: unknown mode(s) {unknown}; choose from {list(MODES)}", file=sys.stderr)
         return 2
+    for mode in modes:
+        try:
+            worker_command(mode, a.config, a.steps, a.warmup, a.overrides, {})
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if os.environ.get("XLA_FLAGS"):
         print(
             f"note: XLA_FLAGS={os.environ['XLA_FLAGS']!r} is not passed to the workers; give a mode its flags "
@@ -159,25 +196,7 @@ def main() -> int:
         for mode in modes:
             if mode in failed:
                 continue
-            # each worker starts from no XLA flags: its determinism mode adds its own, and a mode's xla= items
-            # add theirs (an XLA_FLAGS of the caller's environment is not passed on: main says so)
-            env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-            flags = split_mode(mode)[2]
-            if flags:
-                env["XLA_FLAGS"] = " ".join(flags)
-            cmd = [
-                sys.executable,
-                __file__,
-                "--config",
-                a.config,
-                "--steps",
-                str(a.steps),
-                "--warmup",
-                str(a.warmup),
-                "--worker",
-                mode,
-                *a.overrides,
-            ]
+            cmd, env = worker_command(mode, a.config, a.steps, a.warmup, a.overrides, dict(os.environ))
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
             if out.returncode or not line:
@@ -208,7 +227,6 @@ def main() -> int:
     base_mode = "fastest" if "fastest" in ran else ran[0]
     base = statistics.median(x["median_ms"] for x in results[base_mode])
     any_res = results[ran[0]][0]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from detjax.config import load_config
     from detjax.determinism import code_line
     from detjax.flops import PEAK_FLOPS_BF16, model_flops_per_step

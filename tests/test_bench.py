@@ -3,6 +3,7 @@ clock sampler and the step timer; and how scripts/shape_matrix.py turns its work
 GPU figures come from GPU runs (docs/BENCHMARKS.md); here the sampler runs a stand-in query command,
 since the CPU machine has no nvidia-smi."""
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -145,6 +146,40 @@ def test_shape_matrix_budget_estimates_a_cell_from_the_finished_ones():
     assert est("hybrid", 4e14, done) == 140.0  # no hybrid finished: the longest dense one, not scaled down
     assert est("hybrid", 16e14, done) == 280.0
     assert est("hybrid", 4e14, [*done, ("hybrid", 4e14, 120.0)]) == 120.0
+
+
+def test_det_tax_workers_import_their_own_trees_detjax(tmp_path, python):
+    """A det_tax worker times the detjax of the tree its script is in: a `src=DIR` mode runs DIR's det_tax
+    with DIR first on its PYTHONPATH, even where the caller's PYTHONPATH names another tree first (as a
+    device runner's does), and the mode's other items reach the worker without the src item. Control: the
+    caller's environment alone imports the caller's detjax."""
+    import subprocess
+
+    import det_tax
+
+    repo = Path(__file__).resolve().parents[1]
+    other = tmp_path / "other"
+    (other / "scripts").mkdir(parents=True)
+    (other / "scripts" / "det_tax.py").write_text("")
+    (other / "detjax").mkdir()
+    (other / "detjax" / "__init__.py").write_text("")
+    caller = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(repo), "XLA_FLAGS": "--x"}
+
+    cmd, env = det_tax.worker_command(f"strict-kernels+src={other}+model.d_model=64", "c.yaml", 5, 2, ["a=1"], caller)
+    assert cmd[1] == str(other / "scripts" / "det_tax.py")
+    assert cmd[cmd.index("--worker") + 1] == "strict-kernels+model.d_model=64" and cmd[-1] == "a=1"
+    assert "XLA_FLAGS" not in env
+
+    def imported(env):
+        probe = [python, "-c", "import detjax, pathlib; print(pathlib.Path(detjax.__file__).parent.parent)"]
+        return Path(subprocess.run(probe, env=env, capture_output=True, text=True, cwd=tmp_path).stdout.strip())
+
+    assert imported(env) == other.resolve()
+    assert imported(caller) == repo  # control: without the worker's PYTHONPATH, the caller's tree
+    cmd, env = det_tax.worker_command("strict-kernels+xla=--y", "c.yaml", 5, 2, [], caller)
+    assert cmd[1] == str(repo / "scripts" / "det_tax.py") and env["XLA_FLAGS"] == "--y"
+    with pytest.raises(FileNotFoundError, match="src=DIR names a detjax tree"):
+        det_tax.worker_command(f"strict-kernels+src={tmp_path / 'none'}", "c.yaml", 5, 2, [], caller)
 
 
 def test_shape_matrix_parent_runs_jax_on_the_cpu_and_workers_get_the_callers_platforms():
