@@ -104,7 +104,7 @@ def worker_command(
     flags = split_mode(mode)[2]
     if flags:
         env["XLA_FLAGS"] = " ".join(flags)
-    plain_mode = "+".join(x for x in items if not x.startswith("src=") or x is items[0])
+    plain_mode = "+".join([items[0], *(x for x in items[1:] if not x.startswith("src="))])
     cmd = [sys.executable, str(script), "--config", config, "--steps", str(steps), "--warmup", str(warmup)]
     return [*cmd, "--worker", plain_mode, *overrides], env
 
