@@ -36,9 +36,9 @@ TINY = REPO / "configs" / "tiny.yaml"
 
 
 # The README runs two xdist workers with --dist loadfile: each takes whole files, in collection order, as it
-# frees up. Longest files first (summed test time per file, 2 cores, jax 0.12.0.1, 2026-12-06: pallas 187 s,
-# fp8 138, ckpt 119, mesh 114, canonical 96, matmul 84, train 51, trace 34, step 34, flash_mosaic 29,
-# mesh_cells 24; 1018 s in all), so that no heavy file starts last and runs alone.
+# frees up. Longest files first (summed test time per file, 2 cores, jax 0.12.0.1, the compilation cache warm,
+# 2026-12-06: pallas 187 s, fp8 138, ckpt 119, mesh 114, canonical 96, matmul 84, train 51, trace 34, step 34,
+# flash_mosaic 29, mesh_cells 24; 1018 s in all), so that no heavy file starts last and runs alone.
 HEAVY_FIRST = (
     "test_pallas",
     "test_fp8",
