@@ -72,8 +72,11 @@ def test_grouped_tree_digest_equals_the_per_leaf_one(monkeypatch):
 def test_digest_values_are_pinned():
     """The digest is a file format (fingerprints.jsonl, checkpoint meta): each version's values are pinned.
     Version 1's were produced by the first implementation (two separate reductions) and must stay, so that
-    checkpoints written with it still verify; version 2 is the current one. Sharded or not, the same bits."""
-    f32 = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) / 7
+    checkpoints written with it still verify; version 2 is the current one. Sharded or not, the same bits.
+    The float32 input is built by numpy from its exact bits (i / 7 as i times float32(1/7), which jax up to
+    0.12.0.1 computed for jnp's `/ 7`; jax 0.12.1 rounds the quotient itself), so the pins hold whatever
+    jax's division does."""
+    f32 = jnp.asarray(np.arange(12, dtype=np.float32).reshape(3, 4) * np.float32(1 / 7))
     bf16 = (jnp.arange(10, dtype=jnp.float32) - 5).astype(jnp.bfloat16)
     i32 = jnp.arange(6, dtype=jnp.int32).reshape(2, 3, 1)
     assert digest_hex(tensor_digest(f32, 1)) == "e236fcd004494196"
