@@ -19,11 +19,11 @@ from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.gmm.kernel import gmm, tgmm
 
 # Whether "auto" takes the Mosaic path for bf16 experts (and dispatch.expert_ffn their whole SwiGLU on the padded
-# layout, grouped_swiglu_padded). Off: it gives the Triton kernels' bytes, but took 0.82 ms
-# against Triton's 0.51 for gpu_medium's expert product, forward and backward, on an H200 (16384 rows x 1024 x
-# 1024 over 8 experts; `scripts/gemm_bench.py --grouped --breakdown 12`, docs/BENCHMARKS.md "GEMMs"): its
-# kernels took 0.18 ms against Triton's 0.34, its layout copies 0.52. Neither _materialized nor
-# grouped_swiglu_padded below has been timed (`scripts/gemm_bench.py --swiglu` times the latter).
+# layout, grouped_swiglu_padded). Off: it gives the Triton kernels' bytes, but is slower. One product, forward
+# and backward, took 0.82 ms against Triton's 0.51 on an H200 (16384 rows x 1024 x 1024 over 8 experts;
+# `scripts/gemm_bench.py --grouped --breakdown 12`): its kernels 0.18 ms against Triton's 0.34, its layout
+# copies 0.52. The whole SwiGLU on the padded layout took 2.06 ms against Triton's 1.70 on an H100
+# (`scripts/gemm_bench.py --swiglu`). docs/BENCHMARKS.md "GEMMs".
 MOSAIC_BF16 = False
 
 
