@@ -48,6 +48,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # this tree's detjax, whatever PYTHONPATH says: a worker run from another tree (`src=DIR`, or `cd DIR &&
@@ -109,6 +110,25 @@ def worker_command(
     return [*cmd, "--worker", plain_mode, *overrides], env
 
 
+GATE_ENV, GATE_ID_ENV = "DETJAX_BENCH_GATE", "DETJAX_BENCH_GATE_ID"
+
+
+def bench_gate(poll_s: float = 0.05) -> bool:
+    """Where a worker started by shape_matrix --overlap waits once it has compiled and before it runs a step:
+    it writes DIR/ready.ID and waits for DIR/go.ID (DIR, ID: the environment's DETJAX_BENCH_GATE and
+    DETJAX_BENCH_GATE_ID), which the parent writes when every worker of the cell is ready and the one before
+    it has exited. So workers compile side by side but run their steps one at a time. Returns whether it
+    waited (False without the variables)."""
+    gate = os.environ.get(GATE_ENV)
+    if not gate:
+        return False
+    ident = os.environ[GATE_ID_ENV]
+    Path(gate, f"ready.{ident}").touch()
+    while not Path(gate, f"go.{ident}").exists():
+        time.sleep(poll_s)
+    return True
+
+
 def error_line(out: subprocess.CompletedProcess) -> str:
     """The line that names a failed worker's error (the last `...Error: ...` line, else the last line)."""
     lines = (out.stderr.strip() or out.stdout.strip() or "no output").splitlines()
@@ -145,9 +165,17 @@ def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int
     ds = make_dataset(cfg)
     batches = [jax.device_put(np.asarray(ds[i]), rep) for i in range(8)]  # rotate: not one cached input
     determinism.check_step(cfg, step, state, batches[0])
+    compile_s = None
+    if os.environ.get(GATE_ENV):  # compile before the gate; the step's first call finds it in jax's cache
+        t0 = time.perf_counter()
+        step.lower(state, batches[0]).compile()
+        compile_s = time.perf_counter() - t0
+        bench_gate()
     from plain_step import result, time_steps
 
     timing, m = time_steps(step, state, batches, steps, warmup)
+    if compile_s is not None:
+        timing["compile_s"] = compile_s  # first_step_s then counts the first step without its compilation
     from detjax.fingerprint import digest_hex
 
     # the last step's digests (every worker of a config runs the same steps on the same batches): equal digests

@@ -16,8 +16,9 @@ Per cell, det_tax's workers run, each a fresh process (no compilation cache, no 
 and MFU of each, the ratio strict-kernels / baseline, peak memory, and the cold-start L1 verdict (the two
 strict-kernels processes' last-step params digests equal). A cell whose mode fails prints what did run and
 the error.
-A worker builds its data, compiles and times its steps: 2-4 minutes for a 0.9 B dense cell on the H200
-(2026-12-04), so a cell with its L1 pair takes about ten minutes and the whole matrix some hours.
+A worker builds its data, compiles and times its steps; compilation takes most of it (at 8 blocks on an H100,
+2026-12-06: 20-60 s a dense worker, about 55 s a hybrid one). `--overlap` compiles a cell's two strict-kernels
+workers side by side and then runs their steps one at a time (run_gated), which saves one compilation a cell.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -104,30 +106,80 @@ def parent_on_cpu() -> str | None:
     return caller
 
 
-def worker_env(environ: dict[str, str], caller_platforms: str | None) -> dict[str, str]:
+def worker_env(environ: dict[str, str], caller_platforms: str | None, overlap: bool = False) -> dict[str, str]:
     """A worker's environment: the caller's, less XLA_FLAGS (det_tax gives each mode its own) and the
-    compilation cache (each worker is a cold start), with the caller's JAX_PLATFORMS."""
+    compilation cache (each worker is a cold start), with the caller's JAX_PLATFORMS. `overlap` (every worker
+    of an --overlap run): XLA allocates GPU memory as the worker needs it instead of taking 75 % at the start,
+    so the two strict-kernels workers of a cell can hold their state side by side."""
     drop = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS")
     env = {k: v for k, v in environ.items() if k not in drop}
     if caller_platforms is not None:
         env["JAX_PLATFORMS"] = caller_platforms
+    if overlap:
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     return env
 
 
-def run_worker(mode: str, overrides: list[str], steps: int, warmup: int, caller_platforms: str | None) -> dict:
-    env = worker_env(dict(os.environ), caller_platforms)
+def worker_cmd(mode: str, overrides: list[str], steps: int, warmup: int) -> list[str]:
     det_tax = str(Path(__file__).with_name("det_tax.py"))
     cmd = [sys.executable, det_tax, "--config", "configs/gpu_dense.yaml", "--steps", str(steps)]
-    cmd += ["--warmup", str(warmup), "--worker", mode, *overrides]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    print(f"  {mode}: worker done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return cmd + ["--warmup", str(warmup), "--worker", mode, *overrides]
+
+
+def worker_result(out: subprocess.CompletedProcess) -> dict:
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     if out.returncode or not line:
         from det_tax import error_line  # scripts/ is on sys.path when this file runs as a script
 
         return {"error": error_line(out)}
     return json.loads(line[0][7:])
+
+
+def run_worker(
+    mode: str, overrides: list[str], steps: int, warmup: int, caller_platforms: str | None, overlap: bool = False
+) -> dict:
+    env = worker_env(dict(os.environ), caller_platforms, overlap)
+    t0 = time.perf_counter()
+    out = subprocess.run(worker_cmd(mode, overrides, steps, warmup), capture_output=True, text=True, env=env)
+    print(f"  {mode}: worker done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return worker_result(out)
+
+
+def run_gated(
+    commands: list[tuple[list[str], dict[str, str]]], poll_s: float = 0.05
+) -> list[subprocess.CompletedProcess]:
+    """Start every (command, environment) at once, each told its gate (det_tax.bench_gate): they compile side
+    by side; once every one is at its gate or has exited, let them through one at a time in the given order,
+    each after the one before has exited. So no worker's steps share the machine with another worker's
+    compilation or steps. Returns each command's completed process (stdout and stderr as text)."""
+    from det_tax import GATE_ENV, GATE_ID_ENV
+
+    with tempfile.TemporaryDirectory(prefix="detjax-gate-") as gate:
+        procs = []
+        for i, (cmd, env) in enumerate(commands):
+            out, err = open(Path(gate, f"out.{i}"), "w+"), open(Path(gate, f"err.{i}"), "w+")
+            env = {**env, GATE_ENV: gate, GATE_ID_ENV: str(i)}
+            procs.append((subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env), out, err))
+        ready = [Path(gate, f"ready.{i}") for i in range(len(procs))]
+        while not all(r.exists() or p.poll() is not None for r, (p, _, _) in zip(ready, procs, strict=True)):
+            time.sleep(poll_s)
+        done = []
+        for i, (p, out, err) in enumerate(procs):
+            Path(gate, f"go.{i}").touch()
+            p.wait()
+            out.seek(0), err.seek(0)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
+            out.close(), err.close()
+        return done
+
+
+def run_strict_gated(n: int, overrides: list[str], steps: int, warmup: int, caller_platforms: str | None) -> list[dict]:
+    """n strict-kernels workers of one cell through run_gated: compiled side by side, timed one at a time."""
+    env = worker_env(dict(os.environ), caller_platforms, overlap=True)
+    t0 = time.perf_counter()
+    outs = run_gated([(worker_cmd("strict-kernels", overrides, steps, warmup), env) for _ in range(n)])
+    print(f"  strict-kernels x {n}: workers done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return [worker_result(out) for out in outs]
 
 
 def main() -> int:
@@ -156,10 +208,19 @@ def main() -> int:
         help="start no cell once the elapsed time plus the cell's estimated time (cell_estimate_s: from the cells "
         "this call finished) would pass this many seconds",
     )
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="compile a cell's strict-kernels workers side by side (each waits at det_tax.bench_gate after "
+        "compiling), then run their steps one at a time, then the baseline's; every worker allocates GPU memory "
+        "as it goes (XLA_PYTHON_CLIENT_PREALLOCATE=false). Saves one compilation a cell",
+    )
     ap.add_argument("overrides", nargs="*", help="key=value applied to every cell and mode")
     a = ap.parse_args()
     cells = a.cells.split(",") if a.cells else all_cells()
     options = dict(steps=a.steps, warmup=a.warmup, l1=not a.no_l1, max_blocks=a.max_blocks, extra=a.overrides)
+    if a.overlap:  # a record of either way of running serves only that way
+        options["overlap"] = True
     platforms = parent_on_cpu()
     done = _recorded(a.results, options)
     started, finished = time.perf_counter(), []  # finished: (kind, model FLOPs, seconds) of this call's cells
@@ -190,8 +251,13 @@ def main() -> int:
             continue
         t_cell = time.perf_counter()
         base_mode = "plain" if kind == "dense" else "fastest"
-        base = run_worker(base_mode, ov, a.steps, a.warmup, platforms)
-        dets = [run_worker("strict-kernels", ov, a.steps, a.warmup, platforms) for _ in range(1 if a.no_l1 else 2)]
+        n_det = 1 if a.no_l1 else 2
+        if a.overlap:  # the strict-kernels workers compile side by side, then the baseline runs alone
+            dets = run_strict_gated(n_det, ov, a.steps, a.warmup, platforms)
+            base = run_worker(base_mode, ov, a.steps, a.warmup, platforms, overlap=True)
+        else:
+            base = run_worker(base_mode, ov, a.steps, a.warmup, platforms)
+            dets = [run_worker("strict-kernels", ov, a.steps, a.warmup, platforms) for _ in range(n_det)]
         row, errs = cell_row(cell, nblocks, params, flops, base_mode, base, dets, l1=not a.no_l1)
         bad += bool(errs)
         print(row, flush=True)

@@ -201,6 +201,48 @@ def test_shape_matrix_parent_runs_jax_on_the_cpu_and_workers_get_the_callers_pla
     assert out.stdout.split() == ["cuda", "cpu"], out.stderr[-2000:]
 
 
+GATED_CHILD = """
+import json, sys, time
+import det_tax
+compile_s, code = float(sys.argv[1]), int(sys.argv[2])
+time.sleep(compile_s)  # the compilation
+ready = time.time()
+if code:
+    sys.exit(code)  # a worker that fails before its gate
+waited = det_tax.bench_gate(poll_s=0.01)
+start = time.time()
+time.sleep(0.3)  # the timed steps
+print(json.dumps(dict(waited=waited, ready=ready, start=start, end=time.time())))
+"""
+
+
+def test_shape_matrix_overlap_compiles_side_by_side_and_steps_one_at_a_time():
+    """run_gated (shape_matrix --overlap): each worker's steps start only after every worker has compiled
+    (is at its gate) and after the worker before it has exited, so no steps share the machine with another
+    worker's compilation or steps; a worker that dies before its gate holds nobody up. The control starts
+    the same children without a gate: the fast one's steps then run during the slow one's compilation."""
+    import json
+    import os
+    import subprocess
+
+    import shape_matrix
+
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    env = {**os.environ, "PYTHONPATH": scripts}
+    cmds = [[sys.executable, "-c", GATED_CHILD, c, x] for c, x in (("0.0", "0"), ("1.0", "0"), ("0.2", "3"))]
+    outs = shape_matrix.run_gated([(cmd, env) for cmd in cmds], poll_s=0.01)
+    assert [o.returncode for o in outs] == [0, 0, 3], [o.stderr[-500:] for o in outs]
+    runs = [json.loads(o.stdout) for o in outs[:2]]
+    assert all(r["waited"] for r in runs)
+    assert min(r["start"] for r in runs) >= max(r["ready"] for r in runs)  # steps after every compilation
+    assert runs[1]["start"] >= runs[0]["end"]  # one at a time, in order
+
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for cmd in cmds[:2]]
+    free = [json.loads(p.communicate()[0]) for p in procs]
+    assert not any(r["waited"] for r in free)
+    assert free[0]["start"] < free[1]["ready"]  # the control: steps during the other's compilation
+
+
 def test_op_breakdown_counts_each_op_once_a_call():
     """profile_step.op_breakdown (gemm_bench --grouped --breakdown): a jitted function's ops, the largest
     first, each once a call whatever the number of traced calls; a second product adds its own op."""
