@@ -441,15 +441,18 @@ def swiglu_table(reps: int, breakdown: int = 0, shape: tuple[int, int, int, int]
 
 
 def print_breakdown(fns: dict, sets, reps: int, top: int, unit: str = "product") -> None:
-    """Each function's device time per `unit` (one input set) by op, its `top` largest ops and the rest."""
-    from profile_step import op_breakdown  # scripts/ is on sys.path when this file runs as a script
+    """Each function's device time per `unit` (one input set) by op, its `top` largest ops and the rest, each
+    with the detjax source lines it computes (profile_step.hlo_source_lines)."""
+    from profile_step import hlo_source_lines, op_breakdown  # scripts/ is on sys.path when this runs as a script
 
     for key, fn in fns.items():
         rows = op_breakdown(lambda fn=fn: jax.block_until_ready(fn(sets)), reps)
+        sources = hlo_source_lines(fn.lower(sets).compile().as_text())
         total = sum(ms for _, ms, _ in rows) / SETS
         print(f"  {key}: {total:.4f} ms of device time a {unit}, by op:", flush=True)
         for name, ms, calls in rows[:top]:
-            print(f"    {ms / SETS:.4f} ms  {calls / SETS:g} calls  {name}", flush=True)
+            where = ", ".join(f"{w} ({k})" for w, k in sources.get(name, [])[:4])
+            print(f"    {ms / SETS:.4f} ms  {calls / SETS:g} calls  {name}  {where}".rstrip(), flush=True)
         rest = sum(ms for _, ms, _ in rows[top:]) / SETS
         print(f"    {rest:.4f} ms  the other {len(rows[top:])} ops", flush=True)
 

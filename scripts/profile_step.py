@@ -9,7 +9,8 @@ xprof; a Perfetto JSON trace is written beside it) and prints:
 - device time grouped by model scope: each device op is mapped, through the compiled HLO's op_name metadata,
   to the Flax/named scope that produced it; `layer_N` becomes `block[<letter>]` so that all blocks of one
   type add up; forward and backward (ops under a transpose) are separate rows;
-- the top device ops by time, with their scope.
+- the top device ops by time, with their scope (`--source-lines`: and the detjax source lines whose ops each
+  one holds, e.g. which lines of model/mamba2.py a loop fusion computes).
 
 `--synced` waits for each traced step before dispatching the next, as det_tax's synced steps do: the idle
 table then shows where the device waits for the host's dispatch. The first timed line (untraced) stays
@@ -67,6 +68,92 @@ def hlo_op_names(hlo_text: str) -> dict[str, str]:
     return out
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
+_SHARED = re.compile(r" = \S+ (?:constant|parameter)\(")  # XLA merges equal constants: their line is any one's
+
+
+def hlo_source_lines(hlo_text: str, under: str = "detjax") -> dict[str, list[tuple[str, int]]]:
+    """HLO instruction name -> the source lines of the JAX ops it holds, as ("file.py:LINE", count), the most
+    first: a fusion's are those of the instructions of its fused computation (and of what they call in turn),
+    another instruction's its own; constants and parameters are left out. Each instruction counts at the
+    line its metadata names (the innermost frame outside JAX), its path from `under`'s folder on (elsewhere:
+    the basename). Reads both forms of XLA's metadata: the stack-frame tables (`stack_frame_id`) and
+    `source_file`/`source_line`."""
+    files, locations, frames = {}, {}, {}
+    table = None
+    comp_lines: dict[str, list[str]] = defaultdict(list)
+    calls: dict[str, list[str]] = defaultdict(list)  # instruction -> the computations it calls
+    current = None
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            table = line
+            continue
+        if table:
+            m = re.match(r"^(\d+) (.*)$", line)
+            if not m:
+                table = None
+            elif table == "FileNames":
+                files[int(m.group(1))] = m.group(2).strip('"')
+            elif table == "FileLocations":
+                fl = re.search(r"file_name_id=(\d+).*?\bline=(\d+)", m.group(2))
+                if fl:
+                    locations[int(m.group(1))] = (int(fl.group(1)), int(fl.group(2)))
+            elif table == "StackFrames":
+                sf = re.search(r"file_location_id=(\d+)", m.group(2))
+                if sf:
+                    frames[int(m.group(1))] = int(sf.group(1))
+            continue
+        c = _COMPUTATION.match(line)
+        if c:
+            current = c.group(1)
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        i = _INSTRUCTION.match(line)
+        if i and current is not None:
+            comp_lines[current].append(line)
+            called = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
+            if called:
+                calls[i.group(1)] += called
+
+    def where(line: str) -> str | None:
+        m = re.search(r"stack_frame_id=(\d+)", line)
+        if m and int(m.group(1)) in frames:
+            loc = locations.get(frames[int(m.group(1))])
+            path, lineno = (files.get(loc[0], "?"), loc[1]) if loc else (None, None)
+        else:
+            m = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
+            path, lineno = (m.group(1), int(m.group(2))) if m else (None, None)
+        if path is None:
+            return None
+        name = path.split(under + "/", 1)[1] if under + "/" in path else Path(path).name
+        return f"{name}:{lineno}"
+
+    out = {}
+    for line in (x for lines in comp_lines.values() for x in lines):
+        name = _INSTRUCTION.match(line).group(1)
+        counts: dict[str, int] = defaultdict(int)
+        todo, seen = list(calls.get(name, [])), set()
+        while todo:  # the called computations, and theirs
+            sub = todo.pop()
+            if sub in seen:
+                continue
+            seen.add(sub)
+            for inner in comp_lines.get(sub, []):
+                w = None if _SHARED.search(inner) else where(inner)
+                if w:
+                    counts[w] += 1
+                todo += calls.get(_INSTRUCTION.match(inner).group(1), [])
+        if not seen:
+            w = where(line)
+            if w:
+                counts[w] += 1
+        out[name] = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return out
+
+
 def device_events(trace_dir: Path) -> list[dict]:
     """Complete events of device streams (GPU), or of XLA's CPU op threads, from the Perfetto trace."""
     files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
@@ -120,8 +207,15 @@ def op_breakdown(run, reps: int) -> list[tuple[str, float, float]]:
 
 
 def tables(
-    events: list[dict], names: dict[str, str], pattern: str, steps: int, top: int, always: tuple[str, ...] = ()
+    events: list[dict],
+    names: dict[str, str],
+    pattern: str,
+    steps: int,
+    top: int,
+    always: tuple[str, ...] = (),
+    sources: dict[str, list[tuple[str, int]]] | None = None,
 ) -> str:
+    """The profile's tables; `sources` (hlo_source_lines): the top ops' table names each op's source lines."""
     timed = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e) for e in events if "ts" in e)
     busy, end, last, gaps = 0.0, float("-inf"), None, []
     for a, b, e in timed:  # the union of the device ops' intervals: time the device had work
@@ -178,10 +272,14 @@ def tables(
     lines += ["|---|---|---|---|"]
     for (scope, pas), (ms, n) in sorted(small.items(), key=lambda kv: -kv[1][1])[:top]:
         lines.append(f"| {scope} | {pas} | {n / steps:.0f} | {ms:.3f} |")
-    lines += ["", f"top {top} device ops", "", "| op | scope | pass | ms / step | calls / step |"]
-    lines += ["|---|---|---|---|---|"]
+    src_head, src_rule = (" source lines (ops there) |", "---|") if sources is not None else ("", "")
+    lines += ["", f"top {top} device ops", "", f"| op | scope | pass | ms / step | calls / step |{src_head}"]
+    lines += [f"|---|---|---|---|---|{src_rule}"]
     for (name, scope, pas), (ms, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"| {name[:60]} | {scope} | {pas} | {ms:.3f} | {n / steps:.0f} |")
+        src = ""
+        if sources is not None:
+            src = " " + ", ".join(f"{w} ({k})" for w, k in sources.get(name, [])[:4]) + " |"
+        lines.append(f"| {name[:60]} | {scope} | {pas} | {ms:.3f} | {n / steps:.0f} |{src}")
     return "\n".join(lines)
 
 
@@ -205,6 +303,12 @@ def main() -> int:
     )
     ap.add_argument("--dump-events", type=int, default=0, help="print the first N device events (raw)")
     ap.add_argument("--hlo", default=None, help="write the compiled step's HLO text here (gzip)")
+    ap.add_argument(
+        "--source-lines",
+        action="store_true",
+        help="the top ops' table names the source lines each op holds (from the compiled HLO's metadata): "
+        "which lines of detjax an XLA fusion computes",
+    )
     ap.add_argument("--plain", action="store_true", help="profile scripts/plain_step.py's step of the config")
     ap.add_argument("--attention", default="cudnn", choices=["cudnn", "xla"], help="the plain step's attention")
     ap.add_argument("--src", default=None, help="profile the detjax package under this tree (e.g. an older commit)")
@@ -311,7 +415,8 @@ def main() -> int:
     if a.dump_events:
         for e in events[: a.dump_events]:
             print("event", json.dumps(e)[:600])
-    print(tables(events, names, cfg.model.pattern, a.steps, a.top, tuple(a.scope)))
+    sources = hlo_source_lines(hlo_text) if a.source_lines and hlo_text else None
+    print(tables(events, names, cfg.model.pattern, a.steps, a.top, tuple(a.scope), sources))
     return 0
 
 

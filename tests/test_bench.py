@@ -243,6 +243,33 @@ def test_shape_matrix_overlap_compiles_side_by_side_and_steps_one_at_a_time():
     assert free[0]["start"] < free[1]["ready"]  # the control: steps during the other's compilation
 
 
+def _two_stages(x, z):
+    a = jnp.sin(x) * jax.nn.silu(z)  # line A
+    return jnp.cos(a).sum(axis=-1)  # line B
+
+
+def test_profile_source_lines_name_the_lines_a_fusion_holds():
+    """profile_step.hlo_source_lines (--source-lines): each op of the compiled HLO names the source lines of
+    the JAX ops inside it. The function's two lines are found in its fused ops; the control: a line of this
+    file that computes nothing there (the def line) is in no op's list."""
+    import inspect
+
+    import profile_step
+
+    text = jax.jit(_two_stages).lower(jnp.ones((64, 128)), jnp.ones((64, 128))).compile().as_text()
+    found = profile_step.hlo_source_lines(text, under="tests")
+    first = inspect.getsourcelines(_two_stages)[1]
+    here = Path(__file__).name
+    listed = {w for pairs in found.values() for w, _ in pairs}
+    assert {f"{here}:{first + 1}", f"{here}:{first + 2}"} <= listed, found
+    assert f"{here}:{first}" not in listed
+    assert all(k >= 1 for pairs in found.values() for _, k in pairs)
+    old_form = '%m = f32[2]{0} multiply(%a, %b), metadata={source_file="/r/detjax/model/m.py" source_line=7}'
+    assert profile_step.hlo_source_lines("ENTRY %main (a: f32[2]) -> f32[2] {\n" + old_form + "\n}")["m"] == [
+        ("model/m.py:7", 1)
+    ]
+
+
 def test_op_breakdown_counts_each_op_once_a_call():
     """profile_step.op_breakdown (gemm_bench --grouped --breakdown): a jitted function's ops, the largest
     first, each once a call whatever the number of traced calls; a second product adds its own op."""
