@@ -40,7 +40,7 @@ def rel_err(a, b) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--kernels", default="rmsnorm,segment_sum,flash_attention,ssd,gmm,matmul")
+    ap.add_argument("--kernels", default="rmsnorm,segment_sum,flash_attention,ssd,gmm,matmul,ce")
     a = ap.parse_args()
     which = a.kernels.split(",")
     from detjax.pallas_kernels.harness import count_differing_replays, matmul_contention
@@ -143,6 +143,16 @@ def main() -> int:
 
         xla_mm = mm_fb(lambda x, w: jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype))
         measure("matmul fwd+dx+dw", mm_fb(lambda x, w: matmul(x, w)), xla_mm, (xm, wm), "XLA dot (autotuned) fwd+bwd")
+    if "ce" in which:  # the LM head's loss, one gpu_medium microbatch: 4 x 2048 tokens, vocab 32768, bf16 logits
+        from detjax.pallas_kernels.backend import interpret_mode
+        from detjax.pallas_kernels.ce.kernel import ce_fwd
+        from detjax.pallas_kernels.ce.reference import token_ce_ref
+
+        kc = jax.random.split(jax.random.key(13), 2)
+        lc = (4 * jax.random.normal(kc[0], (8192, 32768))).astype(jnp.bfloat16)
+        tc = jax.random.randint(kc[1], (8192,), 0, 32768)
+        one_pass = jax.jit(lambda x, t: ce_fwd(x, t, interpret=interpret_mode()))
+        measure("cross-entropy fwd (one pass)", one_pass, jax.jit(token_ce_ref), (lc, tc), "XLA logsumexp + label")
     neg = count_differing_replays(scat, (ids, g), a.replays)
     print(f"\nnegative control: XLA scatter-add (atomics), {neg} of {a.replays - 1} replays differ from the first")
     n = a.replays - 1

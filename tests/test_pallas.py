@@ -302,6 +302,57 @@ def test_segment_sum_replays_bit_exact():
     assert_replays_bit_exact(fn, (ids, g), replays=3, contention=matmul_contention(256, 5))
 
 
+def _ce_inputs(rows=32, vocab=3072, dtype=jnp.bfloat16, seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return (4 * jax.random.normal(k1, (rows, vocab))).astype(dtype), jax.random.randint(k2, (rows,), 0, vocab)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_ce_fwd_matches_reference(dtype):
+    """The one-pass cross-entropy kernel against XLA's logsumexp and label sum (model.ce.token_ce), over a
+    vocabulary of three blocks (not a power of two)."""
+    from detjax.pallas_kernels.ce.kernel import ce_fwd
+    from detjax.pallas_kernels.ce.reference import token_ce_ref
+
+    x, t = _ce_inputs(dtype=dtype)
+    (ce, lse), (rce, rlse) = ce_fwd(x, t, interpret=interpret_mode()), token_ce_ref(x, t)
+    assert _rel(lse, rlse) <= TOL_FWD and _rel(ce, rce) <= 4 * TOL_FWD
+
+
+def test_ce_fwd_replays_bit_exact():
+    from detjax.pallas_kernels.ce.kernel import ce_fwd
+
+    x, t = _ce_inputs()
+    fn = jax.jit(lambda x, t: ce_fwd(x, t, interpret=interpret_mode()))
+    assert_replays_bit_exact(fn, (x, t), replays=5)
+    assert_replays_bit_exact(fn, (x, t), replays=3, contention=matmul_contention(256, 5))
+
+
+def test_token_ce_of_takes_the_kernel_only_when_switched_on_and_where_it_fits(monkeypatch):
+    """model.ce.KERNEL_FWD puts the kernel into token_ce_of's forward (its loss and logits gradient then agree
+    with XLA's formula's to rounding); off, or for rows that are not whole blocks, the step keeps XLA's
+    formula, the same bytes as before."""
+    from detjax.model import ce as ce_mod
+
+    x, t = _ce_inputs(rows=32)
+    x3, t3 = x.reshape(2, 16, -1), t.reshape(2, 16)
+
+    def run(x, t):
+        loss = lambda x: jnp.sum(ce_mod.token_ce_of(x, t) * jnp.arange(1, t.size + 1).reshape(t.shape))  # noqa: E731
+        fn = jax.jit(jax.value_and_grad(loss))
+        return "ce_fwd" in str(fn.trace(x).jaxpr), fn(x)
+
+    used_off, (v_off, g_off) = run(x3, t3)
+    monkeypatch.setattr(ce_mod, "KERNEL_FWD", True)
+    used_on, (v_on, g_on) = run(x3, t3)
+    assert (used_off, used_on) == (False, True)
+    assert _rel(v_on, v_off) <= TOL_FWD and _rel(g_on.astype(jnp.float32), g_off.astype(jnp.float32)) <= 1e-2
+    used_odd, (v_odd, _) = run(x3[:, :9], t3[:, :9])  # 18 rows: not whole blocks of 16
+    monkeypatch.setattr(ce_mod, "KERNEL_FWD", False)
+    _, (v_ref, _) = run(x3[:, :9], t3[:, :9])
+    assert not used_odd and np.asarray(v_odd).view(np.uint32) == np.asarray(v_ref).view(np.uint32)
+
+
 def _attn_inputs(seed=0, b=2, length=48, h=4, kv=2, d=16):
     k = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(k[0], (b, length, h, d))

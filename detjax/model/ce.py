@@ -33,7 +33,8 @@ def token_ce(logits_BLV: jax.Array, targets_BL: jax.Array) -> tuple[jax.Array, j
 @jax.custom_vjp
 def token_ce_of(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
     """Per-token cross-entropy (B, L), float32, of logits in the compute dtype (the bf16 LM head's): the forward
-    is token_ce of the logits widened to float32, the same values and bits. The backward writes the logits'
+    is token_ce of the logits widened to float32, the same values and bits (with KERNEL_FWD, the one-pass
+    Pallas kernel's, the same formula in another fixed order). The backward writes the logits'
     gradient in their own dtype in one elementwise pass, dce * (exp(logits - lse) - onehot) in float32 then
     rounded (matmul.quantize.ce_grad, the fp8 head's formula), from the stored compute-dtype logits and the
     rows' logsumexp. Differentiating token_ce of widened logits instead stores the float32 logits for the
@@ -42,8 +43,18 @@ def token_ce_of(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
     return _ce_of_fwd(logits_BLV, targets_BL)[0]
 
 
+# Whether token_ce_of's forward runs the one-pass Pallas kernel (pallas_kernels/ce) where it takes the shape.
+# Off: not yet timed on a GPU against XLA's passes (scripts/kernel_bench.py --kernels ce times both).
+KERNEL_FWD = False
+
+
 def _ce_of_fwd(logits_BLV, targets_BL):
-    ce_BL, logz_BL = token_ce(logits_BLV.astype(jnp.float32), targets_BL)
+    fused = None
+    if KERNEL_FWD:
+        from detjax.pallas_kernels.ce.ops import token_ce_fwd
+
+        fused = token_ce_fwd(logits_BLV, targets_BL)
+    ce_BL, logz_BL = fused if fused is not None else token_ce(logits_BLV.astype(jnp.float32), targets_BL)
     return ce_BL, (logits_BLV, logz_BL, targets_BL)
 
 
