@@ -22,7 +22,9 @@ Modes (each a separate process, since XLA reads its flags once):
               the pair tree; e.g. `canonical+determinism.canonical_leaf=1`)
 A mode may carry overrides of its own after "+": `strict-kernels+model.fp8.enabled=true` is strict-kernels in
 fp8; `+noguard` drops the non-finite guard's on-device checks from the step (its cost is the difference:
-`--modes strict-kernels,strict-kernels+noguard`), `+xla=FLAG` starts that mode's worker with an XLA
+`--modes strict-kernels,strict-kernels+noguard`), `+set=MODULE.NAME=VALUE` sets a detjax module constant in
+that mode's worker (`strict-kernels+set=detjax.model.ce.KERNEL_FWD=True`: a kernel switch against the
+default), `+xla=FLAG` starts that mode's worker with an XLA
 flag (`strict-kernels+xla=--xla_gpu_graph_min_graph_size=1`), and `+src=DIR` runs that mode's worker from
 another tree (DIR/scripts/det_tax.py with DIR's detjax, e.g. an older commit's `git archive`), so two trees'
 steps are paired in one call: `--modes strict-kernels,strict-kernels+src=old`. Workers never inherit the
@@ -84,7 +86,36 @@ def split_mode(mode: str) -> tuple[str, list[str], list[str]]:
     """A mode's name, its config overrides and its XLA flags (the `xla=FLAG` items after "+")."""
     name, *items = mode.split("+")
     flags = [x[4:] for x in items if x.startswith("xla=")]
-    return name, [x for x in items if not x.startswith(("xla=", "src=")) and x != "noguard"], flags
+    return name, [x for x in items if not x.startswith(("xla=", "src=", "set=")) and x != "noguard"], flags
+
+
+def module_settings(mode: str) -> list[tuple[str, str, object]]:
+    """A mode's `set=MODULE.NAME=VALUE` items as (module, name, value): a detjax module constant the worker sets
+    before it builds the step, e.g. `strict-kernels+set=detjax.model.ce.KERNEL_FWD=True` (a kernel switch
+    timed against the default in one call). VALUE is a Python literal. A name the module does not have is an
+    error, so a typo cannot time the default twice."""
+    import ast
+
+    out = []
+    for item in mode.split("+")[1:]:
+        if not item.startswith("set="):
+            continue
+        target, eq, value = item[4:].partition("=")
+        module, _, name = target.rpartition(".")
+        if not eq or not module:
+            raise ValueError(f"mode item {item!r}: write set=MODULE.NAME=VALUE (a Python literal)")
+        out.append((module, name, ast.literal_eval(value)))
+    return out
+
+
+def apply_module_settings(mode: str) -> None:
+    import importlib
+
+    for module, name, value in module_settings(mode):
+        mod = importlib.import_module(module)
+        if not hasattr(mod, name):
+            raise ValueError(f"set={module}.{name}: {module} has no {name}")
+        setattr(mod, name, value)
 
 
 def worker_command(
@@ -141,6 +172,7 @@ def worker(config: str, mode: str, overrides: list[str], steps: int, warmup: int
     from detjax.config import load_config
 
     name, extra, _ = split_mode(mode)
+    apply_module_settings(mode)
     if name == "plain":
         import plain_step
 
@@ -209,7 +241,8 @@ def main() -> int:
     for mode in modes:
         try:
             worker_command(mode, a.config, a.steps, a.warmup, a.overrides, {})
-        except FileNotFoundError as e:
+            module_settings(mode)
+        except (FileNotFoundError, ValueError, SyntaxError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     if os.environ.get("XLA_FLAGS"):

@@ -182,6 +182,28 @@ def test_det_tax_workers_import_their_own_trees_detjax(tmp_path, python):
         det_tax.worker_command(f"strict-kernels+src={tmp_path / 'none'}", "c.yaml", 5, 2, [], caller)
 
 
+def test_det_tax_set_items_set_a_module_constant_in_the_worker_only(monkeypatch):
+    """`+set=MODULE.NAME=VALUE` parses to a literal and sets that constant (the worker calls
+    apply_module_settings before it builds the step); it is not a config override; a name the module lacks and
+    a malformed item are errors (a typo must not time the default twice)."""
+    import det_tax
+
+    from detjax.model import ce
+
+    mode = "strict-kernels+set=detjax.model.ce.KERNEL_FWD=True+train.steps=3"
+    assert det_tax.split_mode(mode)[1] == ["train.steps=3"]
+    assert det_tax.module_settings(mode) == [("detjax.model.ce", "KERNEL_FWD", True)]
+    monkeypatch.setattr(ce, "KERNEL_FWD", False)
+    det_tax.apply_module_settings(mode)
+    assert ce.KERNEL_FWD is True
+    det_tax.apply_module_settings("strict-kernels")  # no set items: nothing changes
+    assert ce.KERNEL_FWD is True
+    with pytest.raises(ValueError, match="has no KERNEL_FW"):
+        det_tax.apply_module_settings("strict-kernels+set=detjax.model.ce.KERNEL_FW=True")
+    with pytest.raises(ValueError, match="write set=MODULE.NAME=VALUE"):
+        det_tax.module_settings("strict-kernels+set=KERNEL_FWD")
+
+
 def test_shape_matrix_parent_runs_jax_on_the_cpu_and_workers_get_the_callers_platforms():
     """The parent's parameter count must not start a GPU backend (it would preallocate the memory its workers
     need); the workers get the caller's JAX_PLATFORMS back. The subprocess asks for cuda: without

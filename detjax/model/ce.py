@@ -44,7 +44,8 @@ def token_ce_of(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
 
 
 # Whether token_ce_of's forward runs the one-pass Pallas kernel (pallas_kernels/ce) where it takes the shape.
-# Off: not yet timed on a GPU against XLA's passes (scripts/kernel_bench.py --kernels ce times both).
+# Off: not yet timed on a GPU against XLA's passes (`scripts/kernel_bench.py --kernels ce` times both; in a
+# step, `scripts/det_tax.py --modes strict-kernels,strict-kernels+set=detjax.model.ce.KERNEL_FWD=True`).
 KERNEL_FWD = False
 
 
