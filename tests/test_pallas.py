@@ -353,6 +353,33 @@ def test_token_ce_of_takes_the_kernel_only_when_switched_on_and_where_it_fits(mo
     assert not used_odd and np.asarray(v_odd).view(np.uint32) == np.asarray(v_ref).view(np.uint32)
 
 
+def test_mamba2_gated_norm_takes_the_rmsnorm_kernel_only_when_switched_on(monkeypatch):
+    """model.mamba2.KERNEL_GATED_NORM puts the Pallas RMSNorm into the mixer's gated norm (model.kernels=pallas,
+    no tensor chunks); its output and gradients then agree with the jnp norm's to rounding. Off, or at a width
+    the kernel does not take, the mixer keeps the jnp norm."""
+    from detjax.config import MambaConfig
+    from detjax.model import mamba2
+
+    cfg = MambaConfig(d_state=16, d_conv=4, expand=2, n_heads=2, chunk_size=16)
+    mixer = mamba2.Mamba2(d_model=64, cfg=cfg, init_std=0.02, norm_eps=1e-5, dtype=jnp.float32, kernels="pallas")
+    x = jax.random.normal(jax.random.key(1), (1, 32, 64))
+    params = mixer.init(jax.random.key(0), x)
+
+    def run():
+        fn = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(mixer.apply(p, x) ** 2), argnums=(0, 1)))
+        return "rmsnorm_fwd" in str(fn.trace(params, x).jaxpr), fn(params, x)
+
+    used_off, (v_off, g_off) = run()
+    monkeypatch.setattr(mamba2, "KERNEL_GATED_NORM", True)
+    used_on, (v_on, g_on) = run()
+    assert (used_off, used_on) == (False, True)
+    assert _rel(v_on, v_off) <= 1e-5
+    for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_off), strict=True):
+        assert _rel(a, b) <= 1e-4
+    assert mamba2.gated_norm_kernel_fits(32, 128) and not mamba2.gated_norm_kernel_fits(32, 96)
+    assert not mamba2.gated_norm_kernel_fits(30, 128)  # rows not in whole blocks
+
+
 def _attn_inputs(seed=0, b=2, length=48, h=4, kv=2, d=16):
     k = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(k[0], (b, length, h, d))

@@ -11,6 +11,9 @@ from flax import linen as nn
 from detjax.config import MambaConfig
 from detjax.model.fp8 import scale_var
 from detjax.model.layers import chunk_products, normal_init, param, proj, proj_many
+from detjax.pallas_kernels.rmsnorm import WIDEST
+from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
+from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
 from detjax.pallas_kernels.ssd.ops import ssd
 from detjax.pallas_kernels.ssd.reference import ssd_chunked
 from detjax.sharding import canonical
@@ -18,6 +21,19 @@ from detjax.sharding import rules as ax
 from detjax.sharding import tensor as tp_ops
 from detjax.sharding.rules import constrain
 from detjax.sharding.tensor import TensorSplit
+
+# Whether the gated RMSNorm over the inner width (the mixer's last step before its out-projection; one device,
+# no canonical tensor chunks) runs the Pallas RMSNorm kernel under model.kernels=pallas, writing the compute
+# dtype straight from the kernel. Off: not yet timed on a GPU against XLA's reductions (in a step:
+# `scripts/det_tax.py --modes strict-kernels,strict-kernels+set=detjax.model.mamba2.KERNEL_GATED_NORM=True`).
+KERNEL_GATED_NORM = False
+
+
+def gated_norm_kernel_fits(rows: int, width: int) -> bool:
+    """Whether the Pallas RMSNorm takes the gated norm: its widths (a power of two >= 32 or a multiple of 128,
+    at most WIDEST) and whole row blocks (rmsnorm.kernel.fits)."""
+    pow2 = width >= 32 and width & (width - 1) == 0
+    return (pow2 or width % 128 == 0) and width <= WIDEST and rmsnorm_fits(rows)
 
 
 def causal_conv(x_BL_: jax.Array, w_W_: jax.Array, b_: jax.Array, pinned: bool = False) -> jax.Array:
@@ -151,11 +167,21 @@ class Mamba2(nn.Module):
         y_BLHP = SSD(c.chunk_size, self.kernels, name="ssd")(x_BLHP * dt_BLH[..., None], adt_BLH, b_BLN, c_BLN)
         y_BLHP = y_BLHP + d_skip_H[None, None, :, None] * x_BLHP
         y_BLHP = constrain(y_BLHP * nn.silu(z_BLHP.astype(jnp.float32)), lay, names, "ssm_y")
-        # gated RMSNorm over the whole inner width (all heads)
-        ms_BL11 = jnp.mean(y_BLHP * y_BLHP, axis=(-2, -1), keepdims=True)
-        y_BLHP = y_BLHP * jax.lax.rsqrt(ms_BL11 + self.norm_eps) * norm_HP[None, None]
+        y_BLHP = self._gated_norm(y_BLHP, norm_HP)
         out_fp8 = scale_var(self, "out_proj", self.fp8)
         return proj("blhp,hpd->bld", y_BLHP, w_out_HPD, self.dtype, self.kernels, out_fp8, (self, ("w_out",)))
+
+    def _gated_norm(self, y_BLHP: jax.Array, norm_HP: jax.Array) -> jax.Array:
+        """RMSNorm over the whole inner width (all heads): jnp in float32, or with KERNEL_GATED_NORM the Pallas
+        kernel, which writes the compute dtype the out-projection reads (float32 for an fp8 projection, which
+        rounds its float32 input itself)."""
+        b, length, h, p = y_BLHP.shape
+        if KERNEL_GATED_NORM and self.kernels == "pallas" and gated_norm_kernel_fits(b * length, h * p):
+            out_dtype = jnp.float32 if self.fp8 else jnp.dtype(self.dtype)
+            y_ND = rmsnorm(y_BLHP.reshape(-1, h * p), norm_HP.reshape(-1), self.norm_eps, out_dtype)
+            return y_ND.reshape(y_BLHP.shape)
+        ms_BL11 = jnp.mean(y_BLHP * y_BLHP, axis=(-2, -1), keepdims=True)
+        return y_BLHP * jax.lax.rsqrt(ms_BL11 + self.norm_eps) * norm_HP[None, None]
 
     def _tensor_chunks(self, x_BLD, head_params, bc_params, norm_HP, w_out_HPD) -> jax.Array:
         """The mixer under canonical tensor parallelism (detjax.sharding.tensor): B and C (one group, every
