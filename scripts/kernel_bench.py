@@ -40,7 +40,7 @@ def rel_err(a, b) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--kernels", default="rmsnorm,segment_sum,flash_attention,ssd,gmm,matmul,ce")
+    ap.add_argument("--kernels", default="rmsnorm,segment_sum,flash_attention,ssd,gmm,matmul,ce,conv")
     a = ap.parse_args()
     which = a.kernels.split(",")
     from detjax.pallas_kernels.harness import count_differing_replays, matmul_contention
@@ -153,6 +153,19 @@ def main() -> int:
         tc = jax.random.randint(kc[1], (8192,), 0, 32768)
         one_pass = jax.jit(lambda x, t: ce_fwd(x, t, interpret=interpret_mode()))
         measure("cross-entropy fwd (one pass)", one_pass, jax.jit(token_ce_ref), (lc, tc), "XLA logsumexp + label")
+    if "conv" in which:  # the gpu_medium Mamba2 convolution + SiLU: 4 x 2048 tokens, 2048 channels, width 4
+        from detjax.pallas_kernels.conv.ops import conv_silu
+        from detjax.pallas_kernels.conv.reference import conv_silu_ref
+
+        kv = jax.random.split(jax.random.key(15), 4)
+        xv = jax.random.normal(kv[0], (4, 2048, 2048)).astype(jnp.bfloat16)
+        wv, bv = 0.5 * jax.random.normal(kv[1], (4, 2048)), 0.1 * jax.random.normal(kv[2], (2048,))
+        gv = jax.random.normal(kv[3], (4, 2048, 2048))
+
+        def conv_fb(f):
+            return jax.jit(lambda x, w, b: jax.vjp(f, x, w, b)[1](gv))
+
+        measure("conv + silu fwd+bwd", conv_fb(conv_silu), conv_fb(conv_silu_ref), (xv, wv, bv), "XLA autodiff")
     neg = count_differing_replays(scat, (ids, g), a.replays)
     print(f"\nnegative control: XLA scatter-add (atomics), {neg} of {a.replays - 1} replays differ from the first")
     n = a.replays - 1

@@ -353,10 +353,9 @@ def test_token_ce_of_takes_the_kernel_only_when_switched_on_and_where_it_fits(mo
     assert not used_odd and np.asarray(v_odd).view(np.uint32) == np.asarray(v_ref).view(np.uint32)
 
 
-def test_mamba2_gated_norm_takes_the_rmsnorm_kernel_only_when_switched_on(monkeypatch):
-    """model.mamba2.KERNEL_GATED_NORM puts the Pallas RMSNorm into the mixer's gated norm (model.kernels=pallas,
-    no tensor chunks); its output and gradients then agree with the jnp norm's to rounding. Off, or at a width
-    the kernel does not take, the mixer keeps the jnp norm."""
+def _mixer_with_and_without(monkeypatch, switch: str, kernel: str):
+    """A small Mamba2 mixer (inner width 128, B/C width 32) under model.kernels=pallas, its output and gradients
+    with model.mamba2.<switch> off and on, and whether the named kernel was in each step."""
     from detjax.config import MambaConfig
     from detjax.model import mamba2
 
@@ -366,18 +365,80 @@ def test_mamba2_gated_norm_takes_the_rmsnorm_kernel_only_when_switched_on(monkey
     params = mixer.init(jax.random.key(0), x)
 
     def run():
-        fn = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(mixer.apply(p, x) ** 2), argnums=(0, 1)))
-        return "rmsnorm_fwd" in str(fn.trace(params, x).jaxpr), fn(params, x)
+        def with_grads(p, x):  # the output and the gradients of sum(out^2) / 2; a new function: a new trace
+            out, pull = jax.vjp(mixer.apply, p, x)
+            return out, pull(out)
 
-    used_off, (v_off, g_off) = run()
-    monkeypatch.setattr(mamba2, "KERNEL_GATED_NORM", True)
-    used_on, (v_on, g_on) = run()
+        fn = jax.jit(with_grads)
+        return kernel in str(fn.trace(params, x).jaxpr), *fn(params, x)
+
+    off = run()
+    monkeypatch.setattr(mamba2, switch, True)
+    return off, run()
+
+
+def test_mamba2_gated_norm_takes_the_rmsnorm_kernel_only_when_switched_on(monkeypatch):
+    """model.mamba2.KERNEL_GATED_NORM puts the Pallas RMSNorm into the mixer's gated norm (model.kernels=pallas,
+    no tensor chunks); its output and gradients then agree with the jnp norm's to rounding. Off, or at a width
+    the kernel does not take, the mixer keeps the jnp norm."""
+    from detjax.model import mamba2
+
+    (used_off, y_off, g_off), (used_on, y_on, g_on) = _mixer_with_and_without(
+        monkeypatch, "KERNEL_GATED_NORM", "rmsnorm_fwd"
+    )
     assert (used_off, used_on) == (False, True)
-    assert _rel(v_on, v_off) <= 1e-5
+    assert _rel(y_on, y_off) <= 1e-5
     for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_off), strict=True):
         assert _rel(a, b) <= 1e-4
     assert mamba2.gated_norm_kernel_fits(32, 128) and not mamba2.gated_norm_kernel_fits(32, 96)
     assert not mamba2.gated_norm_kernel_fits(30, 128)  # rows not in whole blocks
+
+
+def _conv_inputs(dtype=jnp.bfloat16, b=2, length=64, ch=256):
+    k = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(k[0], (b, length, ch)).astype(dtype)
+    w, bias = 0.5 * jax.random.normal(k[1], (4, ch)), 0.1 * jax.random.normal(k[2], (ch,))
+    return x, w, bias, jax.random.normal(k[3], (b, length, ch))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_conv_silu_bwd_matches_reference(dtype):
+    """The convolution's one-pass backward against autodiff of the mixer's formula, over two sequences of two
+    row tiles and two channel tiles each (the tiles' halos and the sequence edges); the forward is that
+    formula, the same bytes."""
+    from detjax.pallas_kernels.conv.ops import conv_silu
+    from detjax.pallas_kernels.conv.reference import conv_silu_ref
+
+    x, w, bias, g = _conv_inputs(dtype)
+    y, pull = jax.vjp(conv_silu, x, w, bias)
+    y_ref, pull_ref = jax.vjp(conv_silu_ref, x, w, bias)
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint32), np.asarray(y_ref).view(np.uint32))
+    (dx, dw, db), (rx, rw, rb) = pull(g), pull_ref(g)
+    assert dx.dtype == x.dtype and _rel(dx, rx) <= (1e-2 if dtype == jnp.bfloat16 else TOL_GRAD)
+    assert _rel(dw, rw) <= TOL_GRAD and _rel(db, rb) <= TOL_GRAD
+
+
+def test_conv_silu_bwd_replays_bit_exact():
+    from detjax.pallas_kernels.conv.ops import conv_silu
+
+    x, w, bias, g = _conv_inputs()
+    fn = jax.jit(lambda x, w, b: jax.vjp(conv_silu, x, w, b)[1](g))
+    assert_replays_bit_exact(fn, (x, w, bias), replays=5)
+    assert_replays_bit_exact(fn, (x, w, bias), replays=3, contention=matmul_contention(256, 5))
+
+
+def test_mamba2_conv_takes_the_kernel_only_when_switched_on(monkeypatch):
+    """model.mamba2.KERNEL_CONV puts the Pallas backward into the mixer's convolutions where it takes the width
+    (here the inner width 128, not the B/C width 32). The forward is the same formula, but XLA fuses it
+    differently behind the custom_vjp (on the CPU some of the mixer's outputs move by one ulp), so the output
+    and the gradients agree with XLA's autodiff to rounding."""
+    (used_off, y_off, g_off), (used_on, y_on, g_on) = _mixer_with_and_without(
+        monkeypatch, "KERNEL_CONV", "conv_silu_bwd"
+    )
+    assert (used_off, used_on) == (False, True)
+    assert _rel(y_on, y_off) <= TOL_FWD
+    for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_off), strict=True):
+        assert _rel(a, b) <= 1e-4
 
 
 def _attn_inputs(seed=0, b=2, length=48, h=4, kv=2, d=16):

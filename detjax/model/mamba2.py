@@ -11,6 +11,8 @@ from flax import linen as nn
 from detjax.config import MambaConfig
 from detjax.model.fp8 import scale_var
 from detjax.model.layers import chunk_products, normal_init, param, proj, proj_many
+from detjax.pallas_kernels.conv.kernel import usable as conv_kernel_usable
+from detjax.pallas_kernels.conv.ops import conv_silu as conv_silu_kernel
 from detjax.pallas_kernels.rmsnorm import WIDEST
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
@@ -27,6 +29,25 @@ from detjax.sharding.tensor import TensorSplit
 # dtype straight from the kernel. Off: not yet timed on a GPU against XLA's reductions (in a step:
 # `scripts/det_tax.py --modes strict-kernels,strict-kernels+set=detjax.model.mamba2.KERNEL_GATED_NORM=True`).
 KERNEL_GATED_NORM = False
+
+
+# Whether the causal convolutions' and their SiLUs' backward (one device, no canonical tensor chunks) runs the
+# one-pass Pallas kernel (pallas_kernels/conv) under model.kernels=pallas where it takes the shape; the forward
+# stays this file's formula (which XLA may fuse differently behind the custom_vjp). Off: not yet timed on a
+# GPU against XLA's autodiff (in a step:
+# `scripts/det_tax.py --modes strict-kernels,strict-kernels+set=detjax.model.mamba2.KERNEL_CONV=True`).
+KERNEL_CONV = False
+
+
+def conv_silu(x_BL_: jax.Array, w_W_: jax.Array, b_: jax.Array, kernels: str) -> jax.Array:
+    """silu(causal_conv(x, w, b)) in float32, channels (...) flattened for the Pallas backward where
+    KERNEL_CONV and kernels=pallas and it takes the shape (pallas_kernels.conv.kernel.usable)."""
+    b, length = x_BL_.shape[:2]
+    ch = b_.size
+    if KERNEL_CONV and kernels == "pallas" and conv_kernel_usable(length, ch):
+        y = conv_silu_kernel(x_BL_.reshape(b, length, ch), w_W_.reshape(w_W_.shape[0], ch), b_.reshape(ch))
+        return y.reshape(x_BL_.shape)
+    return nn.silu(causal_conv(x_BL_.astype(jnp.float32), w_W_, b_))
 
 
 def gated_norm_kernel_fits(rows: int, width: int) -> bool:
@@ -158,8 +179,8 @@ class Mamba2(nn.Module):
         )
         z_BLHP = constrain(z_BLHP, lay, names, "ssm_z")
         x_BLHP = constrain(x_BLHP, lay, names)
-        x_BLHP = nn.silu(causal_conv(x_BLHP.astype(jnp.float32), w_conv_x_WHP, b_conv_x_HP))
-        bc_BLJN = nn.silu(causal_conv(bc_BLJN.astype(jnp.float32), w_conv_bc_WJN, b_conv_bc_JN))
+        x_BLHP = conv_silu(x_BLHP, w_conv_x_WHP, b_conv_x_HP, self.kernels)
+        bc_BLJN = conv_silu(bc_BLJN, w_conv_bc_WJN, b_conv_bc_JN, self.kernels)
         b_BLN, c_BLN = bc_BLJN[:, :, 0], bc_BLJN[:, :, 1]
 
         dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + dt_bias_H[None, None, :])

@@ -1,0 +1,102 @@
+"""The backward of the Mamba2 mixer's causal depthwise convolution and its SiLU in one pass, fixed order.
+
+Forward (model.mamba2.causal_conv then silu, left to XLA): per channel c and token t of a sequence,
+    conv[t] = b + sum_k w[k] x[t - W + 1 + k]   (x = 0 before the sequence),   s = silu(conv).
+Backward, from ds (the gradient of s), with dconv = ds * silu'(conv):
+    dx[t] = sum_k w[k] dconv[t + W - 1 - k],   dw[k] = sum_t x[t - W + 1 + k] dconv[t],   db = sum_t dconv[t].
+A program owns a (TILES["block_rows"] tokens x TILES["block_channels"] channels) tile of one sequence. It
+recomputes conv on the W row windows its dx needs (from x, padded with W - 1 zero rows on each side so every
+load is inside the array; the terms in the forward's order, b first, then k ascending), forms each window's
+dconv from ds (padded with W - 1 zero rows after the end: no gradient comes from past the sequence) and adds
+dx in the order k = W - 1 .. 0. Its tile's dw and db are row sums of a pinned shape, written as partials (one
+per row tile); the caller adds the partials of the batch's tiles by a fixed tree (ordered.tree_sum). No
+atomics; every output element has one writer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from detjax.pallas_kernels.backend import triton_params
+
+TILES = {"block_rows": 32, "block_channels": 128, "num_warps": 4, "num_stages": 1}
+
+
+def usable(length: int, channels: int) -> bool:
+    """Whether the kernel takes a (B, length, channels) input: whole row tiles and whole channel tiles."""
+    return length % TILES["block_rows"] == 0 and channels % TILES["block_channels"] == 0
+
+
+def _dsilu(c):
+    s = jax.nn.sigmoid(c)
+    return s * (1.0 + c * (1.0 - s))
+
+
+def _kernel(x_ref, ds_ref, w_ref, b_ref, dx_ref, dw_ref, db_ref, *, width: int, bt: int):
+    r = pl.program_id(1)
+    t0 = pl.multiple_of(r * bt, bt)
+    w = [w_ref[pl.ds(k, 1), :].astype(jnp.float32) for k in range(width)]  # (1, bc) each
+    b = b_ref[...].astype(jnp.float32)
+
+    def x_rows(o):  # x at tokens t0 + o .. t0 + o + bt - 1 (o from 1 - W to W - 1), from the padded copy
+        return x_ref[pl.ds(t0 + o + width - 1, bt), :].astype(jnp.float32)
+
+    def dconv(m):  # dconv at tokens t0 + m .. (m = 0 .. W - 1)
+        conv = b
+        for k in range(width):
+            conv = conv + x_rows(m - width + 1 + k) * w[k]
+        return ds_ref[pl.ds(t0 + m, bt), :].astype(jnp.float32) * _dsilu(conv)
+
+    d0 = dconv(0)
+    dx = w[width - 1] * d0
+    for k in range(width - 2, -1, -1):  # dx[t] = sum_k w[k] dconv[t + W - 1 - k], k = W - 1 first
+        dx = dx + w[k] * dconv(width - 1 - k)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+    for k in range(width):
+        dw_ref[pl.ds(k, 1), :] = jnp.sum(x_rows(k - width + 1) * d0, axis=0, keepdims=True)
+    db_ref[...] = jnp.sum(d0, axis=0, keepdims=True)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def conv_silu_bwd(x_BLC, w_WC, b_C, ds_BLC, *, interpret: bool):
+    """(dx (B, L, C) in x's dtype, dw partials (B, L / block_rows, W, C), db partials (B, L / block_rows, 1, C)),
+    float32 partials, of silu(causal_conv(x, w, b)) given the gradient ds of its output."""
+    bsz, length, ch = x_BLC.shape
+    width = w_WC.shape[0]
+    bt, bc = TILES["block_rows"], TILES["block_channels"]
+    if not usable(length, ch):
+        raise ValueError(
+            f"conv_silu_bwd takes tokens in blocks of {bt} and channels in blocks of {bc}; got {x_BLC.shape}"
+        )
+    pad = width - 1
+    xp = jnp.pad(x_BLC, ((0, 0), (pad, pad), (0, 0)))
+    dsp = jnp.pad(ds_BLC.astype(jnp.float32), ((0, 0), (0, pad), (0, 0)))
+    nt = length // bt
+    dx, dw, db = pl.pallas_call(
+        functools.partial(_kernel, width=width, bt=bt),
+        grid=(bsz, nt, ch // bc),
+        in_specs=[
+            pl.BlockSpec((None, length + 2 * pad, bc), lambda i, r, c: (i, 0, c)),
+            pl.BlockSpec((None, length + pad, bc), lambda i, r, c: (i, 0, c)),
+            pl.BlockSpec((width, bc), lambda i, r, c: (0, c)),
+            pl.BlockSpec((1, bc), lambda i, r, c: (0, c)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, bt, bc), lambda i, r, c: (i, r, c)),
+            pl.BlockSpec((None, None, width, bc), lambda i, r, c: (i, r, 0, c)),
+            pl.BlockSpec((None, None, 1, bc), lambda i, r, c: (i, r, 0, c)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(x_BLC.shape, x_BLC.dtype),
+            jax.ShapeDtypeStruct((bsz, nt, width, ch), jnp.float32),
+            jax.ShapeDtypeStruct((bsz, nt, 1, ch), jnp.float32),
+        ],
+        name="conv_silu_bwd",
+        interpret=interpret,
+        compiler_params=triton_params(TILES["num_warps"], TILES["num_stages"], interpret),
+    )(xp, dsp, w_WC, b_C.reshape(1, ch))
+    return dx, dw, db
