@@ -30,6 +30,9 @@ another tree (DIR/scripts/det_tax.py with DIR's detjax, e.g. an older commit's `
 steps are paired in one call: `--modes strict-kernels,strict-kernels+src=old`. Workers never inherit the
 caller's XLA_FLAGS.
 The trailing key=value arguments apply to every mode; run.fingerprints is on unless they say otherwise.
+`--overlap` compiles the round's strict-kernels and canonical modes side by side (their XLA autotuning is off,
+so compiling times nothing on the GPU) and runs their steps one at a time after the round's other modes, each
+of which compiles and runs alone (run_gated, bench_gate): one compilation a round instead of one a mode.
 Rounds alternate the modes (fastest, strict, ..., fastest, strict, ...) so drift hits all alike. Reported:
 each round's last-step params digest and fp8 collections digest (equal digests across rounds, or across two
 commits' runs, mean the same trajectory bit for bit), the median steady-state step time per mode (warm-up
@@ -50,6 +53,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -160,6 +164,43 @@ def bench_gate(poll_s: float = 0.05) -> bool:
     return True
 
 
+def run_gated(
+    commands: list[tuple[list[str], dict[str, str]]], poll_s: float = 0.05
+) -> list[subprocess.CompletedProcess]:
+    """Start every (command, environment) at once, each told its gate (det_tax.bench_gate): they compile side
+    by side; once every one is at its gate or has exited, let them through one at a time in the given order,
+    each after the one before has exited. So no worker's steps share the machine with another worker's
+    compilation or steps. Returns each command's completed process (stdout and stderr as text)."""
+    with tempfile.TemporaryDirectory(prefix="detjax-gate-") as gate:
+        procs = []
+        for i, (cmd, env) in enumerate(commands):
+            out, err = open(Path(gate, f"out.{i}"), "w+"), open(Path(gate, f"err.{i}"), "w+")
+            env = {**env, GATE_ENV: gate, GATE_ID_ENV: str(i)}
+            procs.append((subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env), out, err))
+        ready = [Path(gate, f"ready.{i}") for i in range(len(procs))]
+        while not all(r.exists() or p.poll() is not None for r, (p, _, _) in zip(ready, procs, strict=True)):
+            time.sleep(poll_s)
+        done = []
+        for i, (p, out, err) in enumerate(procs):
+            Path(gate, f"go.{i}").touch()
+            p.wait()
+            out.seek(0), err.seek(0)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
+            out.close(), err.close()
+        return done
+
+
+# modes whose XLA autotuning is off (strategy=kernels): their compilation does not time anything on the GPU, so
+# several can compile side by side (--overlap); the others compile and run alone
+GATED = ("strict-kernels", "canonical")
+
+
+def gated_modes(modes: list[str]) -> list[str]:
+    """The modes --overlap compiles side by side: strategy=kernels modes of this tree (a `src=` worker's det_tax
+    may not know the gate, and would run its steps while the others compile)."""
+    return [m for m in modes if m.split("+")[0] in GATED and not any(x.startswith("src=") for x in m.split("+")[1:])]
+
+
 def error_line(out: subprocess.CompletedProcess) -> str:
     """The line that names a failed worker's error (the last `...Error: ...` line, else the last line)."""
     lines = (out.stderr.strip() or out.stdout.strip() or "no output").splitlines()
@@ -227,6 +268,13 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--modes", default="fastest,strict,strict-kernels")
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="compile the strategy=kernels modes (strict-kernels, canonical; not src= ones) side by side, then run "
+        "their steps one at a time, after the other modes of the round, which run alone; every worker allocates "
+        "GPU memory as it goes (XLA_PYTHON_CLIENT_PREALLOCATE=false)",
+    )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
@@ -253,34 +301,43 @@ def main() -> int:
         )
     results: dict[str, list[dict]] = {m: [] for m in modes}
     failed: dict[str, str] = {}  # a mode that fails is reported and dropped; the others still run
+
+    def command(mode):
+        environ = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false") if a.overlap else dict(os.environ)
+        return worker_command(mode, a.config, a.steps, a.warmup, a.overrides, environ)
+
+    def record(r, mode, out):
+        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        if out.returncode or not line:
+            print(out.stdout[-3000:], out.stderr[-3000:], file=sys.stderr)
+            failed[mode] = error_line(out)
+            print(f"round {r} {mode:7s} FAILED (exit {out.returncode}): {failed[mode]}", flush=True)
+            return
+        res = json.loads(line[0][7:])
+        results[mode].append(res)
+        gpu = res.get("gpu")
+        clocks = (
+            f"; SM {gpu['sm_clock_mhz']:.0f} MHz, {gpu['power_w']:.0f} W, max {gpu['temp_c_max']:.0f} C" if gpu else ""
+        )
+        compiled = f"compiled before the gate in {res['compile_s']:.1f} s, " if "compile_s" in res else ""
+        print(
+            f"round {r} {mode:7s} median {res['median_ms']:.2f} ms  (min {res['min_ms']:.2f}, "
+            f"max {res['max_ms']:.2f}; pipelined {res['pipelined_ms']:.2f} ms; "
+            f"dispatch {res['dispatch_ms']:.2f} ms; "
+            f"{compiled}first step {res['first_step_s']:.1f} s{clocks}; "
+            f"digests {' '.join(f'{k}={v}' for k, v in res.get('digests', {}).items())})",
+            flush=True,
+        )
+
+    together = gated_modes(modes) if a.overlap else []
     for r in range(a.rounds):
         for mode in modes:
-            if mode in failed:
-                continue
-            cmd, env = worker_command(mode, a.config, a.steps, a.warmup, a.overrides, dict(os.environ))
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-            if out.returncode or not line:
-                print(out.stdout[-3000:], out.stderr[-3000:], file=sys.stderr)
-                failed[mode] = error_line(out)
-                print(f"round {r} {mode:7s} FAILED (exit {out.returncode}): {failed[mode]}", flush=True)
-                continue
-            res = json.loads(line[0][7:])
-            results[mode].append(res)
-            gpu = res.get("gpu")
-            clocks = (
-                f"; SM {gpu['sm_clock_mhz']:.0f} MHz, {gpu['power_w']:.0f} W, max {gpu['temp_c_max']:.0f} C"
-                if gpu
-                else ""
-            )
-            print(
-                f"round {r} {mode:7s} median {res['median_ms']:.2f} ms  (min {res['min_ms']:.2f}, "
-                f"max {res['max_ms']:.2f}; pipelined {res['pipelined_ms']:.2f} ms; "
-                f"dispatch {res['dispatch_ms']:.2f} ms; "
-                f"first step {res['first_step_s']:.1f} s{clocks}; "
-                f"digests {' '.join(f'{k}={v}' for k, v in res.get('digests', {}).items())})",
-                flush=True,
-            )
+            if mode not in failed and mode not in together:
+                cmd, env = command(mode)
+                record(r, mode, subprocess.run(cmd, capture_output=True, text=True, env=env))
+        live = [m for m in together if m not in failed]  # compiled side by side, then timed one at a time
+        for mode, out in zip(live, run_gated([command(m) for m in live]), strict=True):
+            record(r, mode, out)
     ran = [m for m in modes if m not in failed]
     if not ran:
         print("error: every mode failed", file=sys.stderr)

@@ -18,7 +18,8 @@ strict-kernels processes' last-step params digests equal). A cell whose mode fai
 the error.
 A worker builds its data, compiles and times its steps; compilation takes most of it (at 8 blocks on an H100,
 2026-12-06: 20-60 s a dense worker, about 55 s a hybrid one). `--overlap` compiles a cell's two strict-kernels
-workers side by side and then runs their steps one at a time (run_gated), which saves one compilation a cell.
+workers side by side and then runs their steps one at a time (det_tax.run_gated), which saves one compilation
+a cell.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -145,36 +145,10 @@ def run_worker(
     return worker_result(out)
 
 
-def run_gated(
-    commands: list[tuple[list[str], dict[str, str]]], poll_s: float = 0.05
-) -> list[subprocess.CompletedProcess]:
-    """Start every (command, environment) at once, each told its gate (det_tax.bench_gate): they compile side
-    by side; once every one is at its gate or has exited, let them through one at a time in the given order,
-    each after the one before has exited. So no worker's steps share the machine with another worker's
-    compilation or steps. Returns each command's completed process (stdout and stderr as text)."""
-    from det_tax import GATE_ENV, GATE_ID_ENV
-
-    with tempfile.TemporaryDirectory(prefix="detjax-gate-") as gate:
-        procs = []
-        for i, (cmd, env) in enumerate(commands):
-            out, err = open(Path(gate, f"out.{i}"), "w+"), open(Path(gate, f"err.{i}"), "w+")
-            env = {**env, GATE_ENV: gate, GATE_ID_ENV: str(i)}
-            procs.append((subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env), out, err))
-        ready = [Path(gate, f"ready.{i}") for i in range(len(procs))]
-        while not all(r.exists() or p.poll() is not None for r, (p, _, _) in zip(ready, procs, strict=True)):
-            time.sleep(poll_s)
-        done = []
-        for i, (p, out, err) in enumerate(procs):
-            Path(gate, f"go.{i}").touch()
-            p.wait()
-            out.seek(0), err.seek(0)
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
-            out.close(), err.close()
-        return done
-
-
 def run_strict_gated(n: int, overrides: list[str], steps: int, warmup: int, caller_platforms: str | None) -> list[dict]:
     """n strict-kernels workers of one cell through run_gated: compiled side by side, timed one at a time."""
+    from det_tax import run_gated
+
     env = worker_env(dict(os.environ), caller_platforms, overlap=True)
     t0 = time.perf_counter()
     outs = run_gated([(worker_cmd("strict-kernels", overrides, steps, warmup), env) for _ in range(n)])

@@ -238,21 +238,22 @@ print(json.dumps(dict(waited=waited, ready=ready, start=start, end=time.time()))
 """
 
 
-def test_shape_matrix_overlap_compiles_side_by_side_and_steps_one_at_a_time():
-    """run_gated (shape_matrix --overlap): each worker's steps start only after every worker has compiled
-    (is at its gate) and after the worker before it has exited, so no steps share the machine with another
-    worker's compilation or steps; a worker that dies before its gate holds nobody up. The control starts
-    the same children without a gate: the fast one's steps then run during the slow one's compilation."""
+def test_overlap_compiles_side_by_side_and_steps_one_at_a_time():
+    """det_tax.run_gated (det_tax and shape_matrix --overlap): each worker's steps start only after every worker
+    has compiled (is at its gate) and after the worker before it has exited, so no steps share the machine with
+    another worker's compilation or steps; a worker that dies before its gate holds nobody up. The control starts
+    the same children without a gate: the fast one's steps then run during the slow one's compilation. det_tax
+    gates only its strategy=kernels modes of this tree (autotuned modes compile alone)."""
     import json
     import os
     import subprocess
 
-    import shape_matrix
+    import det_tax
 
     scripts = str(Path(__file__).resolve().parents[1] / "scripts")
     env = {**os.environ, "PYTHONPATH": scripts}
     cmds = [[sys.executable, "-c", GATED_CHILD, c, x] for c, x in (("0.0", "0"), ("1.0", "0"), ("0.2", "3"))]
-    outs = shape_matrix.run_gated([(cmd, env) for cmd in cmds], poll_s=0.01)
+    outs = det_tax.run_gated([(cmd, env) for cmd in cmds], poll_s=0.01)
     assert [o.returncode for o in outs] == [0, 0, 3], [o.stderr[-500:] for o in outs]
     runs = [json.loads(o.stdout) for o in outs[:2]]
     assert all(r["waited"] for r in runs)
@@ -263,6 +264,10 @@ def test_shape_matrix_overlap_compiles_side_by_side_and_steps_one_at_a_time():
     free = [json.loads(p.communicate()[0]) for p in procs]
     assert not any(r["waited"] for r in free)
     assert free[0]["start"] < free[1]["ready"]  # the control: steps during the other's compilation
+
+    # det_tax --overlap gates the strategy=kernels modes of this tree only: the autotuned ones compile alone
+    modes = ["fastest", "strict-kernels", "canonical+determinism.canonical_leaf=1", "strict-kernels+src=old", "off"]
+    assert det_tax.gated_modes(modes) == ["strict-kernels", "canonical+determinism.canonical_leaf=1"]
 
 
 def _two_stages(x, z):
