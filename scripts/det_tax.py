@@ -96,8 +96,7 @@ def split_mode(mode: str) -> tuple[str, list[str], list[str]]:
 def module_settings(mode: str) -> list[tuple[str, str, object]]:
     """A mode's `set=MODULE.NAME=VALUE` items as (module, name, value): a detjax module constant the worker sets
     before it builds the step, e.g. `strict-kernels+set=detjax.model.ce.KERNEL_FWD=True` (a kernel switch
-    timed against the default in one call). VALUE is a Python literal. A name the module does not have is an
-    error, so a typo cannot time the default twice."""
+    timed against the default in one call). VALUE is a Python literal."""
     import ast
 
     out = []
@@ -113,6 +112,8 @@ def module_settings(mode: str) -> list[tuple[str, str, object]]:
 
 
 def apply_module_settings(mode: str) -> None:
+    """Set the mode's set= constants; a name the module does not have is an error, so a typo cannot time the
+    default twice."""
     import importlib
 
     for module, name, value in module_settings(mode):
@@ -149,10 +150,10 @@ GATE_ENV, GATE_ID_ENV = "DETJAX_BENCH_GATE", "DETJAX_BENCH_GATE_ID"
 
 
 def bench_gate(poll_s: float = 0.05) -> bool:
-    """Where a worker started by shape_matrix --overlap waits once it has compiled and before it runs a step:
-    it writes DIR/ready.ID and waits for DIR/go.ID (DIR, ID: the environment's DETJAX_BENCH_GATE and
-    DETJAX_BENCH_GATE_ID), which the parent writes when every worker of the cell is ready and the one before
-    it has exited. So workers compile side by side but run their steps one at a time. Returns whether it
+    """Where a worker started by run_gated (det_tax or shape_matrix --overlap) waits once it has compiled and
+    before it runs a step: it writes DIR/ready.ID and waits for DIR/go.ID (DIR, ID: the environment's
+    DETJAX_BENCH_GATE and DETJAX_BENCH_GATE_ID), which the parent writes when every gated worker is ready and
+    the one before it has exited. So workers compile side by side but run their steps one at a time. Returns whether it
     waited (False without the variables)."""
     gate = os.environ.get(GATE_ENV)
     if not gate:

@@ -120,10 +120,14 @@ def worker_env(environ: dict[str, str], caller_platforms: str | None, overlap: b
     return env
 
 
-def worker_cmd(mode: str, overrides: list[str], steps: int, warmup: int) -> list[str]:
-    det_tax = str(Path(__file__).with_name("det_tax.py"))
-    cmd = [sys.executable, det_tax, "--config", "configs/gpu_dense.yaml", "--steps", str(steps)]
-    return cmd + ["--warmup", str(warmup), "--worker", mode, *overrides]
+def worker_cmd(
+    mode: str, overrides: list[str], steps: int, warmup: int, caller_platforms: str | None, overlap: bool = False
+) -> tuple[list[str], dict[str, str]]:
+    """A cell's worker of `mode`: det_tax.worker_command on configs/gpu_dense.yaml, in worker_env."""
+    from det_tax import worker_command  # scripts/ is on sys.path when this file runs as a script
+
+    env = worker_env(dict(os.environ), caller_platforms, overlap)
+    return worker_command(mode, "configs/gpu_dense.yaml", steps, warmup, overrides, env)
 
 
 def worker_result(out: subprocess.CompletedProcess) -> dict:
@@ -138,9 +142,9 @@ def worker_result(out: subprocess.CompletedProcess) -> dict:
 def run_worker(
     mode: str, overrides: list[str], steps: int, warmup: int, caller_platforms: str | None, overlap: bool = False
 ) -> dict:
-    env = worker_env(dict(os.environ), caller_platforms, overlap)
+    cmd, env = worker_cmd(mode, overrides, steps, warmup, caller_platforms, overlap)
     t0 = time.perf_counter()
-    out = subprocess.run(worker_cmd(mode, overrides, steps, warmup), capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     print(f"  {mode}: worker done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return worker_result(out)
 
@@ -149,9 +153,8 @@ def run_strict_gated(n: int, overrides: list[str], steps: int, warmup: int, call
     """n strict-kernels workers of one cell through run_gated: compiled side by side, timed one at a time."""
     from det_tax import run_gated
 
-    env = worker_env(dict(os.environ), caller_platforms, overlap=True)
     t0 = time.perf_counter()
-    outs = run_gated([(worker_cmd("strict-kernels", overrides, steps, warmup), env) for _ in range(n)])
+    outs = run_gated([worker_cmd("strict-kernels", overrides, steps, warmup, caller_platforms, True)] * n)
     print(f"  strict-kernels x {n}: workers done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return [worker_result(out) for out in outs]
 

@@ -245,7 +245,6 @@ def test_overlap_compiles_side_by_side_and_steps_one_at_a_time():
     the same children without a gate: the fast one's steps then run during the slow one's compilation. det_tax
     gates only its strategy=kernels modes of this tree (autotuned modes compile alone)."""
     import json
-    import os
     import subprocess
 
     import det_tax

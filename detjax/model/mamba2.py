@@ -13,7 +13,7 @@ from detjax.model.fp8 import scale_var
 from detjax.model.layers import chunk_products, normal_init, param, proj, proj_many
 from detjax.pallas_kernels.conv.kernel import usable as conv_kernel_usable
 from detjax.pallas_kernels.conv.ops import conv_silu as conv_silu_kernel
-from detjax.pallas_kernels.rmsnorm import WIDEST
+from detjax.pallas_kernels.rmsnorm import takes_width
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
 from detjax.pallas_kernels.ssd.ops import ssd
@@ -51,10 +51,9 @@ def conv_silu(x_BL_: jax.Array, w_W_: jax.Array, b_: jax.Array, kernels: str) ->
 
 
 def gated_norm_kernel_fits(rows: int, width: int) -> bool:
-    """Whether the Pallas RMSNorm takes the gated norm: its widths (a power of two >= 32 or a multiple of 128,
-    at most WIDEST) and whole row blocks (rmsnorm.kernel.fits)."""
-    pow2 = width >= 32 and width & (width - 1) == 0
-    return (pow2 or width % 128 == 0) and width <= WIDEST and rmsnorm_fits(rows)
+    """Whether the Pallas RMSNorm takes the gated norm: its widths (rmsnorm.takes_width) and whole row blocks
+    (rmsnorm.kernel.fits)."""
+    return takes_width(width) and rmsnorm_fits(rows)
 
 
 def causal_conv(x_BL_: jax.Array, w_W_: jax.Array, b_: jax.Array, pinned: bool = False) -> jax.Array:

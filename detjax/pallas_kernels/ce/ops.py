@@ -3,6 +3,8 @@ takes the shape (kernel.usable), else None (the caller keeps XLA's formula)."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 
 from detjax.pallas_kernels.backend import interpret_mode
@@ -12,9 +14,7 @@ from detjax.pallas_kernels.ce.kernel import ce_fwd, usable
 def token_ce_fwd(logits_BLV: jax.Array, targets_BL: jax.Array) -> tuple[jax.Array, jax.Array] | None:
     """(ce, lse) (B, L) float32 of logits (B, L, V) in any float dtype, or None where the kernel does not fit."""
     *lead, v = logits_BLV.shape
-    rows = 1
-    for n in lead:
-        rows *= n
+    rows = math.prod(lead)
     if not usable(rows, v):
         return None
     ce, lse = ce_fwd(logits_BLV.reshape(rows, v), targets_BL.reshape(rows), interpret=interpret_mode())
