@@ -342,6 +342,7 @@ def test_token_ce_of_takes_the_kernel_only_when_switched_on_and_where_it_fits(mo
         fn = jax.jit(jax.value_and_grad(loss))
         return "ce_fwd" in str(fn.trace(x).jaxpr), fn(x)
 
+    monkeypatch.setattr(ce_mod, "KERNEL_FWD", False)
     used_off, (v_off, g_off) = run(x3, t3)
     monkeypatch.setattr(ce_mod, "KERNEL_FWD", True)
     used_on, (v_on, g_on) = run(x3, t3)
@@ -372,6 +373,7 @@ def _mixer_with_and_without(monkeypatch, switch: str, kernel: str):
         fn = jax.jit(with_grads)
         return kernel in str(fn.trace(params, x).jaxpr), *fn(params, x)
 
+    monkeypatch.setattr(mamba2, switch, False)
     off = run()
     monkeypatch.setattr(mamba2, switch, True)
     return off, run()

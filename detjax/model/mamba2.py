@@ -26,16 +26,15 @@ from detjax.sharding.tensor import TensorSplit
 
 # Whether the gated RMSNorm over the inner width (the mixer's last step before its out-projection; one device,
 # no canonical tensor chunks) runs the Pallas RMSNorm kernel under model.kernels=pallas, writing the compute
-# dtype straight from the kernel. Off: not yet timed on a GPU against XLA's reductions (in a step:
-# `scripts/det_tax.py --modes strict-kernels,strict-kernels+set=detjax.model.mamba2.KERNEL_GATED_NORM=True`).
-KERNEL_GATED_NORM = False
+# dtype straight from the kernel. On: a gpu_medium step 0.5 % faster with it than with XLA's reductions on an
+# H100 (docs/BENCHMARKS.md, "Kernel switches in the gpu_medium step").
+KERNEL_GATED_NORM = True
 
 
 # Whether the causal convolutions' and their SiLUs' backward (one device, no canonical tensor chunks) runs the
 # one-pass Pallas kernel (pallas_kernels/conv) under model.kernels=pallas where it takes the shape; the forward
-# stays this file's formula (which XLA may fuse differently behind the custom_vjp). Off: not yet timed on a
-# GPU against XLA's autodiff (in a step:
-# `scripts/det_tax.py --modes strict-kernels,strict-kernels+set=detjax.model.mamba2.KERNEL_CONV=True`).
+# stays this file's formula (which XLA may fuse differently behind the custom_vjp). Off: slower than XLA's
+# autodiff, 0.403 against 0.342 ms at gpu_medium's shape on an H100 (`scripts/kernel_bench.py --kernels conv`).
 KERNEL_CONV = False
 
 
