@@ -333,3 +333,35 @@ def test_gemm_bench_takes_a_dense_configs_projections():
     assert odd[0][2] == 1280  # q 1024 + k 64 + v 64 = 1152 columns, padded to a multiple of 256
     with pytest.raises(SystemExit, match="dense patterns only"):
         gemm_bench.config_shapes(str(root / "configs/gpu_medium.yaml"), [])
+
+
+def test_attention_bench_yardstick_by_kv_head_groups_is_the_whole_call():
+    """attention_bench's float32 yardstick runs over groups of kv heads (each with its query heads) where the
+    whole call's scores would not fit; the groups are independent, so the result is the whole call's. Control:
+    a budget that takes every head at once makes one call, and a small one several."""
+    import attention_bench
+
+    from detjax.pallas_kernels.flash_attention.reference import attention_reference
+
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (1, 32, 8, 16))
+    k, v = jax.random.normal(ks[1], (1, 32, 4, 16)), jax.random.normal(ks[2], (1, 32, 4, 16))
+    g = jax.random.normal(ks[3], q.shape)
+    calls = []
+
+    def ref(q, k, v, g):
+        calls.append(k.shape[2])
+        o, pull = jax.vjp(attention_reference, q, k, v)
+        return o, pull(g)
+
+    whole = ref(q, k, v, g)
+    per_kv = 2 * 32 * 32 * 4  # bytes of one kv head's float32 scores (2 query heads each)
+    calls.clear()
+    grouped = attention_bench.by_kv_heads(ref, q, k, v, g, budget_bytes=2 * per_kv)
+    assert calls == [2, 2]
+    for a, b in zip(jax.tree.leaves(grouped), jax.tree.leaves(whole), strict=True):
+        assert a.shape == b.shape
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * float(jnp.max(jnp.abs(b)))
+    calls.clear()
+    attention_bench.by_kv_heads(ref, q, k, v, g, budget_bytes=4 * per_kv)
+    assert calls == [4]
