@@ -1,4 +1,5 @@
-"""Offline tile sweep of the flash-attention, RMSNorm, SSD, MoE gmm, fp8 quantization and RoPE-backward kernels.
+"""Offline tile sweep of the flash-attention, RMSNorm, SSD, MoE gmm, cross-entropy, Mamba2 conv, fp8
+quantization and RoPE-backward kernels.
 
     python3 scripts/tile_sweep.py                       # every kernel
     python3 scripts/tile_sweep.py --kernels flash,rmsnorm --reps 20
@@ -7,6 +8,7 @@
     python3 scripts/tile_sweep.py --kernels rope        # RoPE's backward, bf16 and fp8 variants (gpu_dense)
     python3 scripts/tile_sweep.py --kernels norm-stream # RMSNorm's backward adding the stream's cotangent vs XLA
     python3 scripts/tile_sweep.py --kernels ssd --old-src OLD_TREE  # the SSD scan vs an older tree's, with digests
+    python3 scripts/tile_sweep.py --kernels ce,conv     # the cross-entropy forward, the Mamba2 conv backward
 
 For each candidate tile set the kernel's TILES entry is replaced, every jit cache is cleared, and the kernel
 (forward, and backward where it has one) is timed: one jitted call runs it on SETS different input sets, the
@@ -88,6 +90,11 @@ GMM = [
     {"block_m": 64, "block_k": 128, "block_n": 256, "num_warps": 8, "num_stages": 3},
     {"block_m": 128, "block_k": 64, "block_n": 256, "num_warps": 8, "num_stages": 3},
     {"block_m": 32, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3},
+    # the pinned tiles with 8 warps for both, for tgmm alone, for gmm alone: both spill registers at 4
+    # (scripts/triton_regs.py); a candidate without tgmm_num_warps runs tgmm with its num_warps
+    {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3, "tgmm_num_warps": 8},
+    {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "tgmm_num_warps": 4},
 ]
 
 SWIGLU_FWD = [
@@ -345,6 +352,7 @@ def sweep_ssd(reps: int, old_src: str | None, pinned_only: bool = False) -> None
     cands = [pinned]
     if not pinned_only:
         cands += [{**pinned, "num_warps": w} for w in SSD_WARPS if w != pinned["num_warps"]]
+        cands += [{**pinned, "bwd_num_warps": w} for w in SSD_WARPS if w not in (2, pinned["bwd_num_warps"])]
         cands += [{**pinned, "pass_rows": r} for r in SSD_PASS_ROWS if r != pinned.get("pass_rows")]
     _sweep("ssd", sk.TILES, None, cands, cases, reps)
     out = jax.jit(both)(*(t[0] for t in cases[1][2]))
@@ -374,7 +382,52 @@ def sweep_gmm(reps: int) -> None:
     def wgrad(x, dy, gs):
         return gk.tgmm(x, dy, gs, out_dtype=jnp.float32, interpret=False)
 
-    _sweep("gmm", gk.TILES, None, GMM, [("gmm", fwd, (x, w, gs)), ("tgmm", wgrad, (x, dy, gs))], reps)
+    cands = [{"tgmm_num_warps": c["num_warps"], **c} for c in GMM]
+    _sweep("gmm", gk.TILES, None, cands, [("gmm", fwd, (x, w, gs)), ("tgmm", wgrad, (x, dy, gs))], reps)
+
+
+CE = [
+    {"block_rows": 16, "block_vocab": 1024, "num_warps": 4, "num_stages": 2},
+    {"block_rows": 16, "block_vocab": 1024, "num_warps": 8, "num_stages": 2},
+    {"block_rows": 32, "block_vocab": 1024, "num_warps": 8, "num_stages": 2},
+    {"block_rows": 16, "block_vocab": 2048, "num_warps": 8, "num_stages": 2},
+    {"block_rows": 8, "block_vocab": 1024, "num_warps": 4, "num_stages": 2},
+]
+CONV = [
+    {"block_rows": 32, "block_channels": 128, "num_warps": 4, "num_stages": 1},
+    {"block_rows": 32, "block_channels": 128, "num_warps": 8, "num_stages": 1},
+    {"block_rows": 64, "block_channels": 128, "num_warps": 8, "num_stages": 1},
+    {"block_rows": 32, "block_channels": 256, "num_warps": 8, "num_stages": 1},
+    {"block_rows": 16, "block_channels": 128, "num_warps": 4, "num_stages": 1},
+]
+
+
+def sweep_ce(reps: int) -> None:
+    """The one-pass cross-entropy forward at gpu_medium's head (8192 tokens x 32768, bf16 logits); the rows'
+    block and the warps change time, the vocabulary block the bits (the bytes column says)."""
+    from detjax.pallas_kernels.ce import kernel as ck
+
+    ks = jax.random.split(jax.random.key(13), 2)
+    x = _stack(ks[0], (8192, 32768), jnp.bfloat16, 4.0)
+    t = [jax.random.randint(k, (8192,), 0, 32768) for k in jax.random.split(ks[1], SETS)]
+    _sweep("ce", ck.TILES, None, CE, [("ce_fwd", lambda x, t: ck.ce_fwd(x, t, interpret=False), (x, t))], reps)
+
+
+def sweep_conv(reps: int) -> None:
+    """The Mamba2 convolution + SiLU forward and backward at gpu_medium's mixer (4 x 2048 tokens, 2048
+    channels, width 4), the backward on the Pallas kernel."""
+    from detjax.pallas_kernels.conv import kernel as vk
+    from detjax.pallas_kernels.conv.ops import conv_silu
+
+    ks = jax.random.split(jax.random.key(15), 4)
+    x = _stack(ks[0], (4, 2048, 2048), jnp.bfloat16)
+    w, b = _stack(ks[1], (4, 2048), jnp.float32, 0.5), _stack(ks[2], (2048,), jnp.float32, 0.1)
+    g = _stack(ks[3], (4, 2048, 2048), jnp.float32)
+
+    def fwd_bwd(x, w, b, g):
+        return jax.vjp(conv_silu, x, w, b)[1](g)
+
+    _sweep("conv", vk.TILES, None, CONV, [("conv fwd+bwd", fwd_bwd, (x, w, b, g))], reps)
 
 
 def sweep_quantize(reps: int) -> None:
@@ -503,6 +556,10 @@ def main() -> int:
         sweep_ssd(a.reps, a.old_src, a.ssd_pinned_only)
     if "gmm" in which:
         sweep_gmm(a.reps)
+    if "ce" in which:
+        sweep_ce(a.reps)
+    if "conv" in which:
+        sweep_conv(a.reps)
     if "quantize" in which:
         sweep_quantize(a.reps)
     if "swiglu" in which:

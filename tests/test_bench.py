@@ -365,3 +365,36 @@ def test_attention_bench_yardstick_by_kv_head_groups_is_the_whole_call():
     calls.clear()
     attention_bench.by_kv_heads(ref, q, k, v, g, budget_bytes=4 * per_kv)
     assert calls == [4]
+
+
+def test_triton_regs_lowers_the_triton_kernels_for_hopper_on_the_cpu(monkeypatch):
+    """triton_regs lowers detjax's Pallas Triton kernels for CUDA on a machine without a GPU, each with its
+    pinned num_warps (the SSD backward's its own), and restores jax's lowering and the kernels' interpreted
+    path afterwards. Control: a different pinned bwd_num_warps shows in the lowered backward alone. (The
+    registers and spills need the `triton` package, which the suite does not install.)"""
+    import triton_regs
+
+    from detjax.pallas_kernels.ssd import kernel as sk
+    from detjax.pallas_kernels.ssd import ops as ssd_ops
+
+    f32 = jnp.float32
+    x, da, bc = (jax.ShapeDtypeStruct(s, f32) for s in ((1, 128, 2, 16), (1, 128, 2), (1, 128, 16)))
+
+    def fwd_bwd(chunk):
+        def run(x, da, b, c, dy):
+            y, pull = jax.vjp(lambda *t: ssd_ops.ssd(*t, chunk), x, da, b, c)
+            return y, pull(dy)
+
+        return run
+
+    kernels = triton_regs.lowered(fwd_bwd(32), (x, da, bc, bc, x))
+    names = ["ssd_chunk_state", "ssd_state_pass", "ssd_fwd", "ssd_chunk_dstate", "ssd_dstate_pass", "ssd_bwd"]
+    assert [k[0] for k in kernels] == names
+    assert all("tt.func" in k[3] for k in kernels)
+    assert [k[1] for k in kernels] == [sk.TILES["num_warps"]] * 5 + [sk.TILES["bwd_num_warps"]]
+    assert ssd_ops.interpret_mode() is True  # restored: this CPU interprets the kernels again
+
+    monkeypatch.setitem(sk.TILES, "bwd_num_warps", 2 * sk.TILES["bwd_num_warps"])
+    again = triton_regs.lowered(fwd_bwd(16), (x, da, bc, bc, x))  # another chunk: a new trace
+    assert [k[1] for k in again] == [sk.TILES["num_warps"]] * 5 + [sk.TILES["bwd_num_warps"]]
+    assert again[-1][1] != kernels[-1][1]

@@ -12,7 +12,7 @@ reads the numbers it needs by masked sums (no scalar prefetch on the Triton back
   reduction order is therefore fixed by the group's own rows alone: it does not change when other
   groups grow or shrink, which a tiling aligned to global row positions would not guarantee.
 Tiles (pinned in TILES, no autotuning): block_m rows; K and N tiles are the largest of
-block_k / block_n, 64, 32, 16 dividing the dimension.
+block_k / block_n, 64, 32, 16 dividing the dimension; tgmm's warps are pinned apart from gmm's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 
 from detjax.pallas_kernels.backend import triton_params
 
-TILES = {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3}
+TILES = {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3, "tgmm_num_warps": 4}
 
 
 def _tile(dim: int, largest: int) -> int:
@@ -140,5 +140,5 @@ def tgmm(x_RK, dy_RN, group_sizes_E, *, out_dtype, interpret: bool):
         out_shape=jax.ShapeDtypeStruct((e, k, n), out_dtype),
         name="tgmm",
         interpret=interpret,
-        compiler_params=triton_params(TILES["num_warps"], TILES["num_stages"], interpret),
+        compiler_params=triton_params(TILES["tgmm_num_warps"], TILES["num_stages"], interpret),
     )(x, dy, ends)

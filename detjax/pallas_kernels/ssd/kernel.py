@@ -30,7 +30,9 @@ Fixed-order reductions:
   with exactly one nonzero term, so both views hold the same bits.
 dt, A and D are outside the kernel (a = A*dt and x*dt are formed by the caller), so ddt, dA and dD come
 from XLA's autodiff of elementwise products and per-head sums.
-Tiles: the chunk Q is the model's `mamba.chunk_size`; P, N and Q must be powers of two >= 16 on GPU.
+Tiles: the chunk Q is the model's `mamba.chunk_size`; P, N and Q must be powers of two >= 16 on GPU. TILES
+pins the warps (the backward's last kernel its own; other warps may give other bits on the GPU, which
+scripts/tile_sweep.py reports) and the walks' state rows a program (time only).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from detjax.pallas_kernels.backend import triton_params
 TILES = {
     "program": "one (batch row, head, chunk); the two walks one (batch row, head, block of pass_rows state rows)",
     "chunk": "model.mamba.chunk_size",
-    "num_warps": 4,
+    "num_warps": 4,  # every kernel but the backward's last
+    "bwd_num_warps": 4,  # ssd_bwd, which holds the most tiles at once
     "pass_rows": 16,  # the walks: rows of the (P, N) state per program (P / pass_rows programs per row)
 }
 
@@ -127,42 +130,33 @@ def _dstate_kernel(arow_ref, c_ref, dy_ref, inc_ref, *, q: int):
 
 def _bwd_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, ds_ref, dy_ref, dx_ref, da_ref, db_ref, dc_ref, *, q: int):
     """One (row, chunk), given S (the state entering it) and dS (the gradient of the state leaving it)."""
-    x = x_ref[...].astype(jnp.float32)
+    i, j, acs_col, decay, last = _chunk_terms(arow_ref[...].astype(jnp.float32), q)
+    w = jnp.exp(last - acs_col)
     b = b_ref[...].astype(jnp.float32)
     c = c_ref[...].astype(jnp.float32)
     dy = dy_ref[...].astype(jnp.float32)
-    s = s_ref[...]
     ds_PN = ds_ref[...]
-    i, j, acs_col, decay, last = _chunk_terms(arow_ref[...].astype(jnp.float32), q)
-    # y_diag = (CB^T o D) x
     cb = jnp.dot(c, b.T)
     dx = jnp.dot((cb * decay).T, dy)
+    dx = dx + w * jnp.dot(b, ds_PN.T)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+    s = s_ref[...]
+    dye = dy * jnp.exp(acs_col)
+    dc_off = jnp.dot(dye, s)
+    dacs_off = jnp.sum(dye * jnp.dot(c, s.T), axis=1, keepdims=True)
+    dlast_s = jnp.sum(jnp.sum(ds_PN * s, axis=1, keepdims=True), axis=0, keepdims=True)
+    x = x_ref[...].astype(jnp.float32)
     dmd = jnp.dot(dy, x.T) * decay
-    dc = jnp.dot(dmd, b)
-    db = jnp.dot(dmd.T, c)
     g = dmd * cb
     dacs = jnp.sum(g, axis=1, keepdims=True) - _row_to_col(jnp.sum(g, axis=0, keepdims=True), i, j)
-    # y_off = e^{acs} o (C S^T)
-    e = jnp.exp(acs_col)
-    dye = dy * e
-    dc = dc + jnp.dot(dye, s)
-    dacs = dacs + jnp.sum(dye * jnp.dot(c, s.T), axis=1, keepdims=True)
-    # S' = e^{last} S + x^T (w o B)
-    el = jnp.exp(last)
-    w = jnp.exp(last - acs_col)
+    dc_ref[...] = jnp.dot(dmd, b) + dc_off
     xds = jnp.dot(x, ds_PN)
-    dx = dx + w * jnp.dot(b, ds_PN.T)
-    db = db + w * xds
+    db_ref[...] = jnp.dot(dmd.T, c) + w * xds
     dww = jnp.sum(xds * b, axis=1, keepdims=True) * w
-    dlast = el * jnp.sum(jnp.sum(ds_PN * s, axis=1, keepdims=True), axis=0, keepdims=True)
-    dlast = dlast + jnp.sum(dww, axis=0, keepdims=True)
+    dacs = dacs + dacs_off
+    dlast = jnp.exp(last) * dlast_s + jnp.sum(dww, axis=0, keepdims=True)
     dacs = dacs - dww + jnp.where(_is_last(q), dlast, 0.0)
-    # acs = cumsum(a): da_j = sum over i >= j of dacs_i
-    da = jnp.sum(jnp.where(j >= i, _col_to_row(dacs, i, j), 0.0), axis=1, keepdims=True)
-    dx_ref[...] = dx.astype(dx_ref.dtype)
-    da_ref[...] = da
-    db_ref[...] = db
-    dc_ref[...] = dc
+    da_ref[...] = jnp.sum(jnp.where(j >= i, _col_to_row(dacs, i, j), 0.0), axis=1, keepdims=True)
 
 
 def _check(length: int, chunk: int, p: int, n: int) -> int:
@@ -192,7 +186,7 @@ class _Specs:
         self.row_states = pl.BlockSpec((None, nc, rows, n), lambda g, r: (g, 0, r, 0))
 
 
-def _chunk_call(kernel, grid, in_specs, out_specs, out_shape, name, interpret):
+def _chunk_call(kernel, grid, in_specs, out_specs, out_shape, name, interpret, num_warps=None):
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -201,7 +195,7 @@ def _chunk_call(kernel, grid, in_specs, out_specs, out_shape, name, interpret):
         out_shape=out_shape,
         name=name,
         interpret=interpret,
-        compiler_params=triton_params(TILES["num_warps"], 1, interpret),
+        compiler_params=triton_params(num_warps or TILES["num_warps"], 1, interpret),
     )
 
 
@@ -281,4 +275,5 @@ def ssd_bwd(x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, el_GC1N, dy_BLK, *, h: int, c
         ],
         "ssd_bwd",
         interpret,
+        TILES["bwd_num_warps"],
     )(x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, ds, dy_BLK)
