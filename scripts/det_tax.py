@@ -24,11 +24,11 @@ A mode may carry overrides of its own after "+": `strict-kernels+model.fp8.enabl
 fp8; `+noguard` drops the non-finite guard's on-device checks from the step (its cost is the difference:
 `--modes strict-kernels,strict-kernels+noguard`), `+set=MODULE.NAME=VALUE` sets a detjax module constant in
 that mode's worker (`strict-kernels+set=detjax.model.ce.KERNEL_FWD=True`: a kernel switch against the
-default), `+xla=FLAG` starts that mode's worker with an XLA
-flag (`strict-kernels+xla=--xla_gpu_graph_min_graph_size=1`), and `+src=DIR` runs that mode's worker from
-another tree (DIR/scripts/det_tax.py with DIR's detjax, e.g. an older commit's `git archive`), so two trees'
-steps are paired in one call: `--modes strict-kernels,strict-kernels+src=old`. Workers never inherit the
-caller's XLA_FLAGS.
+default; `+set=detjax.pallas_kernels.gmm.kernel.TILES[tgmm_num_warps]=8`: one entry of a dict), `+xla=FLAG`
+starts that mode's worker with an XLA flag (`strict-kernels+xla=--xla_gpu_graph_min_graph_size=1`), and
+`+src=DIR` runs that mode's worker from another tree (DIR/scripts/det_tax.py with DIR's detjax, e.g. an older
+commit's `git archive`), so two trees' steps are paired in one call: `--modes
+strict-kernels,strict-kernels+src=old`. Workers never inherit the caller's XLA_FLAGS.
 The trailing key=value arguments apply to every mode; run.fingerprints is on unless they say otherwise.
 `--overlap` compiles the round's strict-kernels and canonical modes side by side (their XLA autotuning is off,
 so compiling times nothing on the GPU) and runs their steps one at a time after the round's other modes, each
@@ -96,7 +96,9 @@ def split_mode(mode: str) -> tuple[str, list[str], list[str]]:
 def module_settings(mode: str) -> list[tuple[str, str, object]]:
     """A mode's `set=MODULE.NAME=VALUE` items as (module, name, value): a detjax module constant the worker sets
     before it builds the step, e.g. `strict-kernels+set=detjax.model.ce.KERNEL_FWD=True` (a kernel switch
-    timed against the default in one call). VALUE is a Python literal."""
+    timed against the default in one call). VALUE is a Python literal. NAME may be `DICT[KEY]`, one entry of
+    a module's dict, e.g. `set=detjax.pallas_kernels.gmm.kernel.TILES[tgmm_num_warps]=8` (a pinned tile
+    against the default)."""
     import ast
 
     out = []
@@ -118,9 +120,16 @@ def apply_module_settings(mode: str) -> None:
 
     for module, name, value in module_settings(mode):
         mod = importlib.import_module(module)
-        if not hasattr(mod, name):
-            raise ValueError(f"set={module}.{name}: {module} has no {name}")
-        setattr(mod, name, value)
+        base, _, key = name.partition("[")
+        if not hasattr(mod, base):
+            raise ValueError(f"set={module}.{name}: {module} has no {base}")
+        if not key:
+            setattr(mod, name, value)
+            continue
+        table, key = getattr(mod, base), key.removesuffix("]")
+        if not isinstance(table, dict) or key not in table:
+            raise ValueError(f"set={module}.{name}: {module}.{base} has no entry {key!r}")
+        table[key] = value
 
 
 def worker_command(

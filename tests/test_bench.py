@@ -204,6 +204,23 @@ def test_det_tax_set_items_set_a_module_constant_in_the_worker_only(monkeypatch)
         det_tax.module_settings("strict-kernels+set=KERNEL_FWD")
 
 
+def test_det_tax_set_items_set_one_entry_of_a_module_dict(monkeypatch):
+    """`+set=MODULE.DICT[KEY]=VALUE` sets one entry (a pinned tile) and leaves the others; a key the dict lacks
+    is an error, as is an entry of something that is not a dict."""
+    import det_tax
+
+    from detjax.pallas_kernels.gmm import kernel as gk
+
+    monkeypatch.setattr(gk, "TILES", dict(gk.TILES))
+    before = dict(gk.TILES)
+    det_tax.apply_module_settings("strict-kernels+set=detjax.pallas_kernels.gmm.kernel.TILES[tgmm_num_warps]=8")
+    assert gk.TILES == {**before, "tgmm_num_warps": 8} and before["tgmm_num_warps"] != 8
+    with pytest.raises(ValueError, match="has no entry 'tgmm_warps'"):
+        det_tax.apply_module_settings("strict-kernels+set=detjax.pallas_kernels.gmm.kernel.TILES[tgmm_warps]=8")
+    with pytest.raises(ValueError, match="has no entry"):
+        det_tax.apply_module_settings("strict-kernels+set=detjax.pallas_kernels.gmm.kernel.tgmm[x]=1")
+
+
 def test_shape_matrix_parent_runs_jax_on_the_cpu_and_workers_get_the_callers_platforms():
     """The parent's parameter count must not start a GPU backend (it would preallocate the memory its workers
     need); the workers get the caller's JAX_PLATFORMS back. The subprocess asks for cuda: without
