@@ -7,7 +7,7 @@ quantization and RoPE-backward kernels.
     python3 scripts/tile_sweep.py --kernels quantize,swiglu  # model.fp8's quantization kernels (gpu_dense)
     python3 scripts/tile_sweep.py --kernels rope        # RoPE's backward, bf16 and fp8 variants (gpu_dense)
     python3 scripts/tile_sweep.py --kernels norm-stream # RMSNorm's backward adding the stream's cotangent vs XLA
-    python3 scripts/tile_sweep.py --kernels ssd --old-src OLD_TREE  # the SSD scan vs an older tree's, with digests
+    python3 scripts/tile_sweep.py --kernels ssd,gmm --old-src OLD_TREE  # SSD scan, gmm vs an older tree's, bytes
     python3 scripts/tile_sweep.py --kernels ce,conv     # the cross-entropy forward, the Mamba2 conv backward
 
 For each candidate tile set the kernel's TILES entry is replaced, every jit cache is cleared, and the kernel
@@ -365,7 +365,9 @@ def sweep_ssd(reps: int, old_src: str | None, pinned_only: bool = False) -> None
         subprocess.run(cmd, env=env, check=False)
 
 
-def sweep_gmm(reps: int) -> None:
+def sweep_gmm(reps: int, old_src: str | None = None) -> None:
+    """gmm and tgmm over GMM's tiles; with old_src, then the pinned kernels of this tree and an older one timed
+    in turn, and whether their outputs have the same bytes."""
     from detjax.pallas_kernels.gmm import kernel as gk
 
     # gpu_medium MoE per microbatch: 8192 tokens x top-2 = 16384 rows sorted by expert, d 1024, expert ffn 1024
@@ -382,8 +384,25 @@ def sweep_gmm(reps: int) -> None:
     def wgrad(x, dy, gs):
         return gk.tgmm(x, dy, gs, out_dtype=jnp.float32, interpret=False)
 
+    cases = [("gmm", fwd, (x, w, gs)), ("tgmm", wgrad, (x, dy, gs))]
     cands = [{"tgmm_num_warps": c["num_warps"], **c} for c in GMM]
-    _sweep("gmm", gk.TILES, None, cands, [("gmm", fwd, (x, w, gs)), ("tgmm", wgrad, (x, dy, gs))], reps)
+    _sweep("gmm", gk.TILES, None, cands, cases, reps)
+    if old_src:
+        old = _old_kernel(old_src, "gmm")
+
+        def old_fwd(x, w, gs):
+            return old.gmm(x, w, gs, out_dtype=jnp.bfloat16, interpret=False)
+
+        def old_wgrad(x, dy, gs):
+            return old.tgmm(x, dy, gs, out_dtype=jnp.float32, interpret=False)
+
+        _sweep("gmm (pinned, this tree)", gk.TILES, None, [dict(gk.TILES)], cases, reps)
+        old_cases = [("gmm", old_fwd, (x, w, gs)), ("tgmm", old_wgrad, (x, dy, gs))]
+        _sweep("gmm (pinned, old tree)", old.TILES, None, [dict(old.TILES)], old_cases, reps)
+        for (name, new_fn, args), (_, old_fn, _) in zip(cases, old_cases, strict=True):
+            one = tuple(a[0] for a in args)
+            same = _bytes(jax.jit(new_fn)(*one)) == _bytes(jax.jit(old_fn)(*one))
+            print(f"  {name}: this tree's bytes {'equal' if same else 'DIFFER FROM'} the old tree's", flush=True)
 
 
 CE = [
@@ -540,7 +559,7 @@ def main() -> int:
     ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm,quantize,swiglu,rope")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--widths", default=",".join(map(str, RMSNORM_WIDTHS)), help="RMSNorm widths to sweep")
-    ap.add_argument("--old-src", default=None, help="an older tree: time and compare its ssd / flash kernels")
+    ap.add_argument("--old-src", default=None, help="an older tree: time and compare its ssd / flash / gmm kernels")
     ap.add_argument("--ssd-pinned-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if jax.default_backend() != "gpu":
@@ -555,7 +574,7 @@ def main() -> int:
     if "ssd" in which:
         sweep_ssd(a.reps, a.old_src, a.ssd_pinned_only)
     if "gmm" in which:
-        sweep_gmm(a.reps)
+        sweep_gmm(a.reps, a.old_src)
     if "ce" in which:
         sweep_ce(a.reps)
     if "conv" in which:

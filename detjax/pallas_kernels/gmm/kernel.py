@@ -4,11 +4,12 @@ weight gradient: per expert, its rows' x^T dy).
 Rows are sorted by expert; group e owns rows [off[e], off[e+1]). Offsets travel as a vector; a program
 reads the numbers it needs by masked sums (no scalar prefetch on the Triton backend).
 - gmm: one program per (row tile, output-column tile). It computes its tile once for every expert whose
-  group meets the tile and keeps, per row, the result of that row's own expert (a select, not a sum).
+  group meets the tile and stores, per row, the result of that row's own expert (a masked store, not a sum;
+  rows past the last group get zeros), so each output element is written once.
   Each output element is one dot over K, accumulated over K tiles in ascending order: no reduction
   across rows, no atomics.
 - tgmm: one program per (expert, K tile, N tile) owns dW[e] for its tile and walks the group's rows in
-  ascending tiles *aligned to the group's first row* (rows past the group's end are zeroed). The token
+  ascending tiles *aligned to the group's first row* (rows past the group's end are loaded as zeros). The token
   reduction order is therefore fixed by the group's own rows alone: it does not change when other
   groups grow or shrink, which a tiling aligned to global row positions would not guarantee.
 Tiles (pinned in TILES, no autotuning): block_m rows; K and N tiles are the largest of
@@ -22,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from detjax.pallas_kernels.backend import triton_params
 
@@ -49,19 +51,21 @@ def _gmm_kernel(x_ref, w_ref, ends_ref, o_ref, *, bm: int, bk: int, nk: int, n_g
     e_hi = jnp.minimum(jnp.sum((ends <= last).astype(jnp.int32)), n_groups - 1)
     rows = jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0) + first
 
-    def per_expert(e, out):
+    def per_expert(e, carry):
         def per_k(kk, acc):
             xk = x_ref[:, pl.ds(kk * bk, bk)]
             wk = w_ref[e, pl.ds(kk * bk, bk), :]
             return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32)
 
-        acc = jax.lax.fori_loop(0, nk, per_k, jnp.zeros(out.shape, jnp.float32))
+        acc = jax.lax.fori_loop(0, nk, per_k, jnp.zeros(o_ref.shape, jnp.float32))
         start = jnp.where(e > 0, _pick(ends, e - 1), 0)
-        mine = (rows >= start) & (rows < _pick(ends, e))
-        return jnp.where(mine, acc, out)
+        mine = (rows >= start) & (rows < _pick(ends, e))  # each row is its own expert's once
+        plt.store(o_ref, acc.astype(o_ref.dtype), mask=jnp.broadcast_to(mine, o_ref.shape))
+        return carry
 
-    out = jax.lax.fori_loop(e_lo, e_hi + 1, per_expert, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = out.astype(o_ref.dtype)
+    jax.lax.fori_loop(e_lo, e_hi + 1, per_expert, 0)
+    past = jnp.broadcast_to(rows >= _pick(ends, n_groups - 1), o_ref.shape)  # no group's rows: zeros
+    plt.store(o_ref, jnp.zeros(o_ref.shape, o_ref.dtype), mask=past)
 
 
 def _tgmm_kernel(x_ref, dy_ref, ends_ref, o_ref, *, bm: int):
@@ -75,8 +79,8 @@ def _tgmm_kernel(x_ref, dy_ref, ends_ref, o_ref, *, bm: int):
     def body(t, acc):
         r0 = start + t * bm
         keep = (local + r0) < end
-        xs = jnp.where(keep, x_ref[pl.ds(r0, bm), :], 0)
-        dys = jnp.where(keep, dy_ref[pl.ds(r0, bm), :], 0)
+        xs = plt.load(x_ref.at[pl.ds(r0, bm), :], mask=jnp.broadcast_to(keep, (bm, x_ref.shape[1])), other=0)
+        dys = plt.load(dy_ref.at[pl.ds(r0, bm), :], mask=jnp.broadcast_to(keep, (bm, dy_ref.shape[1])), other=0)
         return acc + jnp.dot(xs.T, dys, preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, n_tiles, body, jnp.zeros(o_ref.shape, jnp.float32))
