@@ -30,6 +30,11 @@ def initialize(dist: DistConfig) -> None:
         )
     else:
         jax.distributed.initialize()
+    if jax.default_backend() == "cpu":
+        # A CPU executable read back from the persistent compilation cache (JAX_COMPILATION_CACHE_DIR) does not
+        # join the other processes' collectives: two processes of four CPU devices hung on their first step
+        # once the cache was warm (tests/test_mesh.py's two-process test). CPU multi-process runs compile afresh.
+        jax.config.update("jax_enable_compilation_cache", False)
 
 
 def is_primary() -> bool:
