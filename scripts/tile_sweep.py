@@ -418,6 +418,8 @@ CONV = [
     {"block_rows": 64, "block_channels": 128, "num_warps": 8, "num_stages": 1},
     {"block_rows": 32, "block_channels": 256, "num_warps": 8, "num_stages": 1},
     {"block_rows": 16, "block_channels": 128, "num_warps": 4, "num_stages": 1},
+    {"block_rows": 64, "block_channels": 64, "num_warps": 4, "num_stages": 1},
+    {"block_rows": 128, "block_channels": 128, "num_warps": 8, "num_stages": 1},
 ]
 
 
@@ -432,11 +434,14 @@ def sweep_ce(reps: int) -> None:
     _sweep("ce", ck.TILES, None, CE, [("ce_fwd", lambda x, t: ck.ce_fwd(x, t, interpret=False), (x, t))], reps)
 
 
-def sweep_conv(reps: int) -> None:
+def sweep_conv(reps: int, old_src: str | None = None) -> None:
     """The Mamba2 convolution + SiLU forward and backward at gpu_medium's mixer (4 x 2048 tokens, 2048
-    channels, width 4), the backward on the Pallas kernel."""
+    channels, width 4), the backward on the Pallas kernel; then XLA's autodiff of the same formula (the
+    alternative) and, with old_src, the backward kernel alone of this tree and an older one, and whether their
+    outputs have the same bytes."""
     from detjax.pallas_kernels.conv import kernel as vk
     from detjax.pallas_kernels.conv.ops import conv_silu
+    from detjax.pallas_kernels.conv.reference import conv_silu_ref
 
     ks = jax.random.split(jax.random.key(15), 4)
     x = _stack(ks[0], (4, 2048, 2048), jnp.bfloat16)
@@ -446,7 +451,20 @@ def sweep_conv(reps: int) -> None:
     def fwd_bwd(x, w, b, g):
         return jax.vjp(conv_silu, x, w, b)[1](g)
 
+    def fwd_bwd_xla(x, w, b, g):
+        return jax.vjp(conv_silu_ref, x, w, b)[1](g)
+
     _sweep("conv", vk.TILES, None, CONV, [("conv fwd+bwd", fwd_bwd, (x, w, b, g))], reps)
+    _sweep("conv (XLA autodiff)", {}, None, [{}], [("conv fwd+bwd", fwd_bwd_xla, (x, w, b, g))], reps)
+    if old_src:
+        old = _old_kernel(old_src, "conv")
+        cases = [("conv bwd", lambda *a: vk.conv_silu_bwd(*a, interpret=False), (x, w, b, g))]
+        old_cases = [("conv bwd", lambda *a: old.conv_silu_bwd(*a, interpret=False), (x, w, b, g))]
+        _sweep("conv (pinned, this tree)", vk.TILES, None, [dict(vk.TILES)], cases, reps)
+        _sweep("conv (pinned, old tree)", old.TILES, None, [dict(old.TILES)], old_cases, reps)
+        one = tuple(a[0] for a in cases[0][2])
+        same = _bytes(jax.jit(cases[0][1])(*one)) == _bytes(jax.jit(old_cases[0][1])(*one))
+        print(f"  conv bwd: this tree's bytes {'equal' if same else 'DIFFER FROM'} the old tree's", flush=True)
 
 
 def sweep_quantize(reps: int) -> None:
@@ -559,7 +577,9 @@ def main() -> int:
     ap.add_argument("--kernels", default="flash,rmsnorm,ssd,gmm,quantize,swiglu,rope")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--widths", default=",".join(map(str, RMSNORM_WIDTHS)), help="RMSNorm widths to sweep")
-    ap.add_argument("--old-src", default=None, help="an older tree: time and compare its ssd / flash / gmm kernels")
+    ap.add_argument(
+        "--old-src", default=None, help="an older tree: time and compare its ssd / flash / gmm / conv kernels"
+    )
     ap.add_argument("--ssd-pinned-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if jax.default_backend() != "gpu":
@@ -578,7 +598,7 @@ def main() -> int:
     if "ce" in which:
         sweep_ce(a.reps)
     if "conv" in which:
-        sweep_conv(a.reps)
+        sweep_conv(a.reps, a.old_src)
     if "quantize" in which:
         sweep_quantize(a.reps)
     if "swiglu" in which:

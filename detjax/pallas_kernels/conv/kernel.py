@@ -5,10 +5,11 @@ Forward (model.mamba2.causal_conv then silu, left to XLA): per channel c and tok
 Backward, from ds (the gradient of s), with dconv = ds * silu'(conv):
     dx[t] = sum_k w[k] dconv[t + W - 1 - k],   dw[k] = sum_t x[t - W + 1 + k] dconv[t],   db = sum_t dconv[t].
 A program owns a (TILES["block_rows"] tokens x TILES["block_channels"] channels) tile of one sequence. It
-recomputes conv on the W row windows its dx needs (from x, padded with W - 1 zero rows on each side so every
-load is inside the array; the terms in the forward's order, b first, then k ascending), forms each window's
-dconv from ds (padded with W - 1 zero rows after the end: no gradient comes from past the sequence) and adds
-dx in the order k = W - 1 .. 0. Its tile's dw and db are row sums of a pinned shape, written as partials (one
+recomputes conv on the W row windows its dx needs (from x, each of the 2W - 1 shifted windows of x loaded once,
+zero outside the sequence by masked loads; the terms in the forward's order, b first, then k ascending), forms
+each window's dconv from ds (zero past the end of the sequence: no gradient comes from there) and adds dx in
+the order k = W - 1 .. 0. No padded copy of x or ds is made on the GPU (the interpreter gets one of x: see
+conv_silu_bwd). Its tile's dw and db are row sums of a pinned shape, written as partials (one
 per row tile); the caller adds the partials of the batch's tiles by a fixed tree (ordered.tree_sum). No
 atomics; every output element has one writer.
 """
@@ -20,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from detjax.pallas_kernels.backend import triton_params
 
@@ -36,29 +38,41 @@ def _dsilu(c):
     return s * (1.0 + c * (1.0 - s))
 
 
-def _kernel(x_ref, ds_ref, w_ref, b_ref, dx_ref, dw_ref, db_ref, *, width: int, bt: int):
+def _kernel(x_ref, ds_ref, w_ref, b_ref, dx_ref, dw_ref, db_ref, *, width: int, bt: int, length: int, front: int):
     r = pl.program_id(1)
     t0 = pl.multiple_of(r * bt, bt)
     w = [w_ref[pl.ds(k, 1), :].astype(jnp.float32) for k in range(width)]  # (1, bc) each
     b = b_ref[...].astype(jnp.float32)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (bt, x_ref.shape[-1]), 0)
+    windows = {}
 
-    def x_rows(o):  # x at tokens t0 + o .. t0 + o + bt - 1 (o from 1 - W to W - 1), from the padded copy
-        return x_ref[pl.ds(t0 + o + width - 1, bt), :].astype(jnp.float32)
+    def x_rows(o):
+        """x at tokens t0 + o .. t0 + o + bt - 1 (o from 1 - W to W - 1), zero outside the sequence, each window
+        loaded once. `front` zero rows lead x_ref (the interpreter's copy; on the GPU none, and the rows
+        before the sequence are masked off)."""
+        if o not in windows:
+            start = t0 + o + front
+            pos = rows + (t0 + o)
+            keep = (pos >= 0) & (pos < length)
+            windows[o] = plt.load(x_ref.at[pl.ds(start, bt), :], mask=keep, other=0).astype(jnp.float32)
+        return windows[o]
 
-    def dconv(m):  # dconv at tokens t0 + m .. (m = 0 .. W - 1)
+    def dconv(m):  # dconv at tokens t0 + m .. (m = 0 .. W - 1); no gradient from past the sequence
         conv = b
         for k in range(width):
             conv = conv + x_rows(m - width + 1 + k) * w[k]
-        return ds_ref[pl.ds(t0 + m, bt), :].astype(jnp.float32) * _dsilu(conv)
+        keep = rows + (t0 + m) < length
+        ds = plt.load(ds_ref.at[pl.ds(t0 + m, bt), :], mask=keep, other=0).astype(jnp.float32)
+        return ds * _dsilu(conv)
 
     d0 = dconv(0)
+    for k in range(width):
+        dw_ref[pl.ds(k, 1), :] = jnp.sum(x_rows(k - width + 1) * d0, axis=0, keepdims=True)
+    db_ref[...] = jnp.sum(d0, axis=0, keepdims=True)
     dx = w[width - 1] * d0
     for k in range(width - 2, -1, -1):  # dx[t] = sum_k w[k] dconv[t + W - 1 - k], k = W - 1 first
         dx = dx + w[k] * dconv(width - 1 - k)
     dx_ref[...] = dx.astype(dx_ref.dtype)
-    for k in range(width):
-        dw_ref[pl.ds(k, 1), :] = jnp.sum(x_rows(k - width + 1) * d0, axis=0, keepdims=True)
-    db_ref[...] = jnp.sum(d0, axis=0, keepdims=True)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -72,16 +86,17 @@ def conv_silu_bwd(x_BLC, w_WC, b_C, ds_BLC, *, interpret: bool):
         raise ValueError(
             f"conv_silu_bwd takes tokens in blocks of {bt} and channels in blocks of {bc}; got {x_BLC.shape}"
         )
-    pad = width - 1
-    xp = jnp.pad(x_BLC, ((0, 0), (pad, pad), (0, 0)))
-    dsp = jnp.pad(ds_BLC.astype(jnp.float32), ((0, 0), (0, pad), (0, 0)))
+    # The GPU kernel masks the rows before the sequence off; the interpreter clamps a window that starts
+    # before its array instead, so there x gets W - 1 leading zero rows (the same values either way)
+    front = width - 1 if interpret else 0
+    xp = jnp.pad(x_BLC, ((0, 0), (front, 0), (0, 0))) if front else x_BLC
     nt = length // bt
     dx, dw, db = pl.pallas_call(
-        functools.partial(_kernel, width=width, bt=bt),
+        functools.partial(_kernel, width=width, bt=bt, length=length, front=front),
         grid=(bsz, nt, ch // bc),
         in_specs=[
-            pl.BlockSpec((None, length + 2 * pad, bc), lambda i, r, c: (i, 0, c)),
-            pl.BlockSpec((None, length + pad, bc), lambda i, r, c: (i, 0, c)),
+            pl.BlockSpec((None, length + front, bc), lambda i, r, c: (i, 0, c)),
+            pl.BlockSpec((None, length, bc), lambda i, r, c: (i, 0, c)),
             pl.BlockSpec((width, bc), lambda i, r, c: (0, c)),
             pl.BlockSpec((1, bc), lambda i, r, c: (0, c)),
         ],
@@ -98,5 +113,5 @@ def conv_silu_bwd(x_BLC, w_WC, b_C, ds_BLC, *, interpret: bool):
         name="conv_silu_bwd",
         interpret=interpret,
         compiler_params=triton_params(TILES["num_warps"], TILES["num_stages"], interpret),
-    )(xp, dsp, w_WC, b_C.reshape(1, ch))
+    )(xp, ds_BLC, w_WC, b_C.reshape(1, ch))
     return dx, dw, db
