@@ -9,9 +9,10 @@ reads the numbers it needs by masked sums (no scalar prefetch on the Triton back
   Each output element is one dot over K, accumulated over K tiles in ascending order: no reduction
   across rows, no atomics.
 - tgmm: one program per (expert, K tile, N tile) owns dW[e] for its tile and walks the group's rows in
-  ascending tiles *aligned to the group's first row* (rows past the group's end are loaded as zeros). The token
-  reduction order is therefore fixed by the group's own rows alone: it does not change when other
-  groups grow or shrink, which a tiling aligned to global row positions would not guarantee.
+  ascending tiles *aligned to the group's first row* (rows past the group's end, or past the last row, are
+  loaded as zeros by masked loads). The token reduction order is therefore fixed by the group's own rows
+  alone: it does not change when other groups grow or shrink, which a tiling aligned to global row positions
+  would not guarantee.
 Tiles (pinned in TILES, no autotuning): block_m rows; K and N tiles are the largest of
 block_k / block_n, 64, 32, 16 dividing the dimension; tgmm's warps are pinned apart from gmm's.
 """
@@ -128,16 +129,15 @@ def tgmm(x_RK, dy_RN, group_sizes_E, *, out_dtype, interpret: bool):
     n = dy_RN.shape[1]
     e = group_sizes_E.shape[0]
     bm, bk, bn = TILES["block_m"], _tile(k, TILES["block_k"]), _tile(n, TILES["block_n"])
-    rp = r + bm  # a group's last tile may start anywhere: pad so every load is in bounds
-    x = jnp.pad(x_RK, ((0, rp - r), (0, 0)))
-    dy = jnp.pad(dy_RN, ((0, rp - r), (0, 0)))
+    # a group's last tile may reach past the last row: those rows are masked off in the kernel, so x and dy
+    # go in unpadded (no copy of either before the kernel)
     ends = group_ends(group_sizes_E)
     return pl.pallas_call(
         functools.partial(_tgmm_kernel, bm=bm),
         grid=(e, k // bk, n // bn),
         in_specs=[
-            pl.BlockSpec((rp, bk), lambda g, i, j: (0, i)),
-            pl.BlockSpec((rp, bn), lambda g, i, j: (0, j)),
+            pl.BlockSpec((r, bk), lambda g, i, j: (0, i)),
+            pl.BlockSpec((r, bn), lambda g, i, j: (0, j)),
             pl.BlockSpec((1, ends.shape[1]), lambda g, i, j: (0, 0)),
         ],
         out_specs=pl.BlockSpec((None, bk, bn), lambda g, i, j: (g, i, j)),
@@ -145,4 +145,4 @@ def tgmm(x_RK, dy_RN, group_sizes_E, *, out_dtype, interpret: bool):
         name="tgmm",
         interpret=interpret,
         compiler_params=triton_params(TILES["tgmm_num_warps"], TILES["num_stages"], interpret),
-    )(x, dy, ends)
+    )(x_RK, dy_RN, ends)
