@@ -33,8 +33,9 @@ KERNEL_GATED_NORM = True
 
 # Whether the causal convolutions' and their SiLUs' backward (one device, no canonical tensor chunks) runs the
 # one-pass Pallas kernel (pallas_kernels/conv) under model.kernels=pallas where it takes the shape; the forward
-# stays this file's formula (which XLA may fuse differently behind the custom_vjp). Off: slower than XLA's
-# autodiff, 0.403 against 0.342 ms at gpu_medium's shape on an H100 (`scripts/kernel_bench.py --kernels conv`).
+# stays this file's formula (which XLA may fuse differently behind the custom_vjp). Off: no faster than XLA's
+# autodiff (0.243 against 0.241 ms forward + backward at gpu_medium's shape on an H100, `scripts/tile_sweep.py
+# --kernels conv`) and 0.7 ms slower in the gpu_medium step (docs/BENCHMARKS.md).
 KERNEL_CONV = False
 
 
