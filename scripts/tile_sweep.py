@@ -83,6 +83,9 @@ def rmsnorm_candidates(dp: int) -> list[dict]:
 SSD_WARPS = [4, 2, 8]
 SSD_PASS_ROWS = [8, 16, 32, 64]
 GMM = [
+    # the pinned tiles (gmm's K tile 64, tgmm's 128), then candidates whose K tile serves both (a candidate
+    # without tgmm_block_k / tgmm_num_warps runs tgmm with its block_k / num_warps)
+    {"block_m": 64, "block_k": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "tgmm_block_k": 128},
     {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3},
     {"block_m": 64, "block_k": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
     {"block_m": 128, "block_k": 64, "block_n": 128, "num_warps": 8, "num_stages": 3},
@@ -90,8 +93,8 @@ GMM = [
     {"block_m": 64, "block_k": 128, "block_n": 256, "num_warps": 8, "num_stages": 3},
     {"block_m": 128, "block_k": 64, "block_n": 256, "num_warps": 8, "num_stages": 3},
     {"block_m": 32, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3},
-    # the pinned tiles with 8 warps for both, for tgmm alone, for gmm alone: both spill registers at 4
-    # (scripts/triton_regs.py); a candidate without tgmm_num_warps runs tgmm with its num_warps
+    # 64 x 128 x 128 with 8 warps for both, for tgmm alone, for gmm alone (scripts/triton_regs.py: both spilled
+    # registers at 4 before their masked loads and stores)
     {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
     {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3, "tgmm_num_warps": 8},
     {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "tgmm_num_warps": 4},
@@ -385,7 +388,7 @@ def sweep_gmm(reps: int, old_src: str | None = None) -> None:
         return gk.tgmm(x, dy, gs, out_dtype=jnp.float32, interpret=False)
 
     cases = [("gmm", fwd, (x, w, gs)), ("tgmm", wgrad, (x, dy, gs))]
-    cands = [{"tgmm_num_warps": c["num_warps"], **c} for c in GMM]
+    cands = [{"tgmm_num_warps": c["num_warps"], "tgmm_block_k": c["block_k"], **c} for c in GMM]
     _sweep("gmm", gk.TILES, None, cands, cases, reps)
     if old_src:
         old = _old_kernel(old_src, "gmm")

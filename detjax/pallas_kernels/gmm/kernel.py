@@ -14,7 +14,8 @@ reads the numbers it needs by masked sums (no scalar prefetch on the Triton back
   alone: it does not change when other groups grow or shrink, which a tiling aligned to global row positions
   would not guarantee.
 Tiles (pinned in TILES, no autotuning): block_m rows; K and N tiles are the largest of
-block_k / block_n, 64, 32, 16 dividing the dimension; tgmm's warps are pinned apart from gmm's.
+block_k (tgmm: tgmm_block_k) / block_n, 64, 32, 16 dividing the dimension; tgmm's warps are pinned apart
+from gmm's too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,18 @@ from jax.experimental.pallas import triton as plt
 
 from detjax.pallas_kernels.backend import triton_params
 
-TILES = {"block_m": 64, "block_k": 128, "block_n": 128, "num_warps": 4, "num_stages": 3, "tgmm_num_warps": 4}
+# gmm's K tile 64: on an H100 at gpu_medium's experts 0.143 against 0.164 ms with 128, with the same bytes in
+# that sweep; tgmm keeps 128 (0.116 against 0.141 ms with 64). scripts/tile_sweep.py --kernels gmm,
+# docs/BENCHMARKS.md
+TILES = {
+    "block_m": 64,
+    "block_k": 64,
+    "block_n": 128,
+    "num_warps": 4,
+    "num_stages": 3,
+    "tgmm_block_k": 128,
+    "tgmm_num_warps": 4,
+}
 
 
 def _tile(dim: int, largest: int) -> int:
@@ -128,7 +140,7 @@ def tgmm(x_RK, dy_RN, group_sizes_E, *, out_dtype, interpret: bool):
     r, k = x_RK.shape
     n = dy_RN.shape[1]
     e = group_sizes_E.shape[0]
-    bm, bk, bn = TILES["block_m"], _tile(k, TILES["block_k"]), _tile(n, TILES["block_n"])
+    bm, bk, bn = TILES["block_m"], _tile(k, TILES["tgmm_block_k"]), _tile(n, TILES["block_n"])
     # a group's last tile may reach past the last row: those rows are masked off in the kernel, so x and dy
     # go in unpadded (no copy of either before the kernel)
     ends = group_ends(group_sizes_E)
