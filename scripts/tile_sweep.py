@@ -224,6 +224,17 @@ def _old_kernel(old_src: str, name: str):
     return old
 
 
+def _against_old(title, tiles, old_tiles, cases, old_cases, reps) -> None:
+    """The pinned kernels of this tree (cases) and of an older one (old_cases: the same names and arguments)
+    timed in turn, then whether each case's outputs have the same bytes in both trees."""
+    _sweep(f"{title} (pinned, this tree)", tiles, None, [dict(tiles)], cases, reps)
+    _sweep(f"{title} (pinned, old tree)", old_tiles, None, [dict(old_tiles)], old_cases, reps)
+    for (name, new_fn, args), (_, old_fn, _) in zip(cases, old_cases, strict=True):
+        one = tuple(a[0] for a in args)
+        same = _bytes(jax.jit(new_fn)(*one)) == _bytes(jax.jit(old_fn)(*one))
+        print(f"  {name}: this tree's bytes {'equal' if same else 'DIFFER FROM'} the old tree's", flush=True)
+
+
 def sweep_flash(reps: int, forward: bool = True, old_src: str | None = None) -> None:
     from detjax.pallas_kernels.flash_attention import kernel as fk
 
@@ -399,13 +410,8 @@ def sweep_gmm(reps: int, old_src: str | None = None) -> None:
         def old_wgrad(x, dy, gs):
             return old.tgmm(x, dy, gs, out_dtype=jnp.float32, interpret=False)
 
-        _sweep("gmm (pinned, this tree)", gk.TILES, None, [dict(gk.TILES)], cases, reps)
         old_cases = [("gmm", old_fwd, (x, w, gs)), ("tgmm", old_wgrad, (x, dy, gs))]
-        _sweep("gmm (pinned, old tree)", old.TILES, None, [dict(old.TILES)], old_cases, reps)
-        for (name, new_fn, args), (_, old_fn, _) in zip(cases, old_cases, strict=True):
-            one = tuple(a[0] for a in args)
-            same = _bytes(jax.jit(new_fn)(*one)) == _bytes(jax.jit(old_fn)(*one))
-            print(f"  {name}: this tree's bytes {'equal' if same else 'DIFFER FROM'} the old tree's", flush=True)
+        _against_old("gmm", gk.TILES, old.TILES, cases, old_cases, reps)
 
 
 CE = [
@@ -463,11 +469,7 @@ def sweep_conv(reps: int, old_src: str | None = None) -> None:
         old = _old_kernel(old_src, "conv")
         cases = [("conv bwd", lambda *a: vk.conv_silu_bwd(*a, interpret=False), (x, w, b, g))]
         old_cases = [("conv bwd", lambda *a: old.conv_silu_bwd(*a, interpret=False), (x, w, b, g))]
-        _sweep("conv (pinned, this tree)", vk.TILES, None, [dict(vk.TILES)], cases, reps)
-        _sweep("conv (pinned, old tree)", old.TILES, None, [dict(old.TILES)], old_cases, reps)
-        one = tuple(a[0] for a in cases[0][2])
-        same = _bytes(jax.jit(cases[0][1])(*one)) == _bytes(jax.jit(old_cases[0][1])(*one))
-        print(f"  conv bwd: this tree's bytes {'equal' if same else 'DIFFER FROM'} the old tree's", flush=True)
+        _against_old("conv", vk.TILES, old.TILES, cases, old_cases, reps)
 
 
 def sweep_quantize(reps: int) -> None:
