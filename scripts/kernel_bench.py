@@ -40,7 +40,7 @@ def rel_err(a, b) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--kernels", default="rmsnorm,segment_sum,flash_attention,ssd,gmm,matmul,ce,conv")
+    ap.add_argument("--kernels", default="rmsnorm,segment_sum,flash_attention,ssd,gmm,matmul,ce,conv,gated_norm")
     a = ap.parse_args()
     which = a.kernels.split(",")
     from detjax.pallas_kernels.harness import count_differing_replays, matmul_contention
@@ -166,6 +166,32 @@ def main() -> int:
             return jax.jit(lambda x, w, b: jax.vjp(f, x, w, b)[1](gv))
 
         measure("conv + silu fwd+bwd", conv_fb(conv_silu), conv_fb(conv_silu_ref), (xv, wv, bv), "XLA autodiff")
+    if "gated_norm" in which:  # the gpu_medium Mamba2 gate and gated norm: 4 x 2048 tokens, inner width 2048
+        from detjax.pallas_kernels.gated_norm.ops import gated_norm
+        from detjax.pallas_kernels.gated_norm.reference import gated_norm_ref
+        from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
+
+        kg = jax.random.split(jax.random.key(17), 6)
+        yg, xg = jax.random.normal(kg[0], (8192, 2048)), jax.random.normal(kg[1], (8192, 2048))
+        zg = jax.random.normal(kg[2], (8192, 2048)).astype(jnp.bfloat16)
+        dg, wg = jax.random.normal(kg[3], (2048,)), 1 + 0.1 * jax.random.normal(kg[4], (2048,))
+        og = jax.random.normal(kg[5], (8192, 2048)).astype(jnp.bfloat16)
+
+        def unfused(y, x, z, d, w, eps, out_dtype):  # the mixer without model.mamba2.KERNEL_GATE
+            g = (y + d[None, :] * x) * jax.nn.silu(z.astype(jnp.float32))
+            return rmsnorm(g, w, eps, out_dtype)
+
+        def gate_fb(f):
+            return jax.jit(lambda *args: jax.vjp(lambda *a: f(*a, 1e-5, jnp.bfloat16), *args)[1](og))
+
+        measure(
+            "gate + gated norm fwd+bwd",
+            gate_fb(gated_norm),
+            gate_fb(unfused),
+            (yg, xg, zg, dg, wg),
+            "XLA gate + RMSNorm kernel",
+            [("XLA jnp", gate_fb(gated_norm_ref))],
+        )
     neg = count_differing_replays(scat, (ids, g), a.replays)
     print(f"\nnegative control: XLA scatter-add (atomics), {neg} of {a.replays - 1} replays differ from the first")
     n = a.replays - 1

@@ -99,6 +99,7 @@ def cases():
     from detjax.pallas_kernels.ce.kernel import ce_fwd
     from detjax.pallas_kernels.conv.ops import conv_silu
     from detjax.pallas_kernels.flash_attention.ops import flash_attention
+    from detjax.pallas_kernels.gated_norm.ops import gated_norm
     from detjax.pallas_kernels.gmm import kernel as gk
     from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
     from detjax.pallas_kernels.segment_sum.ops import segment_sum
@@ -133,6 +134,11 @@ def cases():
         "rmsnorm": (
             fwd_bwd(lambda x, w: rmsnorm(x, w, 1e-5, bf16), 2),
             (a((tokens, d), f32), a((d,), f32)) + (a((tokens, d), bf16),),
+        ),
+        "gated_norm": (
+            fwd_bwd(lambda y, x, z, dd, w: gated_norm(y, x, z, dd, w, 1e-5, bf16), 5),
+            (a((tokens, 2 * d), f32), a((tokens, 2 * d), f32), a((tokens, 2 * d), bf16), a((2 * d,), f32))
+            + (a((2 * d,), f32), a((tokens, 2 * d), bf16)),
         ),
         "ce": (lambda x, t: ce_fwd(x, t, interpret=False), (a((tokens, vocab), bf16), a((tokens,), i32))),
         "conv": (
@@ -176,7 +182,7 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int, workdir: str) -> tu
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernels", default="ssd,gmm,rmsnorm,ce,conv,flash_triton,segment_sum")
+    ap.add_argument("--kernels", default="ssd,gmm,rmsnorm,gated_norm,ce,conv,flash_triton,segment_sum")
     ap.add_argument("--warps", default="", help="num_warps to compile each kernel with (default: its pinned one)")
     a = ap.parse_args()
     try:

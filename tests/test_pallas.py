@@ -443,6 +443,57 @@ def test_mamba2_conv_takes_the_kernel_only_when_switched_on(monkeypatch):
         assert _rel(a, b) <= 1e-4
 
 
+def _gate_inputs(seed=4, n=80, d=384):
+    """The gated norm's operands: y, x float32, z bf16 (N, D); d, w (D,); an incoming bf16 gradient."""
+    k = jax.random.split(jax.random.key(seed), 6)
+    y, x = jax.random.normal(k[0], (n, d)), jax.random.normal(k[1], (n, d))
+    z = jax.random.normal(k[2], (n, d)).astype(jnp.bfloat16)
+    dd, w = jax.random.normal(k[3], (d,)), 1 + 0.1 * jax.random.normal(k[4], (d,))
+    return (y, x, z, dd, w), jax.random.normal(k[5], (n, d)).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("d", [256, 384])
+def test_gated_norm_matches_reference(monkeypatch, d):
+    """The gate and gated norm's kernels against autodiff of the mixer's formula (reference.gated_norm_ref):
+    output and all five gradients, at a power-of-two width and one of three 128-column chunks, over several
+    programs of 32 rows walked in 8-row sub-blocks and a last program of padded rows (80 rows)."""
+    from detjax.pallas_kernels.gated_norm.ops import gated_norm
+    from detjax.pallas_kernels.gated_norm.reference import gated_norm_ref
+    from detjax.pallas_kernels.rmsnorm import kernel as rk
+
+    _small_tiles(rk, monkeypatch)
+    args, g = _gate_inputs(d=d)
+    out, pull = jax.vjp(lambda *a: gated_norm(*a, 1e-5, jnp.bfloat16), *args)
+    ref, pull_ref = jax.vjp(lambda *a: gated_norm_ref(*a, 1e-5, jnp.bfloat16), *args)
+    assert out.dtype == jnp.bfloat16 and _rel(out.astype(jnp.float32), ref.astype(jnp.float32)) <= 1e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=1e-2, atol=1e-2)
+    for a, b in zip(pull(g), pull_ref(g), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        tol = 1e-2 if a.dtype == jnp.bfloat16 else TOL_GRAD
+        assert _rel(a.astype(jnp.float32), b.astype(jnp.float32)) <= tol
+
+
+def test_gated_norm_replays_bit_exact():
+    from detjax.pallas_kernels.gated_norm.ops import gated_norm
+
+    args, g = _gate_inputs()
+    fn = jax.jit(lambda *a: jax.vjp(lambda *b: gated_norm(*b, 1e-5, jnp.bfloat16), *a)[1](g))
+    assert_replays_bit_exact(fn, args, replays=5)
+    assert_replays_bit_exact(fn, args, replays=3, contention=matmul_contention(256, 5))
+
+
+def test_mamba2_gate_takes_the_gated_norm_kernel_only_when_switched_on(monkeypatch):
+    """model.mamba2.KERNEL_GATE puts the gate and gated norm's kernel into the mixer (model.kernels=pallas, a
+    width the RMSNorm kernel takes); its output and gradients agree with the unfused path's to rounding."""
+    (used_off, y_off, g_off), (used_on, y_on, g_on) = _mixer_with_and_without(
+        monkeypatch, "KERNEL_GATE", "gated_norm_fwd"
+    )
+    assert (used_off, used_on) == (False, True)
+    assert _rel(y_on, y_off) <= 1e-5
+    for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_off), strict=True):
+        assert _rel(a, b) <= 1e-4
+
+
 def _attn_inputs(seed=0, b=2, length=48, h=4, kv=2, d=16):
     k = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(k[0], (b, length, h, d))

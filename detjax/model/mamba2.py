@@ -13,6 +13,7 @@ from detjax.model.fp8 import scale_var
 from detjax.model.layers import chunk_products, normal_init, param, proj, proj_many
 from detjax.pallas_kernels.conv.kernel import usable as conv_kernel_usable
 from detjax.pallas_kernels.conv.ops import conv_silu as conv_silu_kernel
+from detjax.pallas_kernels.gated_norm.ops import gated_norm
 from detjax.pallas_kernels.rmsnorm import takes_width
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
@@ -29,6 +30,12 @@ from detjax.sharding.tensor import TensorSplit
 # dtype straight from the kernel. On: a gpu_medium step 0.5 % faster with it than with XLA's reductions on an
 # H100 (docs/BENCHMARKS.md, "Kernel switches in the gpu_medium step").
 KERNEL_GATED_NORM = True
+
+# Whether the skip term, the SiLU gate and the gated norm run as one Pallas kernel (pallas_kernels/gated_norm:
+# the forward reads the scan's output, its input and the gate once and writes the normed output; the backward
+# writes the scan's and the gate's gradients in one pass) where KERNEL_GATED_NORM's kernel would run. Off until
+# timed in the step.
+KERNEL_GATE = False
 
 
 # Whether the causal convolutions' and their SiLUs' backward (one device, no canonical tensor chunks) runs the
@@ -185,20 +192,36 @@ class Mamba2(nn.Module):
         dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + dt_bias_H[None, None, :])
         adt_BLH = decay_times_dt(-jnp.exp(a_log_H), dt_BLH)
         y_BLHP = SSD(c.chunk_size, self.kernels, name="ssd")(x_BLHP * dt_BLH[..., None], adt_BLH, b_BLN, c_BLN)
-        y_BLHP = y_BLHP + d_skip_H[None, None, :, None] * x_BLHP
-        y_BLHP = constrain(y_BLHP * nn.silu(z_BLHP.astype(jnp.float32)), lay, names, "ssm_y")
-        y_BLHP = self._gated_norm(y_BLHP, norm_HP)
+        if KERNEL_GATE and self._norm_kernel(y_BLHP):
+            b, length = y_BLHP.shape[:2]
+            flat = [v.reshape(b * length, heads * p) for v in (y_BLHP, x_BLHP, z_BLHP)]
+            y_ND = gated_norm(*flat, jnp.repeat(d_skip_H, p), norm_HP.reshape(-1), self.norm_eps, self._norm_dtype())
+            y_BLHP = constrain(y_ND.reshape(b, length, heads, p), lay, names, "ssm_y")
+        else:
+            y_BLHP = y_BLHP + d_skip_H[None, None, :, None] * x_BLHP
+            y_BLHP = constrain(y_BLHP * nn.silu(z_BLHP.astype(jnp.float32)), lay, names, "ssm_y")
+            y_BLHP = self._gated_norm(y_BLHP, norm_HP)
         out_fp8 = scale_var(self, "out_proj", self.fp8)
         return proj("blhp,hpd->bld", y_BLHP, w_out_HPD, self.dtype, self.kernels, out_fp8, (self, ("w_out",)))
+
+    def _norm_kernel(self, y_BLHP: jax.Array) -> bool:
+        """Whether a Pallas kernel may take the gated norm of y (B, L, H, P): model.kernels=pallas and the
+        RMSNorm kernel's widths and row blocks (gated_norm_kernel_fits)."""
+        b, length, h, p = y_BLHP.shape
+        return self.kernels == "pallas" and gated_norm_kernel_fits(b * length, h * p)
+
+    def _norm_dtype(self):
+        """The gated norm's output dtype from a kernel: the compute dtype the out-projection reads (float32 for
+        an fp8 projection, which rounds its float32 input itself)."""
+        return jnp.float32 if self.fp8 else jnp.dtype(self.dtype)
 
     def _gated_norm(self, y_BLHP: jax.Array, norm_HP: jax.Array) -> jax.Array:
         """RMSNorm over the whole inner width (all heads): jnp in float32, or with KERNEL_GATED_NORM the Pallas
         kernel, which writes the compute dtype the out-projection reads (float32 for an fp8 projection, which
         rounds its float32 input itself)."""
         b, length, h, p = y_BLHP.shape
-        if KERNEL_GATED_NORM and self.kernels == "pallas" and gated_norm_kernel_fits(b * length, h * p):
-            out_dtype = jnp.float32 if self.fp8 else jnp.dtype(self.dtype)
-            y_ND = rmsnorm(y_BLHP.reshape(-1, h * p), norm_HP.reshape(-1), self.norm_eps, out_dtype)
+        if KERNEL_GATED_NORM and self._norm_kernel(y_BLHP):
+            y_ND = rmsnorm(y_BLHP.reshape(-1, h * p), norm_HP.reshape(-1), self.norm_eps, self._norm_dtype())
             return y_ND.reshape(y_BLHP.shape)
         ms_BL11 = jnp.mean(y_BLHP * y_BLHP, axis=(-2, -1), keepdims=True)
         return y_BLHP * jax.lax.rsqrt(ms_BL11 + self.norm_eps) * norm_HP[None, None]
