@@ -421,14 +421,19 @@ CE = [
     {"block_rows": 16, "block_vocab": 2048, "num_warps": 8, "num_stages": 2},
     {"block_rows": 8, "block_vocab": 1024, "num_warps": 4, "num_stages": 2},
 ]
-CONV = [
-    {"block_rows": 32, "block_channels": 128, "num_warps": 4, "num_stages": 1},
-    {"block_rows": 32, "block_channels": 128, "num_warps": 8, "num_stages": 1},
-    {"block_rows": 64, "block_channels": 128, "num_warps": 8, "num_stages": 1},
-    {"block_rows": 32, "block_channels": 256, "num_warps": 8, "num_stages": 1},
-    {"block_rows": 16, "block_channels": 128, "num_warps": 4, "num_stages": 1},
-    {"block_rows": 64, "block_channels": 64, "num_warps": 4, "num_stages": 1},
-    {"block_rows": 128, "block_channels": 128, "num_warps": 8, "num_stages": 1},
+CONV = [  # dx_in_kernel: dx in the kernel (one pass) or from the kernel's dconv by XLA (two passes)
+    {"block_rows": 32, "block_channels": 128, "num_warps": 4, "num_stages": 1, "dx_in_kernel": True},
+    {"block_rows": 32, "block_channels": 128, "num_warps": 8, "num_stages": 1, "dx_in_kernel": True},
+    {"block_rows": 64, "block_channels": 128, "num_warps": 8, "num_stages": 1, "dx_in_kernel": True},
+    {"block_rows": 32, "block_channels": 256, "num_warps": 8, "num_stages": 1, "dx_in_kernel": True},
+    {"block_rows": 16, "block_channels": 128, "num_warps": 4, "num_stages": 1, "dx_in_kernel": True},
+    {"block_rows": 64, "block_channels": 64, "num_warps": 4, "num_stages": 1, "dx_in_kernel": True},
+    {"block_rows": 128, "block_channels": 128, "num_warps": 8, "num_stages": 1, "dx_in_kernel": True},
+    {"block_rows": 32, "block_channels": 128, "num_warps": 4, "num_stages": 1, "dx_in_kernel": False},
+    {"block_rows": 32, "block_channels": 128, "num_warps": 8, "num_stages": 1, "dx_in_kernel": False},
+    {"block_rows": 64, "block_channels": 128, "num_warps": 4, "num_stages": 1, "dx_in_kernel": False},
+    {"block_rows": 64, "block_channels": 128, "num_warps": 8, "num_stages": 1, "dx_in_kernel": False},
+    {"block_rows": 16, "block_channels": 128, "num_warps": 4, "num_stages": 1, "dx_in_kernel": False},
 ]
 
 

@@ -403,14 +403,23 @@ def _conv_inputs(dtype=jnp.bfloat16, b=2, length=64, ch=256):
     return x, w, bias, jax.random.normal(k[3], (b, length, ch))
 
 
+def _conv_dx_in_kernel(monkeypatch, dx_in: bool):
+    from detjax.pallas_kernels.conv import kernel as vk
+
+    monkeypatch.setitem(vk.TILES, "dx_in_kernel", dx_in)
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("dx_in", [True, False], ids=["one_pass", "two_pass"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_conv_silu_bwd_matches_reference(dtype):
-    """The convolution's one-pass backward against autodiff of the mixer's formula, over two sequences of two
-    row tiles and two channel tiles each (the tiles' halos and the sequence edges); the forward is that
-    formula, the same bytes."""
+def test_conv_silu_bwd_matches_reference(monkeypatch, dtype, dx_in):
+    """The convolution's backward, dx in the kernel (one pass) or from the kernel's dconv (two passes), against
+    autodiff of the mixer's formula, over two sequences of two row tiles and two channel tiles each (the tiles'
+    halos and the sequence edges); the forward is that formula, the same bytes."""
     from detjax.pallas_kernels.conv.ops import conv_silu
     from detjax.pallas_kernels.conv.reference import conv_silu_ref
 
+    _conv_dx_in_kernel(monkeypatch, dx_in)
     x, w, bias, g = _conv_inputs(dtype)
     y, pull = jax.vjp(conv_silu, x, w, bias)
     y_ref, pull_ref = jax.vjp(conv_silu_ref, x, w, bias)
@@ -420,9 +429,11 @@ def test_conv_silu_bwd_matches_reference(dtype):
     assert _rel(dw, rw) <= TOL_GRAD and _rel(db, rb) <= TOL_GRAD
 
 
-def test_conv_silu_bwd_replays_bit_exact():
+@pytest.mark.parametrize("dx_in", [True, False], ids=["one_pass", "two_pass"])
+def test_conv_silu_bwd_replays_bit_exact(monkeypatch, dx_in):
     from detjax.pallas_kernels.conv.ops import conv_silu
 
+    _conv_dx_in_kernel(monkeypatch, dx_in)
     x, w, bias, g = _conv_inputs()
     fn = jax.jit(lambda x, w, b: jax.vjp(conv_silu, x, w, b)[1](g))
     assert_replays_bit_exact(fn, (x, w, bias), replays=5)

@@ -39,10 +39,11 @@ KERNEL_GATE = False
 
 
 # Whether the causal convolutions' and their SiLUs' backward (one device, no canonical tensor chunks) runs the
-# one-pass Pallas kernel (pallas_kernels/conv) under model.kernels=pallas where it takes the shape; the forward
+# Pallas kernel (pallas_kernels/conv) under model.kernels=pallas where it takes the shape; the forward
 # stays this file's formula (which XLA may fuse differently behind the custom_vjp). Off: no faster than XLA's
-# autodiff (0.243 against 0.241 ms forward + backward at gpu_medium's shape on an H100, `scripts/tile_sweep.py
-# --kernels conv`) and 0.7 ms slower in the gpu_medium step (docs/BENCHMARKS.md).
+# autodiff in its one-pass form (0.243 against 0.241 ms forward + backward at gpu_medium's shape on an H100,
+# `scripts/tile_sweep.py --kernels conv`) and 0.7 ms slower in the gpu_medium step (docs/BENCHMARKS.md); its
+# two-pass form (conv.kernel.TILES["dx_in_kernel"] False) is not yet timed.
 KERNEL_CONV = False
 
 

@@ -1,17 +1,20 @@
-"""The backward of the Mamba2 mixer's causal depthwise convolution and its SiLU in one pass, fixed order.
+"""The backward of the Mamba2 mixer's causal depthwise convolution and its SiLU, fixed order.
 
 Forward (model.mamba2.causal_conv then silu, left to XLA): per channel c and token t of a sequence,
     conv[t] = b + sum_k w[k] x[t - W + 1 + k]   (x = 0 before the sequence),   s = silu(conv).
 Backward, from ds (the gradient of s), with dconv = ds * silu'(conv):
     dx[t] = sum_k w[k] dconv[t + W - 1 - k],   dw[k] = sum_t x[t - W + 1 + k] dconv[t],   db = sum_t dconv[t].
 A program owns a (TILES["block_rows"] tokens x TILES["block_channels"] channels) tile of one sequence. It
-recomputes conv on the W row windows its dx needs (from x, each of the 2W - 1 shifted windows of x loaded once,
-zero outside the sequence by masked loads; the terms in the forward's order, b first, then k ascending), forms
-each window's dconv from ds (zero past the end of the sequence: no gradient comes from there) and adds dx in
-the order k = W - 1 .. 0. No padded copy of x or ds is made on the GPU (the interpreter gets one of x: see
-conv_silu_bwd). Its tile's dw and db are row sums of a pinned shape, written as partials (one
-per row tile); the caller adds the partials of the batch's tiles by a fixed tree (ordered.tree_sum). No
-atomics; every output element has one writer.
+recomputes conv from x (the terms in the forward's order, b first, then k ascending; x's shifted windows loaded
+once each, zero outside the sequence by masked loads) and forms dconv from ds. Then, by TILES["dx_in_kernel"]:
+- True (one pass): it recomputes conv and dconv on the W row windows its dx needs (2W - 1 windows of x; dconv
+  zero past the end of the sequence: no gradient comes from there) and adds dx in the order k = W - 1 .. 0.
+  That evaluates the SiLU's sigmoid W times an element.
+- False (two passes): it writes its tile's dconv (float32), once an element, and XLA adds dx from it, the
+  same sum in the same order (k = W - 1 .. 0) over a copy of dconv with W - 1 zero rows after the sequence.
+No padded copy of x or ds is made on the GPU (the interpreter gets one of x: see conv_silu_bwd). Its tile's dw
+and db are row sums of a pinned shape, written as partials (one per row tile); the caller adds the partials of
+the batch's tiles by a fixed tree (ordered.tree_sum). No atomics; every output element has one writer.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from jax.experimental.pallas import triton as plt
 
 from detjax.pallas_kernels.backend import triton_params
 
-TILES = {"block_rows": 32, "block_channels": 128, "num_warps": 4, "num_stages": 1}
+TILES = {"block_rows": 32, "block_channels": 128, "num_warps": 4, "num_stages": 1, "dx_in_kernel": True}
 
 
 def usable(length: int, channels: int) -> bool:
@@ -38,7 +41,10 @@ def _dsilu(c):
     return s * (1.0 + c * (1.0 - s))
 
 
-def _kernel(x_ref, ds_ref, w_ref, b_ref, dx_ref, dw_ref, db_ref, *, width: int, bt: int, length: int, front: int):
+def _kernel(
+    x_ref, ds_ref, w_ref, b_ref, dx_ref, dw_ref, db_ref, *, width: int, bt: int, length: int, front: int, dx_in: bool
+):
+    """dx_in: the one pass (dx_ref gets dx); else dx_ref gets the tile's dconv."""
     r = pl.program_id(1)
     t0 = pl.multiple_of(r * bt, bt)
     w = [w_ref[pl.ds(k, 1), :].astype(jnp.float32) for k in range(width)]  # (1, bc) each
@@ -69,6 +75,9 @@ def _kernel(x_ref, ds_ref, w_ref, b_ref, dx_ref, dw_ref, db_ref, *, width: int, 
     for k in range(width):
         dw_ref[pl.ds(k, 1), :] = jnp.sum(x_rows(k - width + 1) * d0, axis=0, keepdims=True)
     db_ref[...] = jnp.sum(d0, axis=0, keepdims=True)
+    if not dx_in:
+        dx_ref[...] = d0
+        return
     dx = w[width - 1] * d0
     for k in range(width - 2, -1, -1):  # dx[t] = sum_k w[k] dconv[t + W - 1 - k], k = W - 1 first
         dx = dx + w[k] * dconv(width - 1 - k)
@@ -78,10 +87,11 @@ def _kernel(x_ref, ds_ref, w_ref, b_ref, dx_ref, dw_ref, db_ref, *, width: int, 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def conv_silu_bwd(x_BLC, w_WC, b_C, ds_BLC, *, interpret: bool):
     """(dx (B, L, C) in x's dtype, dw partials (B, L / block_rows, W, C), db partials (B, L / block_rows, 1, C)),
-    float32 partials, of silu(causal_conv(x, w, b)) given the gradient ds of its output."""
+    float32 partials, of silu(causal_conv(x, w, b)) given the gradient ds of its output; dx in the kernel or
+    from its dconv by XLA (TILES["dx_in_kernel"])."""
     bsz, length, ch = x_BLC.shape
     width = w_WC.shape[0]
-    bt, bc = TILES["block_rows"], TILES["block_channels"]
+    bt, bc, dx_in = TILES["block_rows"], TILES["block_channels"], TILES["dx_in_kernel"]
     if not usable(length, ch):
         raise ValueError(
             f"conv_silu_bwd takes tokens in blocks of {bt} and channels in blocks of {bc}; got {x_BLC.shape}"
@@ -92,7 +102,7 @@ def conv_silu_bwd(x_BLC, w_WC, b_C, ds_BLC, *, interpret: bool):
     xp = jnp.pad(x_BLC, ((0, 0), (front, 0), (0, 0))) if front else x_BLC
     nt = length // bt
     dx, dw, db = pl.pallas_call(
-        functools.partial(_kernel, width=width, bt=bt, length=length, front=front),
+        functools.partial(_kernel, width=width, bt=bt, length=length, front=front, dx_in=dx_in),
         grid=(bsz, nt, ch // bc),
         in_specs=[
             pl.BlockSpec((None, length + front, bc), lambda i, r, c: (i, 0, c)),
@@ -106,7 +116,7 @@ def conv_silu_bwd(x_BLC, w_WC, b_C, ds_BLC, *, interpret: bool):
             pl.BlockSpec((None, None, 1, bc), lambda i, r, c: (i, r, 0, c)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct(x_BLC.shape, x_BLC.dtype),
+            jax.ShapeDtypeStruct(x_BLC.shape, x_BLC.dtype if dx_in else jnp.float32),
             jax.ShapeDtypeStruct((bsz, nt, width, ch), jnp.float32),
             jax.ShapeDtypeStruct((bsz, nt, 1, ch), jnp.float32),
         ],
@@ -114,4 +124,19 @@ def conv_silu_bwd(x_BLC, w_WC, b_C, ds_BLC, *, interpret: bool):
         interpret=interpret,
         compiler_params=triton_params(TILES["num_warps"], TILES["num_stages"], interpret),
     )(xp, ds_BLC, w_WC, b_C.reshape(1, ch))
+    if not dx_in:
+        dx = _dx_from_dconv(dx, w_WC).astype(x_BLC.dtype)
     return dx, dw, db
+
+
+def _dx_from_dconv(dconv_BLC, w_WC):
+    """dx[t] = sum_k w[k] dconv[t + W - 1 - k], added for k = W - 1 .. 0 as the one-pass kernel adds it, dconv
+    zero past the end of the sequence."""
+    width, length = w_WC.shape[0], dconv_BLC.shape[1]
+    dpad = jnp.pad(dconv_BLC, ((0, 0), (0, width - 1), (0, 0)))
+    w = w_WC.astype(jnp.float32).reshape(width, 1, 1, -1)
+    dx = w[width - 1] * dpad[:, :length]
+    for k in range(width - 2, -1, -1):
+        m = width - 1 - k
+        dx = dx + w[k] * dpad[:, m : m + length]
+    return dx

@@ -1,5 +1,5 @@
 """conv_silu(x, w, b): silu(causal depthwise conv of x) (channels last, float32 out); the forward is XLA's
-(reference.conv_silu_ref, the mixer's own formula), the backward the one-pass Pallas kernel, whose dw and db
+(reference.conv_silu_ref, the mixer's own formula), the backward the Pallas kernel (kernel.py), whose dw and db
 partials are added by a fixed tree."""
 
 from __future__ import annotations
