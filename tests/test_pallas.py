@@ -382,9 +382,10 @@ def _mixer_with_and_without(monkeypatch, switch: str, kernel: str):
 def test_mamba2_gated_norm_takes_the_rmsnorm_kernel_only_when_switched_on(monkeypatch):
     """model.mamba2.KERNEL_GATED_NORM puts the Pallas RMSNorm into the mixer's gated norm (model.kernels=pallas,
     no tensor chunks); its output and gradients then agree with the jnp norm's to rounding. Off, or at a width
-    the kernel does not take, the mixer keeps the jnp norm."""
+    the kernel does not take, the mixer keeps the jnp norm. (KERNEL_GATE, which takes precedence, is off.)"""
     from detjax.model import mamba2
 
+    monkeypatch.setattr(mamba2, "KERNEL_GATE", False)
     (used_off, y_off, g_off), (used_on, y_on, g_on) = _mixer_with_and_without(
         monkeypatch, "KERNEL_GATED_NORM", "rmsnorm_fwd"
     )

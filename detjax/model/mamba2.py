@@ -33,18 +33,21 @@ KERNEL_GATED_NORM = True
 
 # Whether the skip term, the SiLU gate and the gated norm run as one Pallas kernel (pallas_kernels/gated_norm:
 # the forward reads the scan's output, its input and the gate once and writes the normed output; the backward
-# writes the scan's and the gate's gradients in one pass) where KERNEL_GATED_NORM's kernel would run. Off until
-# timed in the step.
-KERNEL_GATE = False
+# writes the scan's and the gate's gradients in one pass) where a kernel takes the gated norm; it takes
+# precedence over KERNEL_GATED_NORM. On: 0.393 against 0.469 ms forward + backward at gpu_medium's shape, and a
+# gpu_medium step 1.0 % faster, on an H100 (docs/BENCHMARKS.md, "The fused Mamba2 gate and the two-pass
+# convolution backward").
+KERNEL_GATE = True
 
 
 # Whether the causal convolutions' and their SiLUs' backward (one device, no canonical tensor chunks) runs the
 # Pallas kernel (pallas_kernels/conv) under model.kernels=pallas where it takes the shape; the forward
-# stays this file's formula (which XLA may fuse differently behind the custom_vjp). Off: no faster than XLA's
-# autodiff in its one-pass form (0.243 against 0.241 ms forward + backward at gpu_medium's shape on an H100,
-# `scripts/tile_sweep.py --kernels conv`) and 0.7 ms slower in the gpu_medium step (docs/BENCHMARKS.md); its
-# two-pass form (conv.kernel.TILES["dx_in_kernel"] False) is not yet timed.
-KERNEL_CONV = False
+# stays this file's formula (which XLA may fuse differently behind the custom_vjp). On, in the kernel's
+# two-pass form (conv.kernel.TILES["dx_in_kernel"] False): with KERNEL_GATE, the gpu_medium step 0.6 % faster
+# synced and 0.1 % pipelined than with XLA's autodiff on an H100 (docs/BENCHMARKS.md, the section above). The
+# one-pass form was no faster than XLA's autodiff (0.243 against 0.241 ms forward + backward) and 0.7 ms slower
+# in the step.
+KERNEL_CONV = True
 
 
 def conv_silu(x_BL_: jax.Array, w_W_: jax.Array, b_: jax.Array, kernels: str) -> jax.Array:

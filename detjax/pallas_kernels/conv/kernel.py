@@ -10,8 +10,9 @@ once each, zero outside the sequence by masked loads) and forms dconv from ds. T
 - True (one pass): it recomputes conv and dconv on the W row windows its dx needs (2W - 1 windows of x; dconv
   zero past the end of the sequence: no gradient comes from there) and adds dx in the order k = W - 1 .. 0.
   That evaluates the SiLU's sigmoid W times an element.
-- False (two passes): it writes its tile's dconv (float32), once an element, and XLA adds dx from it, the
-  same sum in the same order (k = W - 1 .. 0) over a copy of dconv with W - 1 zero rows after the sequence.
+- False (two passes, pinned): it writes its tile's dconv (float32), once an element, and XLA adds dx from it,
+  the same sum in the same order (k = W - 1 .. 0) over a copy of dconv with W - 1 zero rows after the
+  sequence.
 No padded copy of x or ds is made on the GPU (the interpreter gets one of x: see conv_silu_bwd). Its tile's dw
 and db are row sums of a pinned shape, written as partials (one per row tile); the caller adds the partials of
 the batch's tiles by a fixed tree (ordered.tree_sum). No atomics; every output element has one writer.
@@ -28,7 +29,10 @@ from jax.experimental.pallas import triton as plt
 
 from detjax.pallas_kernels.backend import triton_params
 
-TILES = {"block_rows": 32, "block_channels": 128, "num_warps": 4, "num_stages": 1, "dx_in_kernel": True}
+# dx_in_kernel False (two passes): in the gpu_medium step, with the fused gate, 0.6 % faster synced and 0.1 %
+# pipelined than XLA's autodiff on an H100 (docs/BENCHMARKS.md); the tiles are the one-pass form's sweep winner,
+# not swept in this form yet (scripts/tile_sweep.py --kernels conv has both forms' candidates)
+TILES = {"block_rows": 32, "block_channels": 128, "num_warps": 4, "num_stages": 1, "dx_in_kernel": False}
 
 
 def usable(length: int, channels: int) -> bool:
