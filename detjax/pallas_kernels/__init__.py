@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from detjax.pallas_kernels import ce, conv, flash_attention, gmm, matmul, rmsnorm, rope, segment_sum, ssd
+from detjax.pallas_kernels import ce, conv, flash_attention, gated_norm, gmm, matmul, rmsnorm, rope, segment_sum, ssd
 from detjax.pallas_kernels.support import Problem
 
-KERNELS = (rmsnorm, segment_sum, flash_attention, ssd, gmm, matmul, rope, ce, conv)
+KERNELS = (rmsnorm, segment_sum, flash_attention, ssd, gmm, matmul, rope, ce, conv, gated_norm)
 
 
 def support_problems(model_cfg: Any) -> list[Problem]:
