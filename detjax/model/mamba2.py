@@ -44,9 +44,9 @@ KERNEL_GATE = True
 # Pallas kernel (pallas_kernels/conv) under model.kernels=pallas where it takes the shape; the forward
 # stays this file's formula (which XLA may fuse differently behind the custom_vjp). On, in the kernel's
 # two-pass form (conv.kernel.TILES["dx_in_kernel"] False): with KERNEL_GATE, the gpu_medium step 0.6 % faster
-# synced and 0.1 % pipelined than with XLA's autodiff on an H100 (docs/BENCHMARKS.md, the section above). The
-# one-pass form was no faster than XLA's autodiff (0.243 against 0.241 ms forward + backward) and 0.7 ms slower
-# in the step.
+# synced and 0.1 % pipelined than with XLA's autodiff on an H100 (docs/BENCHMARKS.md, "The fused Mamba2 gate
+# and the two-pass convolution backward"). The one-pass form was no faster than XLA's autodiff (0.243 against
+# 0.241 ms forward + backward) and 0.7 ms slower in the step.
 KERNEL_CONV = True
 
 
