@@ -761,6 +761,40 @@ def test_gmm_compute_copy_gives_the_cast_at_use_bits():
         grouped_matmul_copy(x, w, gs, grouped_compute_copy(w[:, :128], jnp.bfloat16))
 
 
+def test_padded_group_layout_matches_a_row_by_row_construction():
+    """gmm/mosaic.py padded_layout against a plain loop over the groups: every sorted row's padded row, every
+    padded row's source and validity, each row tile's expert and each group's blocks, with empty groups, a
+    group of exactly one tile, and fewer rows than the group sizes' bound. Negative control: other sizes give
+    another layout."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    t = gmosaic.GROUP_ROWS
+    for sizes, rows in (([0, 300, 90], 390), ([t, 0, 0, 1, 2 * t + 5], 3 * t + 6), ([7, 0, 0, 0], 20)):
+        lay = jax.jit(gmosaic.padded_layout, static_argnums=(1, 2))(jnp.asarray(sizes, jnp.int32), rows, 64)
+        p = gmosaic.padded_rows(rows, len(sizes))
+        pos, src, valid, tile_groups, starts, counts = [], [None] * p, [False] * p, [], [], []
+        tile, first = 0, 0
+        for e, g in enumerate(sizes):
+            tiles = max(1, -(-g // t))
+            starts.append(tile * t // 64)
+            counts.append(tiles * t // 64)
+            for r in range(g):
+                pos.append(tile * t + r)
+                src[tile * t + r], valid[tile * t + r] = first + r, True
+            tile_groups += [e] * tiles
+            tile, first = tile + tiles, first + g
+        tile_groups += [len(sizes) - 1] * (p // t - len(tile_groups))  # the zero tiles past the last group
+        assert np.asarray(lay.pos_R[: len(pos)]).tolist() == pos, sizes
+        assert np.asarray(lay.valid_P).tolist() == valid, sizes
+        assert [s for s, v in zip(np.asarray(lay.src_P).tolist(), valid, strict=True) if v] == [
+            s for s, v in zip(src, valid, strict=True) if v
+        ], sizes
+        assert np.asarray(lay.tile_groups).tolist() == tile_groups, sizes
+        assert np.asarray(lay.group_blocks).tolist() == [starts, counts], sizes
+    one, other = (gmosaic.padded_layout(jnp.asarray(s, jnp.int32), 390, 64) for s in ([0, 300, 90], [90, 300, 0]))
+    assert np.asarray(one.pos_R).tolist() != np.asarray(other.pos_R).tolist()
+
+
 def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypatch):
     """gmm.ops.grouped_swiglu_padded (the experts' three products with the rows kept in the padded group
     layout, Mosaic under its interpreter) gives the bytes of three grouped_matmul(..., "mosaic") calls around

@@ -41,6 +41,13 @@ def padded_rows(rows: int, n_groups: int) -> int:
     return (-(-rows // GROUP_ROWS) + n_groups) * GROUP_ROWS
 
 
+def _count_at_or_below(edges_E: jax.Array, v: jax.Array) -> jax.Array:
+    """For each v, how many of the E edges are <= v, as int32: searchsorted(edges, v, side="right") for sorted
+    edges, formed as one compare-and-count over (len(v), E) that XLA fuses into one elementwise pass (E is the
+    expert count, small) instead of a binary search's loop."""
+    return jnp.sum((edges_E[None, :] <= v[:, None]).astype(jnp.int32), axis=1)
+
+
 def padded_layout(gs_E: jax.Array, rows: int, block: int = BLOCK) -> GroupLayout:
     """Integer bookkeeping of the padded layout for group sizes gs_E summing to at most `rows`; group_blocks
     counts in blocks of `block` rows (the dw product's block_r: BLOCK for fp8, 64 for bf16)."""
@@ -51,11 +58,11 @@ def padded_layout(gs_E: jax.Array, rows: int, block: int = BLOCK) -> GroupLayout
     end_E = jnp.cumsum(gs)
     start_E = end_E - gs
     r_idx = jnp.arange(rows, dtype=jnp.int32)
-    expert_R = jnp.minimum(jnp.searchsorted(end_E, r_idx, side="right"), e - 1).astype(jnp.int32)
+    expert_R = jnp.minimum(_count_at_or_below(end_E, r_idx), e - 1)
     pos_R = r_idx - start_E[expert_R] + pstart_E[expert_R]
     p = padded_rows(rows, e)
     tile_start = jnp.arange(p // GROUP_ROWS, dtype=jnp.int32) * GROUP_ROWS
-    tile_groups = jnp.minimum(jnp.searchsorted(pstart_E, tile_start, side="right") - 1, e - 1).astype(jnp.int32)
+    tile_groups = jnp.minimum(_count_at_or_below(pstart_E, tile_start) - 1, e - 1)
     p_idx = jnp.arange(p, dtype=jnp.int32)
     tile_of = tile_groups[p_idx // GROUP_ROWS]
     offset = p_idx - pstart_E[tile_of]
