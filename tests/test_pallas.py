@@ -711,15 +711,20 @@ def _gmm_impl(impl, x, w, gs, g):
     return y, *pull(g)
 
 
-def test_gmm_mosaic_path_gives_the_triton_bits_on_exact_values():
+@pytest.mark.parametrize("n", [128, 256])
+def test_gmm_mosaic_path_gives_the_triton_bits_on_exact_values(n):
     """The bf16 experts' products through the Mosaic kernel on the padded group layout (bf16 wgmma on Hopper;
     its interpreter here): an empty group, a group over two 256-row tiles and one inside a tile. On small
-    integers every sum is exact, so y, dx and dw are byte-equal to the Triton gmm / tgmm's. Negative control:
-    swapped group sizes change y."""
+    integers every sum is exact, so y, dx and dw are byte-equal to the Triton gmm / tgmm's. dw comes from the
+    transposed copies at N 128 and from x and dy as stored at N 256 (gmm/mosaic.py grouped_dw). Negative
+    control: swapped group sizes change y."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    assert gmosaic.dw_usable(256, n, jnp.bfloat16) == (n == 256)
     ks = jax.random.split(jax.random.key(3), 3)
     gs = jnp.asarray([0, 300, 90], jnp.int32)
     ints = lambda k, shape: jax.random.randint(k, shape, -3, 4).astype(jnp.bfloat16)  # noqa: E731
-    x, w, g = ints(ks[0], (390, 256)), ints(ks[1], (3, 256, 128)), ints(ks[2], (390, 128)).astype(jnp.float32)
+    x, w, g = ints(ks[0], (390, 256)), ints(ks[1], (3, 256, n)), ints(ks[2], (390, n)).astype(jnp.float32)
     want = _gmm_impl("triton", x, w, gs, g)
     got = _gmm_impl("mosaic", x, w, gs, g)
     for name, a, b in zip(("y", "dx", "dw"), want, got, strict=True):

@@ -130,6 +130,32 @@ def grouped_tnt(x_KP, g_NP, lay: GroupLayout, inv_scale=None, *, interpret: bool
     return out.reshape(e, k, n)
 
 
+def grouped_dw(x_PK, g_PN, lay: GroupLayout, *, interpret: bool) -> jax.Array:
+    """bf16 dw[e] = x_e^T g_e (float32 sums over group e's padded rows in ascending blocks of 64) -> (E, K, N)
+    float32, reading x and g as stored (the "dw" product reads x through a transposed shared-memory view), so
+    without grouped_tnt's transposed copies; the same reduction order. `lay` counts group_blocks in 64-row
+    blocks (mosaic.block_r of bf16). Needs dw_usable(K, N)."""
+    e = lay.group_blocks.shape[1]
+    k, n = x_PK.shape[1], g_PN.shape[1]
+    out = mosaic.mosaic_matmul(
+        x_PK,
+        g_PN,
+        kind="dw",
+        out_dtype=jnp.float32,
+        r_chunk=0,
+        interpret=interpret,
+        group_blocks=lay.group_blocks,
+    )
+    return out.reshape(e, k, n)
+
+
+def dw_usable(k: int, n: int, dtype) -> bool:
+    """Whether grouped_dw takes an expert weight (K, N): bf16 operands (fp8 wgmma reads no transposed view) and
+    whole "dw" output tiles, cta_tile("dw") = 128 x 256 of (K, N)."""
+    rows, cols = mosaic.cta_tile("dw")
+    return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and k % rows == 0 and n % cols == 0
+
+
 def usable(k: int, n: int) -> bool:
     """Whether an expert weight (K, N) has the whole tiles the grouped Mosaic products need: dw's output
     tiles are GROUP_ROWS x 128 of (K, N); the forward's and dx's are 128 columns wide and reduce N or K in

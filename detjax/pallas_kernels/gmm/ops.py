@@ -25,6 +25,10 @@ from detjax.pallas_kernels.gmm.kernel import gmm, tgmm
 # copies 0.52. The whole SwiGLU on the padded layout took 2.06 ms against Triton's 1.70 on an H100
 # (`scripts/gemm_bench.py --swiglu`). docs/BENCHMARKS.md "GEMMs".
 MOSAIC_BF16 = False
+# Whether the Mosaic path's bf16 dw reads x and dy as stored (gmm/mosaic.py grouped_dw, a transposed
+# shared-memory view) instead of from transposed copies (grouped_tnt): the same reduction order, two fewer
+# passes over the rows a product.
+DW_AS_STORED = True
 
 
 def use_mosaic(x_dtype, w_dtype, k: int, n: int) -> bool:
@@ -147,12 +151,15 @@ def _bwd_mosaic(res, dy_RN):
 
 def _padded_grads(x_PK, w_EKN, dy_PN, lay) -> tuple[jax.Array, jax.Array]:
     """(dx, float32 dw) of x @ w[expert] on the padded layout: dx = dy w[e]^T per row tile (w as stored, N
-    contiguous), dw[e] over the transposed copies of x and dy, each group's padded rows in ascending blocks.
+    contiguous), dw[e] from x and dy as stored (DW_AS_STORED, where grouped_dw takes the shape) or from their
+    transposed copies, each group's padded rows in ascending blocks either way.
     dy is rounded to x's dtype and written once before either product reads it (_materialized)."""
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
 
     dy_PN = _materialized(dy_PN.astype(x_PK.dtype))
     dx = gmosaic.grouped_nt(dy_PN, w_EKN, lay, out_dtype=x_PK.dtype, interpret=interpret_mode())
+    if DW_AS_STORED and gmosaic.dw_usable(x_PK.shape[1], dy_PN.shape[1], x_PK.dtype):
+        return dx, gmosaic.grouped_dw(x_PK, dy_PN, lay, interpret=interpret_mode())
     return dx, gmosaic.grouped_tnt(x_PK.T, dy_PN.T, lay, interpret=interpret_mode())
 
 

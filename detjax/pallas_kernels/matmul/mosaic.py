@@ -151,7 +151,8 @@ def mosaic_matmul(
     - `group_blocks` (int32 (2, G): first block and number of blocks, in block_r units of R): item g reduces
       R's blocks first..first+count-1 of a (m, R) and b (n, R) in ascending order (count 0: the item writes
       zeros, an empty expert; with stream=False and delay > 0, count must not be 1). Out (G * m, n): group
-      g's product in rows g*m..(g+1)*m-1.
+      g's product in rows g*m..(g+1)*m-1. Also for bf16 "dw" products (a (R, m) and b (R, n) as stored, a
+      read through a transposed view), so that the experts' weight gradient needs no transposed copies.
     Either way every output tile is still one ascending loop into one accumulator.
 
     `acc_ref` (dw only, float32, no r_chunk or scale; a jax Ref of the output's shape, `jax.new_ref`): the
@@ -170,8 +171,13 @@ def mosaic_matmul(
     grouped = tile_groups is not None or group_blocks is not None
     if acc_ref is not None and (kind != "dw" or r_chunk or scale is not None or jnp.dtype(out_dtype) != jnp.float32):
         raise ValueError("mosaic matmul: acc_ref is for float32 dw products without r_chunk or a scale")
-    if grouped and (kind != "nt" or r_chunk or (tile_groups is not None and group_blocks is not None)):
-        raise ValueError("mosaic matmul: tile_groups or group_blocks (one of them) is for nt products without r_chunk")
+    if grouped and (
+        kind not in ("nt", "dw")
+        or (kind == "dw" and tile_groups is not None)
+        or r_chunk
+        or (tile_groups is not None and group_blocks is not None)
+    ):
+        raise ValueError("mosaic matmul: tile_groups (nt) or group_blocks (nt or dw), one of them, without r_chunk")
     if tile_groups is not None and b.ndim != 3:
         raise ValueError(f"mosaic matmul: tile_groups needs b stacked as (groups, n, R); got b {b.shape}")
     m = a.shape[1] if trans_a else a.shape[0]
@@ -216,7 +222,9 @@ def mosaic_matmul(
         mi, ni = plgpu.planar_snake(lin % (m_tiles * n_tiles), (m_tiles, n_tiles), 1, SNAKE_WIDTH)
         rows, cols = pl.ds(mi * cm, cm), pl.ds(ni * cn, cn)
         if group_blocks is not None:  # item c reduces its own blocks of the whole R
-            views, first, steps = (a_gmem.at[rows, :], b_gmem.at[cols, :]), g_gmem[0, c], g_gmem[1, c]
+            a_view = a_gmem.at[:, rows] if trans_a else a_gmem.at[rows, :]
+            b_view = b_gmem.at[cols, :] if trans_b else b_gmem.at[:, cols]
+            views, first, steps = (a_view, b_view), g_gmem[0, c], g_gmem[1, c]
         else:
             b_op = b_gmem.at[g_gmem[mi]] if tile_groups is not None else b_gmem
             rs = pl.ds(c * chunk, chunk)
