@@ -32,7 +32,9 @@ dt, A and D are outside the kernel (a = A*dt and x*dt are formed by the caller),
 from XLA's autodiff of elementwise products and per-head sums.
 Tiles: the chunk Q is the model's `mamba.chunk_size`; P, N and Q must be powers of two >= 16 on GPU. TILES
 pins the warps (the backward's last kernel its own; other warps may give other bits on the GPU, which
-scripts/tile_sweep.py reports) and the walks' state rows a program (time only).
+scripts/tile_sweep.py reports) and the walks' state rows a program (time only). TILES["bwd_split"] runs the
+backward's last kernel as two, dx with dB and dC with da, each forming the one kernel's expressions in its
+order and forming C B^T and dy x^T again (fewer tiles live at once: scripts/triton_regs.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ TILES = {
     "num_warps": 4,  # every kernel but the backward's last
     "bwd_num_warps": 4,  # ssd_bwd, which holds the most tiles at once
     "pass_rows": 16,  # the walks: rows of the (P, N) state per program (P / pass_rows programs per row)
+    "bwd_split": False,  # the backward's last kernel as two (dx and dB; dC and da), each holding fewer tiles
+    "bwd_dc_num_warps": 4,  # with bwd_split: the second of the two (bwd_num_warps the first)
 }
 
 
@@ -128,6 +132,48 @@ def _dstate_kernel(arow_ref, c_ref, dy_ref, inc_ref, *, q: int):
     inc_ref[...] = jnp.dot(dye.T, c_ref[...].astype(jnp.float32))
 
 
+def _bwd_operands(arow_ref, b_ref, c_ref, dy_ref, ds_ref, q: int):
+    """What every backward kernel reads first: the chunk's terms, w = e^{last - acs}, B, C, dy and dS."""
+    i, j, acs_col, decay, last = _chunk_terms(arow_ref[...].astype(jnp.float32), q)
+    w = jnp.exp(last - acs_col)
+    f32 = jnp.float32
+    return (
+        i,
+        j,
+        acs_col,
+        decay,
+        last,
+        w,
+        b_ref[...].astype(f32),
+        c_ref[...].astype(f32),
+        dy_ref[...].astype(f32),
+        ds_ref[...],
+    )
+
+
+def _state_terms(dy, acs_col, c, s, ds_PN):
+    """y_off = e^{acs} o (C S^T): its dC and dacs terms, and (with dS) the sum of the d(last) term."""
+    dye = dy * jnp.exp(acs_col)
+    dc_off = jnp.dot(dye, s)
+    dacs_off = jnp.sum(dye * jnp.dot(c, s.T), axis=1, keepdims=True)
+    dlast_s = jnp.sum(jnp.sum(ds_PN * s, axis=1, keepdims=True), axis=0, keepdims=True)
+    return dc_off, dacs_off, dlast_s
+
+
+def _diag_dacs(g, i, j):
+    """y_diag's dacs from g = (dy x^T o D) o C B^T: its row sums minus its column sums."""
+    return jnp.sum(g, axis=1, keepdims=True) - _row_to_col(jnp.sum(g, axis=0, keepdims=True), i, j)
+
+
+def _da(dacs, dacs_off, dww, dlast_s, last, i, j, q: int):
+    """da from the chunk's dacs terms: with d(last) on the last row, then acs = cumsum(a) transposed (da_j = the
+    sum over i >= j of dacs_i)."""
+    dacs = dacs + dacs_off
+    dlast = jnp.exp(last) * dlast_s + jnp.sum(dww, axis=0, keepdims=True)
+    dacs = dacs - dww + jnp.where(_is_last(q), dlast, 0.0)
+    return jnp.sum(jnp.where(j >= i, _col_to_row(dacs, i, j), 0.0), axis=1, keepdims=True)
+
+
 def _bwd_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, ds_ref, dy_ref, dx_ref, da_ref, db_ref, dc_ref, *, q: int):
     """One (row, chunk), given S (the state entering it) and dS (the gradient of the state leaving it).
 
@@ -135,37 +181,48 @@ def _bwd_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, ds_ref, dy_ref, dx_ref, da
     where it is first used, dx stored before dB and dC are formed, the inter-chunk terms first); every output
     is the same expression with the same order of sums as in any other order (scripts/triton_regs.py: 356
     bytes a thread spilled at 4 warps, against 788 in the order of the formulas)."""
-    i, j, acs_col, decay, last = _chunk_terms(arow_ref[...].astype(jnp.float32), q)
-    w = jnp.exp(last - acs_col)
-    b = b_ref[...].astype(jnp.float32)
-    c = c_ref[...].astype(jnp.float32)
-    dy = dy_ref[...].astype(jnp.float32)
-    ds_PN = ds_ref[...]
+    i, j, acs_col, decay, last, w, b, c, dy, ds_PN = _bwd_operands(arow_ref, b_ref, c_ref, dy_ref, ds_ref, q)
     # dx: from y_diag = (CB^T o D) x and from S' = e^{last} S + x^T (w o B)
     cb = jnp.dot(c, b.T)
     dx = jnp.dot((cb * decay).T, dy)
     dx = dx + w * jnp.dot(b, ds_PN.T)
     dx_ref[...] = dx.astype(dx_ref.dtype)
-    # y_off = e^{acs} o (C S^T): its dC, dacs and (with dS) d(last) terms
     s = s_ref[...]
-    dye = dy * jnp.exp(acs_col)
-    dc_off = jnp.dot(dye, s)
-    dacs_off = jnp.sum(dye * jnp.dot(c, s.T), axis=1, keepdims=True)
-    dlast_s = jnp.sum(jnp.sum(ds_PN * s, axis=1, keepdims=True), axis=0, keepdims=True)
+    dc_off, dacs_off, dlast_s = _state_terms(dy, acs_col, c, s, ds_PN)
     # y_diag's dC, dB, dacs; S's dB and dw
     x = x_ref[...].astype(jnp.float32)
     dmd = jnp.dot(dy, x.T) * decay
-    g = dmd * cb
-    dacs = jnp.sum(g, axis=1, keepdims=True) - _row_to_col(jnp.sum(g, axis=0, keepdims=True), i, j)
+    dacs = _diag_dacs(dmd * cb, i, j)
     dc_ref[...] = jnp.dot(dmd, b) + dc_off
     xds = jnp.dot(x, ds_PN)
     db_ref[...] = jnp.dot(dmd.T, c) + w * xds
     dww = jnp.sum(xds * b, axis=1, keepdims=True) * w
-    dacs = dacs + dacs_off
-    dlast = jnp.exp(last) * dlast_s + jnp.sum(dww, axis=0, keepdims=True)
-    dacs = dacs - dww + jnp.where(_is_last(q), dlast, 0.0)
-    # acs = cumsum(a): da_j = sum over i >= j of dacs_i
-    da_ref[...] = jnp.sum(jnp.where(j >= i, _col_to_row(dacs, i, j), 0.0), axis=1, keepdims=True)
+    da_ref[...] = _da(dacs, dacs_off, dww, dlast_s, last, i, j, q)
+
+
+def _bwd_dx_db_kernel(x_ref, arow_ref, b_ref, c_ref, ds_ref, dy_ref, dx_ref, db_ref, *, q: int):
+    """The split backward's first half (TILES["bwd_split"]): dx and this head's dB slot, the expressions of
+    _bwd_kernel in its order."""
+    _, _, _, decay, _, w, b, c, dy, ds_PN = _bwd_operands(arow_ref, b_ref, c_ref, dy_ref, ds_ref, q)
+    dx = jnp.dot((jnp.dot(c, b.T) * decay).T, dy)
+    dx = dx + w * jnp.dot(b, ds_PN.T)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+    x = x_ref[...].astype(jnp.float32)
+    dmd = jnp.dot(dy, x.T) * decay
+    db_ref[...] = jnp.dot(dmd.T, c) + w * jnp.dot(x, ds_PN)
+
+
+def _bwd_dc_da_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, ds_ref, dy_ref, da_ref, dc_ref, *, q: int):
+    """The split backward's second half: this head's dC slot and da, the expressions of _bwd_kernel in its
+    order (C B^T and dy x^T formed again here rather than stored by the first half)."""
+    i, j, acs_col, decay, last, w, b, c, dy, ds_PN = _bwd_operands(arow_ref, b_ref, c_ref, dy_ref, ds_ref, q)
+    dc_off, dacs_off, dlast_s = _state_terms(dy, acs_col, c, s_ref[...], ds_PN)
+    x = x_ref[...].astype(jnp.float32)
+    dmd = jnp.dot(dy, x.T) * decay
+    dacs = _diag_dacs(dmd * jnp.dot(c, b.T), i, j)
+    dc_ref[...] = jnp.dot(dmd, b) + dc_off
+    dww = jnp.sum(jnp.dot(x, ds_PN) * b, axis=1, keepdims=True) * w
+    da_ref[...] = _da(dacs, dacs_off, dww, dlast_s, last, i, j, q)
 
 
 def _check(length: int, chunk: int, p: int, n: int) -> int:
@@ -271,17 +328,36 @@ def ssd_bwd(x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, el_GC1N, dy_BLK, *, h: int, c
     )(arow_G1L, c_BLN, dy_BLK)
     ds = _pass(el_GC1N, dinc, chunk=chunk, reverse=True, name="ssd_dstate_pass", interpret=interpret)
     f32 = jnp.float32
+    dx_shape = jax.ShapeDtypeStruct((bsz, length, width), f32)
+    slot_shape = jax.ShapeDtypeStruct((g, length, n), f32)
+    if TILES["bwd_split"]:
+        dx, db = _chunk_call(
+            functools.partial(_bwd_dx_db_kernel, q=chunk),
+            (g, nc),
+            [sp.x, sp.arow, sp.shared, sp.shared, sp.state, sp.x],
+            [sp.x, sp.slot],
+            [dx_shape, slot_shape],
+            "ssd_bwd_dx",
+            interpret,
+            TILES["bwd_num_warps"],
+        )(x_BLK, arow_G1L, b_BLN, c_BLN, ds, dy_BLK)
+        da, dc = _chunk_call(
+            functools.partial(_bwd_dc_da_kernel, q=chunk),
+            (g, nc),
+            [sp.x, sp.arow, sp.shared, sp.shared, sp.state, sp.state, sp.x],
+            [sp.col, sp.slot],
+            [jax.ShapeDtypeStruct((g, length, 1), f32), slot_shape],
+            "ssd_bwd_dc",
+            interpret,
+            TILES["bwd_dc_num_warps"],
+        )(x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, ds, dy_BLK)
+        return dx, da, db, dc
     return _chunk_call(
         functools.partial(_bwd_kernel, q=chunk),
         (g, nc),
         [sp.x, sp.arow, sp.shared, sp.shared, sp.state, sp.state, sp.x],
         [sp.x, sp.col, sp.slot, sp.slot],
-        [
-            jax.ShapeDtypeStruct((bsz, length, width), f32),
-            jax.ShapeDtypeStruct((g, length, 1), f32),
-            jax.ShapeDtypeStruct((g, length, n), f32),
-            jax.ShapeDtypeStruct((g, length, n), f32),
-        ],
+        [dx_shape, jax.ShapeDtypeStruct((g, length, 1), f32), slot_shape, slot_shape],
         "ssd_bwd",
         interpret,
         TILES["bwd_num_warps"],
