@@ -213,15 +213,16 @@ def _bwd_dx_db_kernel(x_ref, arow_ref, b_ref, c_ref, ds_ref, dy_ref, dx_ref, db_
 
 
 def _bwd_dc_da_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, ds_ref, dy_ref, da_ref, dc_ref, *, q: int):
-    """The split backward's second half: this head's dC slot and da, the expressions of _bwd_kernel in its
-    order (C B^T and dy x^T formed again here rather than stored by the first half)."""
+    """The split backward's second half: this head's dC slot and da, the expressions of _bwd_kernel (C B^T and
+    dy x^T formed again here rather than stored by the first half); dS's dw term first, which spills the
+    least (scripts/triton_regs.py: 16 bytes a thread at 4 warps, against 48 in _bwd_kernel's order)."""
     i, j, acs_col, decay, last, w, b, c, dy, ds_PN = _bwd_operands(arow_ref, b_ref, c_ref, dy_ref, ds_ref, q)
-    dc_off, dacs_off, dlast_s = _state_terms(dy, acs_col, c, s_ref[...], ds_PN)
     x = x_ref[...].astype(jnp.float32)
+    dww = jnp.sum(jnp.dot(x, ds_PN) * b, axis=1, keepdims=True) * w
+    dc_off, dacs_off, dlast_s = _state_terms(dy, acs_col, c, s_ref[...], ds_PN)
     dmd = jnp.dot(dy, x.T) * decay
     dacs = _diag_dacs(dmd * jnp.dot(c, b.T), i, j)
     dc_ref[...] = jnp.dot(dmd, b) + dc_off
-    dww = jnp.sum(jnp.dot(x, ds_PN) * b, axis=1, keepdims=True) * w
     da_ref[...] = _da(dacs, dacs_off, dww, dlast_s, last, i, j, q)
 
 
