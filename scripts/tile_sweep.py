@@ -368,8 +368,6 @@ def sweep_ssd(reps: int, old_src: str | None, pinned_only: bool = False) -> None
         cands += [{**pinned, "num_warps": w} for w in SSD_WARPS if w != pinned["num_warps"]]
         cands += [{**pinned, "bwd_num_warps": w} for w in SSD_WARPS if w not in (2, pinned["bwd_num_warps"])]
         cands += [{**pinned, "pass_rows": r} for r in SSD_PASS_ROWS if r != pinned.get("pass_rows")]
-        split = [(4, 4), (4, 8), (8, 8)]  # the split backward's (bwd_num_warps, bwd_dc_num_warps)
-        cands += [{**pinned, "bwd_split": True, "bwd_num_warps": a, "bwd_dc_num_warps": b} for a, b in split]
     _sweep("ssd", sk.TILES, None, cands, cases, reps)
     out = jax.jit(both)(*(t[0] for t in cases[1][2]))
     digest = hashlib.sha256(_bytes(out)).hexdigest()[:16]

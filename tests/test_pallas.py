@@ -629,32 +629,6 @@ def test_ssd_walks_split_over_state_rows_change_no_byte(monkeypatch):
     jax.clear_caches()
 
 
-def test_ssd_split_backward_matches_the_one_kernel_backward(monkeypatch):
-    """TILES["bwd_split"] runs the backward's last kernel as two (dx and dB; dC and da), each forming the one
-    kernel's expressions in its order: every gradient against the chunked reference, and here under the
-    interpreter the one kernel's bytes. Control: one dy element 0.1 % larger changes bytes."""
-    from detjax.pallas_kernels.ssd import kernel as sk
-
-    args, g = _ssd_inputs(4, b=1, length=64, h=2, p=32)
-
-    def run(g):
-        return b"".join(_bits(d) for d in _ssd_grads(lambda *t: ssd(*t, 16), args, g))
-
-    monkeypatch.setitem(sk.TILES, "bwd_split", False)
-    jax.clear_caches()
-    one = run(g)
-    monkeypatch.setitem(sk.TILES, "bwd_split", True)
-    jax.clear_caches()
-    got = _ssd_grads(lambda *t: ssd(*t, 16), args, g)
-    with jax.default_matmul_precision("highest"):
-        want = _ssd_grads(lambda *t: ssd_chunked(*t, 16), args, g)
-    for name, u, w in zip("x a B C".split(), got, want, strict=True):
-        assert _rel(u, w) <= _tf32_tol(TOL_GRAD), name
-    assert run(g) == one
-    assert run(g.at[0, 9, 1, 3].multiply(1.001)) != one
-    jax.clear_caches()
-
-
 def _transposes_of_size(fn, args, size: int) -> int:
     text = jax.jit(fn).lower(*args).as_text()
     sizes = []
@@ -678,19 +652,11 @@ def test_ssd_reads_and_writes_heads_in_place():
     assert _transposes_of_size(lambda x: jnp.moveaxis(x, 2, 1) * 2.0, args[:1], args[0].size) == 1
 
 
-@pytest.mark.parametrize("bwd_split", [False, True])
-def test_ssd_replays_bit_exact(bwd_split, monkeypatch):
-    """Forward and gradients replay byte-equal, quiet and under contention, with the backward's last kernel
-    whole and split in two (TILES["bwd_split"])."""
-    from detjax.pallas_kernels.ssd import kernel as sk
-
-    monkeypatch.setitem(sk.TILES, "bwd_split", bwd_split)
-    jax.clear_caches()
+def test_ssd_replays_bit_exact():
     args, g = _ssd_inputs(1, length=32)
     fn = jax.jit(lambda *a: (ssd(*a, 16), _ssd_grads(lambda *b: ssd(*b, 16), a, g)))
     assert_replays_bit_exact(fn, args, replays=4)
     assert_replays_bit_exact(fn, args, replays=3, contention=matmul_contention(256, 5))
-    jax.clear_caches()
 
 
 def _gmm_inputs(seed=0, r=200, k=64, n=96, sizes=(30, 0, 71, 5, 64, 30)):

@@ -3,7 +3,7 @@ backward is a gmm against the transposed weights (dx) and a tgmm (dw), all fixed
 
 Two kernels, one rule: the Triton gmm / tgmm (gmm/kernel.py, every GPU and the CPU's interpreter) and, for
 bf16 operands on Hopper, bf16 wgmma through the Mosaic GPU kernel on the padded group layout (gmm/mosaic.py,
-`use_mosaic`; slower, so not the default: MOSAIC_BF16). Both reduce each output element in one ascending loop
+`use_mosaic`, where MOSAIC_BF16 is on: the default). Both reduce each output element in one ascending loop
 into one float32 accumulator: over K (or N) for the forward and dx, and for dw over the group's own rows in
 blocks aligned to its first row, the rows past its end zero. grouped_swiglu_padded runs the experts' whole
 SwiGLU on the Mosaic path with the rows kept in the padded layout between the three products."""
@@ -19,12 +19,11 @@ from detjax.pallas_kernels.backend import interpret_mode
 from detjax.pallas_kernels.gmm.kernel import gmm, tgmm
 
 # Whether "auto" takes the Mosaic path for bf16 experts (and dispatch.expert_ffn their whole SwiGLU on the padded
-# layout, grouped_swiglu_padded). Off: it gives the Triton kernels' bytes, but is slower. One product, forward
-# and backward, took 0.82 ms against Triton's 0.51 on an H200 (16384 rows x 1024 x 1024 over 8 experts;
-# `scripts/gemm_bench.py --grouped --breakdown 12`): its kernels 0.18 ms against Triton's 0.34, its layout
-# copies 0.52. The whole SwiGLU on the padded layout took 2.06 ms against Triton's 1.70 on an H100
-# (`scripts/gemm_bench.py --swiglu`). docs/BENCHMARKS.md "GEMMs".
-MOSAIC_BF16 = False
+# layout, grouped_swiglu_padded). Both paths give the same bytes. On since 2026-12-06: with the padded layout's
+# lookups as compare-and-count and dw read as stored (DW_AS_STORED), the whole SwiGLU took 1.173 ms against
+# Triton's 1.346 on an H100 (`scripts/gemm_bench.py --swiglu`), and the gpu_medium step 130.19 against 134.78 ms
+# pipelined, ending on the same parameter digest (docs/BENCHMARKS.md, "The experts on the Mosaic path").
+MOSAIC_BF16 = True
 # Whether the Mosaic path's bf16 dw reads x and dy as stored (gmm/mosaic.py grouped_dw, a transposed
 # shared-memory view) instead of from transposed copies (grouped_tnt): the same reduction order, two fewer
 # passes over the rows a product.

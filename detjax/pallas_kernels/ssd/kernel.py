@@ -32,9 +32,7 @@ dt, A and D are outside the kernel (a = A*dt and x*dt are formed by the caller),
 from XLA's autodiff of elementwise products and per-head sums.
 Tiles: the chunk Q is the model's `mamba.chunk_size`; P, N and Q must be powers of two >= 16 on GPU. TILES
 pins the warps (the backward's last kernel its own; other warps may give other bits on the GPU, which
-scripts/tile_sweep.py reports) and the walks' state rows a program (time only). TILES["bwd_split"] runs the
-backward's last kernel as two, dx with dB and dC with da, each forming the one kernel's expressions in its
-order and forming C B^T and dy x^T again (fewer tiles live at once: scripts/triton_regs.py).
+scripts/tile_sweep.py reports) and the walks' state rows a program (time only).
 """
 
 from __future__ import annotations
@@ -53,8 +51,6 @@ TILES = {
     "num_warps": 4,  # every kernel but the backward's last
     "bwd_num_warps": 4,  # ssd_bwd, which holds the most tiles at once
     "pass_rows": 16,  # the walks: rows of the (P, N) state per program (P / pass_rows programs per row)
-    "bwd_split": False,  # the backward's last kernel as two (dx and dB; dC and da), each holding fewer tiles
-    "bwd_dc_num_warps": 4,  # with bwd_split: the second of the two (bwd_num_warps the first)
 }
 
 
@@ -200,32 +196,6 @@ def _bwd_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, ds_ref, dy_ref, dx_ref, da
     da_ref[...] = _da(dacs, dacs_off, dww, dlast_s, last, i, j, q)
 
 
-def _bwd_dx_db_kernel(x_ref, arow_ref, b_ref, c_ref, ds_ref, dy_ref, dx_ref, db_ref, *, q: int):
-    """The split backward's first half (TILES["bwd_split"]): dx and this head's dB slot, the expressions of
-    _bwd_kernel in its order."""
-    _, _, _, decay, _, w, b, c, dy, ds_PN = _bwd_operands(arow_ref, b_ref, c_ref, dy_ref, ds_ref, q)
-    dx = jnp.dot((jnp.dot(c, b.T) * decay).T, dy)
-    dx = dx + w * jnp.dot(b, ds_PN.T)
-    dx_ref[...] = dx.astype(dx_ref.dtype)
-    x = x_ref[...].astype(jnp.float32)
-    dmd = jnp.dot(dy, x.T) * decay
-    db_ref[...] = jnp.dot(dmd.T, c) + w * jnp.dot(x, ds_PN)
-
-
-def _bwd_dc_da_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, ds_ref, dy_ref, da_ref, dc_ref, *, q: int):
-    """The split backward's second half: this head's dC slot and da, the expressions of _bwd_kernel (C B^T and
-    dy x^T formed again here rather than stored by the first half); dS's dw term first, which spills the
-    least (scripts/triton_regs.py: 16 bytes a thread at 4 warps, against 48 in _bwd_kernel's order)."""
-    i, j, acs_col, decay, last, w, b, c, dy, ds_PN = _bwd_operands(arow_ref, b_ref, c_ref, dy_ref, ds_ref, q)
-    x = x_ref[...].astype(jnp.float32)
-    dww = jnp.sum(jnp.dot(x, ds_PN) * b, axis=1, keepdims=True) * w
-    dc_off, dacs_off, dlast_s = _state_terms(dy, acs_col, c, s_ref[...], ds_PN)
-    dmd = jnp.dot(dy, x.T) * decay
-    dacs = _diag_dacs(dmd * jnp.dot(c, b.T), i, j)
-    dc_ref[...] = jnp.dot(dmd, b) + dc_off
-    da_ref[...] = _da(dacs, dacs_off, dww, dlast_s, last, i, j, q)
-
-
 def _check(length: int, chunk: int, p: int, n: int) -> int:
     if length % chunk:
         raise ValueError(f"SSD length {length} is not divisible by chunk {chunk}; choose chunk dividing seq_len")
@@ -331,28 +301,6 @@ def ssd_bwd(x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, el_GC1N, dy_BLK, *, h: int, c
     f32 = jnp.float32
     dx_shape = jax.ShapeDtypeStruct((bsz, length, width), f32)
     slot_shape = jax.ShapeDtypeStruct((g, length, n), f32)
-    if TILES["bwd_split"]:
-        dx, db = _chunk_call(
-            functools.partial(_bwd_dx_db_kernel, q=chunk),
-            (g, nc),
-            [sp.x, sp.arow, sp.shared, sp.shared, sp.state, sp.x],
-            [sp.x, sp.slot],
-            [dx_shape, slot_shape],
-            "ssd_bwd_dx",
-            interpret,
-            TILES["bwd_num_warps"],
-        )(x_BLK, arow_G1L, b_BLN, c_BLN, ds, dy_BLK)
-        da, dc = _chunk_call(
-            functools.partial(_bwd_dc_da_kernel, q=chunk),
-            (g, nc),
-            [sp.x, sp.arow, sp.shared, sp.shared, sp.state, sp.state, sp.x],
-            [sp.col, sp.slot],
-            [jax.ShapeDtypeStruct((g, length, 1), f32), slot_shape],
-            "ssd_bwd_dc",
-            interpret,
-            TILES["bwd_dc_num_warps"],
-        )(x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, ds, dy_BLK)
-        return dx, da, db, dc
     return _chunk_call(
         functools.partial(_bwd_kernel, q=chunk),
         (g, nc),
