@@ -40,7 +40,9 @@ def rel_err(a, b) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--kernels", default="rmsnorm,segment_sum,flash_attention,ssd,gmm,matmul,ce,conv,gated_norm")
+    ap.add_argument(
+        "--kernels", default="rmsnorm,segment_sum,flash_attention,ssd,gmm,matmul,ce,conv,gated_norm,sum_heads"
+    )
     a = ap.parse_args()
     which = a.kernels.split(",")
     from detjax.pallas_kernels.harness import count_differing_replays, matmul_contention
@@ -192,6 +194,16 @@ def main() -> int:
             "XLA gate + RMSNorm kernel",
             [("XLA jnp", gate_fb(gated_norm_ref))],
         )
+    if "sum_heads" in which:  # the gpu_medium SSD backward's dB / dC slots: 4 batch rows x 32 heads, L 2048, N 64
+        from detjax.pallas_kernels.backend import interpret_mode
+        from detjax.pallas_kernels.ssd.kernel import sum_heads
+        from detjax.pallas_kernels.ssd.ops import _sum_heads_in_order
+
+        kh = jax.random.split(jax.random.key(19), 2)
+        sb, sc = jax.random.normal(kh[0], (128, 2048, 64)), jax.random.normal(kh[1], (128, 2048, 64))
+        xla_chain = jax.jit(lambda b, c: (_sum_heads_in_order(b, 4, 32), _sum_heads_in_order(c, 4, 32)))
+        kernel = jax.jit(lambda b, c: sum_heads(b, c, h=32, interpret=interpret_mode()))
+        measure("SSD dB/dC head sum", kernel, xla_chain, (sb, sc), "XLA chain of adds (fused)")
     neg = count_differing_replays(scat, (ids, g), a.replays)
     print(f"\nnegative control: XLA scatter-add (atomics), {neg} of {a.replays - 1} replays differ from the first")
     n = a.replays - 1

@@ -629,6 +629,38 @@ def test_ssd_walks_split_over_state_rows_change_no_byte(monkeypatch):
     jax.clear_caches()
 
 
+def test_ssd_head_sum_kernel_gives_the_ordered_chain_bits(monkeypatch):
+    """ssd.kernel.sum_heads adds the backward's per-head dB / dC slots with the chain of ops._sum_heads_in_order,
+    the same float32 adds in ascending head order: the same bytes, alone and through the SSD's backward
+    (ops.KERNEL_SUM_HEADS); it replays byte-equal, quiet and under contention. Negative control: the heads added
+    in descending order differ in some bytes."""
+    from detjax.pallas_kernels.ssd import ops as so
+    from detjax.pallas_kernels.ssd.kernel import sum_heads, sum_heads_usable
+
+    b, h, length, n = 2, 8, 64, 16
+    ks = jax.random.split(jax.random.key(11), 2)
+    db = jax.random.normal(ks[0], (b * h, length, n))
+    dc = 1e3 * jax.random.normal(ks[1], (b * h, length, n))
+    got = sum_heads(db, dc, h=h, interpret=interpret_mode())
+    want = [so._sum_heads_in_order(v, b, h) for v in (db, dc)]
+    assert [_bits(v) for v in got] == [_bits(v) for v in want]
+    flipped = so._sum_heads_in_order(dc.reshape(b, h, length, n)[:, ::-1].reshape(dc.shape), b, h)
+    assert _bits(flipped) != _bits(want[1])
+    fn = jax.jit(lambda x, y: sum_heads(x, y, h=h, interpret=interpret_mode()))
+    assert_replays_bit_exact(fn, (db, dc), replays=3)
+    assert_replays_bit_exact(fn, (db, dc), replays=2, contention=matmul_contention(256, 5))
+    assert sum_heads_usable(32, 2048, 64) and not sum_heads_usable(24, 2048, 64)
+
+    args, g = _ssd_inputs(5, b=2, length=64, h=4, p=16)
+    grads = {}
+    for on in (False, True):
+        monkeypatch.setattr(so, "KERNEL_SUM_HEADS", on)
+        jax.clear_caches()
+        grads[on] = [_bits(v) for v in _ssd_grads(lambda *t: ssd(*t, 16), args, g)]
+    assert grads[True] == grads[False]
+    jax.clear_caches()
+
+
 def _transposes_of_size(fn, args, size: int) -> int:
     text = jax.jit(fn).lower(*args).as_text()
     sizes = []

@@ -51,6 +51,8 @@ TILES = {
     "num_warps": 4,  # every kernel but the backward's last
     "bwd_num_warps": 4,  # ssd_bwd, which holds the most tiles at once
     "pass_rows": 16,  # the walks: rows of the (P, N) state per program (P / pass_rows programs per row)
+    "sum_rows": 32,  # sum_heads: token rows per program
+    "sum_stages": 3,  # sum_heads: Triton pipeline stages (time only: every program adds its heads in order)
 }
 
 
@@ -311,3 +313,41 @@ def ssd_bwd(x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, el_GC1N, dy_BLK, *, h: int, c
         interpret,
         TILES["bwd_num_warps"],
     )(x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, ds, dy_BLK)
+
+
+def _sum_heads_kernel(db_ref, dc_ref, db_out, dc_out, *, h: int):
+    """One (batch row, block of token rows): the H heads' dB and dC slots added in ascending head order, the
+    chain ((s_0 + s_1) + s_2) + ... of float32 adds, elementwise."""
+    for ref, out in ((db_ref, db_out), (dc_ref, dc_out)):
+        acc = ref[0, :, :]
+        for k in range(1, h):
+            acc = acc + ref[k, :, :]
+        out[...] = acc
+
+
+def sum_heads_usable(h: int, length: int, n: int) -> bool:
+    """Whether sum_heads takes H heads of (L, N) slots: H and N powers of two (whole Triton blocks), L a
+    multiple of TILES["sum_rows"]."""
+    return h & (h - 1) == 0 and n & (n - 1) == 0 and n >= 16 and length % TILES["sum_rows"] == 0
+
+
+@functools.partial(jax.jit, static_argnames=("h", "interpret"))
+def sum_heads(db_GLN, dc_GLN, *, h: int, interpret: bool):
+    """(dB, dC) (B, L, N): ssd_bwd's per-head slots (G = B*H, L, N) added in ascending head order, the same
+    chain of float32 adds, so the same bits, as XLA's (ops._sum_heads_in_order); one pass that reads every
+    slot once with its loads in flight together."""
+    g, length, n = db_GLN.shape
+    bsz, rows = g // h, TILES["sum_rows"]
+    slots = pl.BlockSpec((None, h, rows, n), lambda b, r: (b, 0, r, 0))
+    out = pl.BlockSpec((None, rows, n), lambda b, r: (b, r, 0))
+    shape = jax.ShapeDtypeStruct((bsz, length, n), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_sum_heads_kernel, h=h),
+        grid=(bsz, length // rows),
+        in_specs=[slots, slots],
+        out_specs=[out, out],
+        out_shape=[shape, shape],
+        name="ssd_sum_heads",
+        interpret=interpret,
+        compiler_params=triton_params(TILES["num_warps"], TILES["sum_stages"], interpret),
+    )(db_GLN.reshape(bsz, h, length, n), dc_GLN.reshape(bsz, h, length, n))

@@ -18,7 +18,13 @@ import jax
 import jax.numpy as jnp
 
 from detjax.pallas_kernels.backend import interpret_mode
-from detjax.pallas_kernels.ssd.kernel import ssd_bwd, ssd_fwd
+from detjax.pallas_kernels.ssd.kernel import ssd_bwd, ssd_fwd, sum_heads, sum_heads_usable
+
+# Whether the backward adds the per-head dB / dC slots with the Pallas kernel (kernel.sum_heads) instead of XLA's
+# fused chain of adds: the same adds in the same order, so the same bits. XLA's chain read the slots at about
+# 0.8 TB/s on an H100 (2.72 ms a gpu_medium step, `scripts/profile_step.py --source-lines`, 2026-12-06); the
+# kernel is not yet timed, so off.
+KERNEL_SUM_HEADS = False
 
 
 def _heads_first(x_BLH_):
@@ -74,12 +80,12 @@ def _bwd(chunk, res, dy_BLHP):
     da_BLH = da_BLhk[..., 0]
     for j in range(1, k):  # the sub-heads' da in ascending order
         da_BLH = da_BLH + da_BLhk[..., j]
-    return (
-        dx.reshape(bsz, length, heads, p),
-        da_BLH,
-        _sum_heads_in_order(db_slots, bsz, h),
-        _sum_heads_in_order(dc_slots, bsz, h),
-    )
+    n = db_slots.shape[-1]
+    if KERNEL_SUM_HEADS and sum_heads_usable(h, length, n):
+        db, dc = sum_heads(db_slots, dc_slots, h=h, interpret=interpret_mode())
+    else:
+        db, dc = _sum_heads_in_order(db_slots, bsz, h), _sum_heads_in_order(dc_slots, bsz, h)
+    return dx.reshape(bsz, length, heads, p), da_BLH, db, dc
 
 
 ssd.defvjp(_fwd, _bwd)
