@@ -50,7 +50,7 @@ TILES = {
     "chunk": "model.mamba.chunk_size",
     "num_warps": 4,  # every kernel but the backward's last
     "bwd_num_warps": 4,  # ssd_bwd, which holds the most tiles at once
-    "pass_rows": 16,  # the walks: rows of the (P, N) state per program (P / pass_rows programs per row)
+    "pass_rows": 32,  # the walks: rows of the (P, N) state per program (P / pass_rows programs per row)
     "sum_rows": 32,  # sum_heads: token rows per program
     "sum_stages": 3,  # sum_heads: Triton pipeline stages (time only: every program adds its heads in order)
 }
