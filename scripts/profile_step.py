@@ -16,6 +16,10 @@ xprof; a Perfetto JSON trace is written beside it) and prints:
 table then shows where the device waits for the host's dispatch. The first timed line (untraced) stays
 back to back.
 
+`--set MODULE.NAME=VALUE` (repeatable) sets a detjax module constant before the step is built, as det_tax's
+`set=` mode items do: a kernel switch profiled before it is the default
+(`--set detjax.pallas_kernels.ssd.ops.KERNEL_SUM_HEADS=True`).
+
 `--plain` profiles scripts/plain_step.py's plain-JAX step of the same (dense) config instead (its ops carry no
 module scopes: read its table by op). It runs the plain step as det_tax's plain mode does, with XLA's default
 flags. On the H200 with jax 0.11.2 every variant of --plain tried so far (command buffers off, the step
@@ -319,6 +323,14 @@ def main() -> int:
         help="digest leaves of at least this many bytes alone, unstacked (detjax.fingerprint.ALONE_BYTES)",
     )
     ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="set a detjax module constant before the step is built, as det_tax's set= mode items do "
+        "(e.g. detjax.pallas_kernels.ssd.ops.KERNEL_SUM_HEADS=True); repeatable",
+    )
+    ap.add_argument(
         "--synced",
         action="store_true",
         help="wait for each traced step before dispatching the next (det_tax's synced step): the device's idle "
@@ -353,6 +365,15 @@ def main() -> int:
 
     if a.digest_alone_bytes is not None:
         fingerprint.ALONE_BYTES = a.digest_alone_bytes
+    if a.set:
+        sys.path.insert(0, str(here / "scripts"))
+        from det_tax import apply_module_settings
+
+        try:
+            apply_module_settings("profile" + "".join(f"+set={item}" for item in a.set))
+        except (ValueError, SyntaxError, ImportError) as e:
+            print(f"profile_step: --set: {e}", file=sys.stderr)
+            return 2
     ds = make_dataset(cfg)
     if a.plain:
         sys.path.insert(0, str(here / "scripts"))

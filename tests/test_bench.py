@@ -415,3 +415,18 @@ def test_triton_regs_lowers_the_triton_kernels_for_hopper_on_the_cpu(monkeypatch
     again = triton_regs.lowered(fwd_bwd(16), (x, da, bc, bc, x))  # another chunk: a new trace
     assert [k[1] for k in again] == [sk.TILES["num_warps"]] * 5 + [sk.TILES["bwd_num_warps"]]
     assert again[-1][1] != kernels[-1][1]
+
+
+def test_profile_step_set_refuses_a_name_the_module_lacks_in_one_line():
+    """profile_step.py --set MODULE.NAME=VALUE sets a module constant as det_tax's set= items do; a typo stops
+    it before anything is built, with one line naming the constant and no traceback (exit 2)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "scripts" / "profile_step.py"), "--config", str(root / "configs" / "tiny.yaml")]
+    cmd += ["--set", "detjax.pallas_kernels.ssd.ops.KERNEL_SUM_HEDS=True"]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("profile_step: --set: ")
+    assert "KERNEL_SUM_HEDS" in out.stderr and "Traceback" not in out.stderr
