@@ -18,7 +18,7 @@ back to back.
 
 `--set MODULE.NAME=VALUE` (repeatable) sets a detjax module constant before the step is built, as det_tax's
 `set=` mode items do: a kernel switch profiled before it is the default
-(`--set detjax.pallas_kernels.ssd.ops.KERNEL_SUM_HEADS=True`).
+(`--set detjax.pallas_kernels.gmm.ops.MOSAIC_BF16=False`).
 
 `--plain` profiles scripts/plain_step.py's plain-JAX step of the same (dense) config instead (its ops carry no
 module scopes: read its table by op). It runs the plain step as det_tax's plain mode does, with XLA's default
@@ -328,7 +328,7 @@ def main() -> int:
         default=[],
         metavar="MODULE.NAME=VALUE",
         help="set a detjax module constant before the step is built, as det_tax's set= mode items do "
-        "(e.g. detjax.pallas_kernels.ssd.ops.KERNEL_SUM_HEADS=True); repeatable",
+        "(e.g. detjax.pallas_kernels.gmm.ops.MOSAIC_BF16=False); repeatable",
     )
     ap.add_argument(
         "--synced",

@@ -19,7 +19,8 @@ the error.
 A worker builds its data, compiles and times its steps; compilation takes most of it (at 8 blocks on an H100,
 2026-12-06: 20-60 s a dense worker, about 55 s a hybrid one). `--overlap` compiles a cell's two strict-kernels
 workers side by side and then runs their steps one at a time (det_tax.run_gated), which saves one compilation
-a cell.
+a cell. Two workers of a large cell may not fit the GPU's memory together (the d 4096 hybrid cells at 8 blocks
+on an 80 GB H100): a worker that ran out of memory beside its twin is run again alone.
 """
 
 from __future__ import annotations
@@ -149,6 +150,13 @@ def run_worker(
     return worker_result(out)
 
 
+def out_of_memory(result: dict) -> bool:
+    """Whether a worker's result is a failure to allocate device memory (XLA's RESOURCE_EXHAUSTED, CUDA's
+    out-of-memory error)."""
+    err = result.get("error", "")
+    return "RESOURCE_EXHAUSTED" in err or "OUT_OF_MEMORY" in err.upper().replace(" ", "_")
+
+
 def run_strict_gated(n: int, overrides: list[str], steps: int, warmup: int, caller_platforms: str | None) -> list[dict]:
     """n strict-kernels workers of one cell through run_gated: compiled side by side, timed one at a time."""
     from det_tax import run_gated
@@ -231,6 +239,10 @@ def main() -> int:
         n_det = 1 if a.no_l1 else 2
         if a.overlap:  # the strict-kernels workers compile side by side, then the baseline runs alone
             dets = run_strict_gated(n_det, ov, a.steps, a.warmup, platforms)
+            dets = [  # a worker that did not fit beside its twin runs again alone
+                run_worker("strict-kernels", ov, a.steps, a.warmup, platforms, overlap=True) if out_of_memory(r) else r
+                for r in dets
+            ]
             base = run_worker(base_mode, ov, a.steps, a.warmup, platforms, overlap=True)
         else:
             base = run_worker(base_mode, ov, a.steps, a.warmup, platforms)

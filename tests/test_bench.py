@@ -130,6 +130,18 @@ def test_shape_matrix_rows_show_what_ran():
     assert row.endswith("| DIFFER |")
 
 
+def test_shape_matrix_knows_a_worker_that_ran_out_of_memory():
+    """--overlap runs a strict-kernels worker again alone when it failed to allocate beside its twin (the error
+    lines of XLA's allocator and of CUDA's); another failure or a result is not retried."""
+    import shape_matrix
+
+    oom = shape_matrix.out_of_memory
+    assert oom({"error": "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate"})
+    assert oom({"error": "CUDA_ERROR_OUT_OF_MEMORY: out of memory"})
+    assert not oom({"error": "ValueError: model.d_model must be a multiple of 128"})
+    assert not oom({"pipelined_ms": 100.0})
+
+
 def test_shape_matrix_budget_estimates_a_cell_from_the_finished_ones():
     """--budget-s starts a cell only if its estimate fits: the fastest finished cell of its kind with at least its
     FLOPs; else the longest of its kind scaled by the FLOPs' ratio; with none of its kind, the longest of any

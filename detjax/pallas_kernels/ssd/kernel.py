@@ -175,21 +175,23 @@ def _da(dacs, dacs_off, dww, dlast_s, last, i, j, q: int):
 def _bwd_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, ds_ref, dy_ref, dx_ref, da_ref, db_ref, dc_ref, *, q: int):
     """One (row, chunk), given S (the state entering it) and dS (the gradient of the state leaving it).
 
-    The terms are formed in the order that keeps the fewest float32 tiles live at once (the state's terms
-    first, then dx, stored before dC, dB and da are formed; x loaded where it is first used); every output is
-    the same expression with the same order of sums as in any other order (scripts/triton_regs.py: 220 bytes a
-    thread spilled at 4 warps, against 356 with dx first and 788 in the order of the formulas)."""
+    The terms are formed in the order that keeps the fewest float32 tiles live at once (each operand loaded
+    where it is first used, dx stored before dB and dC are formed, the inter-chunk terms first); every output
+    is the same expression with the same order of sums as in any other order (scripts/triton_regs.py: 356
+    bytes a thread spilled at 4 warps, against 788 in the order of the formulas)."""
     i, j, acs_col, decay, last, w, b, c, dy, ds_PN = _bwd_operands(arow_ref, b_ref, c_ref, dy_ref, ds_ref, q)
-    s = s_ref[...]
-    dc_off, dacs_off, dlast_s = _state_terms(dy, acs_col, c, s, ds_PN)
+    # dx: from y_diag = (CB^T o D) x and from S' = e^{last} S + x^T (w o B)
     cb = jnp.dot(c, b.T)
     dx = jnp.dot((cb * decay).T, dy)
     dx = dx + w * jnp.dot(b, ds_PN.T)
     dx_ref[...] = dx.astype(dx_ref.dtype)
+    s = s_ref[...]
+    dc_off, dacs_off, dlast_s = _state_terms(dy, acs_col, c, s, ds_PN)
+    # y_diag's dC, dB, dacs; S's dB and dw
     x = x_ref[...].astype(jnp.float32)
     dmd = jnp.dot(dy, x.T) * decay
-    dc_ref[...] = jnp.dot(dmd, b) + dc_off
     dacs = _diag_dacs(dmd * cb, i, j)
+    dc_ref[...] = jnp.dot(dmd, b) + dc_off
     xds = jnp.dot(x, ds_PN)
     db_ref[...] = jnp.dot(dmd.T, c) + w * xds
     dww = jnp.sum(xds * b, axis=1, keepdims=True) * w

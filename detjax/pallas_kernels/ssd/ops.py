@@ -22,9 +22,10 @@ from detjax.pallas_kernels.ssd.kernel import ssd_bwd, ssd_fwd, sum_heads, sum_he
 
 # Whether the backward adds the per-head dB / dC slots with the Pallas kernel (kernel.sum_heads) instead of XLA's
 # fused chain of adds: the same adds in the same order, so the same bits. XLA's chain read the slots at about
-# 0.8 TB/s on an H100 (2.72 ms a gpu_medium step, `scripts/profile_step.py --source-lines`, 2026-12-06); the
-# kernel is not yet timed, so off.
-KERNEL_SUM_HEADS = False
+# 0.8 TB/s on an H100 (2.72 ms a gpu_medium step, `scripts/profile_step.py --source-lines`); with the kernel the
+# gpu_medium step took 131.26 against 132.75 ms pipelined, on the same digest (docs/BENCHMARKS.md, "The SSD
+# backward's head sum and term order").
+KERNEL_SUM_HEADS = True
 
 
 def _heads_first(x_BLH_):
