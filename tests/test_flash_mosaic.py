@@ -87,7 +87,9 @@ def test_mosaic_forward_variants():
     """The forward with 128-key blocks (one diagonal block per CTA, masked at each warpgroup's offset) matches
     the reference, with and without the warpgroups taking turns; the turns and a three-slot ring (the pinned
     depth is two) change time, not bytes, and the block size changes the online softmax's steps, so it is part
-    of the bits (the control: 64-key blocks differ). Pingpong needs 128-key blocks and says so."""
+    of the bits (the control: 64-key blocks differ). Pingpong needs 128-key blocks and says so. The persistent
+    forward (four CTAs walking the six (tile, head) items, the ring running on across items) gives the same
+    bytes; it too needs 128-key blocks."""
     q, k, v, _ = _inputs(2, length=384)
     interp = jax.default_backend() != "gpu"
     ref = _reference(q, k, v)
@@ -96,11 +98,15 @@ def test_mosaic_forward_variants():
     assert _rel(o128, _reference(q, jnp.roll(k, 1, axis=1), v)) > 10 * TOL
     o_pp, lse_pp = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=128, pingpong=True, stages=3)
     assert _bits(o_pp) == _bits(o128) and _bits(lse_pp) == _bits(lse128)
+    o_ps, lse_ps = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=128, pingpong=True, persistent=True, programs=4)
+    assert _bits(o_ps) == _bits(o128) and _bits(lse_ps) == _bits(lse128)
     o64, lse64 = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=64, pingpong=False)
     assert _rel(o64, ref) <= TOL
     assert _bits(lse64) != _bits(lse128)
     with pytest.raises(ValueError, match="block_kv 128"):
         mosaic._fwd_call(q, k, v, interpret=interp, block_kv=64, pingpong=True)
+    with pytest.raises(ValueError, match="persistent forward"):
+        mosaic._fwd_call(q, k, v, interpret=interp, block_kv=64, pingpong=False, persistent=True)
 
 
 def test_mosaic_flash_attention_has_no_races():
@@ -125,6 +131,8 @@ def test_mosaic_flash_attention_has_no_races():
     q, k, v, g = _inputs(3)
     o, lse = mosaic._fwd_call(q, k, v, interpret=detector("raise"), stages=2)
     jax.block_until_ready(mosaic._fwd_call(q, k, v, interpret=detector("raise"), stages=2, block_kv=128, pingpong=True))
+    persistent = {"block_kv": 128, "pingpong": True, "persistent": True, "programs": 3}  # three CTAs, four items
+    jax.block_until_ready(mosaic._fwd_call(q, k, v, interpret=detector("raise"), stages=2, **persistent))
     delta = jnp.sum(g.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
     jax.block_until_ready(mosaic._dq_call(q, k, v, g, lse, delta, interpret=detector("raise"), stages=2))
     jax.block_until_ready(mosaic._dkv_call(q, k, v, g, lse, delta, interpret=detector("raise"), stages=2))
@@ -169,6 +177,10 @@ def test_mosaic_flash_attention_lowers_for_cuda(d):
             lambda q, k, v: mosaic._fwd_call(q, k, v, interpret=False, block_kv=128, pingpong=True),
             (q, k, k),
         ),
+        "fwd128persistent": (
+            lambda q, k, v: mosaic._fwd_call(q, k, v, interpret=False, block_kv=128, pingpong=True, persistent=True),
+            (q, k, k),
+        ),
         "dq": (lambda *a: mosaic._dq_call(*a, interpret=False), (q, k, k, q, r, r)),
         "dkv": (lambda *a: mosaic._dkv_call(*a, interpret=False), (q, k, k, q, r, r)),
     }
@@ -179,7 +191,9 @@ def test_mosaic_flash_attention_lowers_for_cuda(d):
 
 @pytest.mark.gpu
 def test_mosaic_flash_attention_replays_bit_exact():
-    """Forward and backward at head_dim 128 and 64, quiet and with a GEMM stream on the GPU beside it."""
+    """Forward and backward at head_dim 128 and 64, quiet and with a GEMM stream on the GPU beside it; the
+    persistent forward (with fewer CTAs than items, and with one per SM) gives the pinned forward's bytes and
+    replays too."""
     if not mosaic.available():
         pytest.skip("the Mosaic GPU backend needs a Hopper GPU")
     for d in (128, 64):
@@ -187,6 +201,15 @@ def test_mosaic_flash_attention_replays_bit_exact():
         fn = jax.jit(lambda q, k, v, g=g: _value_and_grads(lambda *x: flash_attention(*x, "mosaic"), q, k, v, g))
         assert_replays_bit_exact(fn, (q, k, v), replays=4)
         assert_replays_bit_exact(fn, (q, k, v), replays=3, contention=matmul_contention(256, 5))
+        want = [_bits(a) for a in mosaic._fwd_call(q, k, v, interpret=False, block_kv=128, pingpong=True)]
+        for programs in (7, None):
+            fwd = jax.jit(
+                lambda q, k, v, n=programs: mosaic._fwd_call(
+                    q, k, v, interpret=False, block_kv=128, pingpong=True, persistent=True, programs=n
+                )
+            )
+            assert [_bits(a) for a in fwd(q, k, v)] == want
+            assert_replays_bit_exact(fwd, (q, k, v), replays=3, contention=matmul_contention(256, 5))
 
 
 def test_mosaic_flash_backend_refusals(tiny_path):

@@ -18,6 +18,9 @@ kernels; none uses an atomic, and every output tile is written by one warpgroup 
   block j + 1's scores before block j's softmax instead); dQ and dK/dV issue a step's two independent products
   (S and dP) together and run the exp2 of the first while the second runs (dK/dV also queues dV behind them).
   Issue order changes time, not what is summed.
+- Persistent forward (FWD["persistent"], off until timed): one CTA per SM walks its share of the forward's
+  (query tile, head, batch) items, longest rows first, each computed as above; the memory warpgroup's ring runs
+  on across items, so the next item's first K / V blocks load while the last item finishes.
 
 Tiles are pinned (BLOCK, FWD's block_kv), so the bits depend on the shape and the device, never on a
 measurement; the ring depth (STAGES, `stages`) and the forward's pingpong change which slot holds a block and
@@ -50,7 +53,11 @@ STAGES = {"fwd": 4, "fwd128": 2, "dq": 3, "dkv": 3}
 # the forward's keys per kv block (64 or 128: the bits) and whether its two warpgroups take turns on the tensor
 # cores (time only; needs 128). 128 with turns: 0.51 ms against 0.77 ms for 64-key blocks with the next block's
 # scores issued early (H100, 2 x 4096 x 16 heads x 128, scripts/attention_bench.py, docs/BENCHMARKS.md)
-FWD = {"block_kv": 128, "pingpong": True}
+FWD = {"block_kv": 128, "pingpong": True, "persistent": False}
+# "persistent" (time only; needs 128-key blocks): one CTA per SM walks its share of the (query tile, head, batch)
+# items, longest rows first, its memory warpgroup streaming the next item's K / V while the compute warpgroups
+# finish the last one; every item is computed as one CTA computes it. Off until timed on a GPU.
+PERSISTENT_PROGRAMS = 132  # CTAs of the persistent forward where the device does not say (an H100 SXM's SMs)
 # head_dim 256 would hold 64 x 256 float32 accumulators, 128 registers a thread each (the forward two, dK/dV
 # two), past a warpgroup's 232; it keeps the Triton kernel (a computed bound, not a measured one)
 HEAD_DIMS = (64, 128)
@@ -98,21 +105,24 @@ def _swizzled(plgpu):
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
-def _launch(plgpu, kernel, out_type, heads: int, tiles: int, batch: int, interpret):
-    """The kernel over grid (heads, tiles, batch) with WGS compute warpgroups and one memory warpgroup: compiled
-    (approximate exp2 / log / division, as FlashAttention-3), or under the interpreter (`interpret` True, or a
-    plgpu.InterpretGPUParams of its own: the tests' race detector)."""
+def _launch(plgpu, kernel, out_type, heads: int, tiles: int, batch: int, interpret, programs: int | None = None):
+    """The kernel over grid (heads, tiles, batch), or over `programs` CTAs on grid axis "sm" (the persistent
+    forward), with WGS compute warpgroups and one memory warpgroup: compiled (approximate exp2 / log /
+    division, as FlashAttention-3), or under the interpreter (`interpret` True, or a plgpu.InterpretGPUParams of
+    its own: the tests' race detector)."""
     if isinstance(interpret, plgpu.InterpretGPUParams):
         mode = {"interpret": interpret}
     elif interpret:
         mode = {"interpret": plgpu.InterpretGPUParams()}
     else:
         mode = {"compiler_params": plgpu.CompilerParams(approx_math=True)}
+    grid = {"grid": (heads, tiles, batch), "grid_names": ("heads", "tile", "batch")}
+    if programs is not None:
+        grid = {"grid": (programs,), "grid_names": ("sm",)}
     return plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(heads, tiles, batch),
-        grid_names=("heads", "tile", "batch"),
+        **grid,
         num_threads=WGS + 1,
         thread_name="wg",
         **mode,
@@ -194,12 +204,29 @@ def _stream_kv(pl, plgpu, k_ref, v_ref, bi, kvh, n_kv, stages, ring, block=BLOCK
     _stream(pl, plgpu, n_kv, stages, loads, (lambda i: k_free.at[i], lambda i: v_free.at[i]))
 
 
+def _programs(items: int) -> int:
+    """CTAs of the persistent forward: one per SM of the device (PERSISTENT_PROGRAMS where it does not say, as
+    on a machine that only lowers the kernel), at most one per item."""
+    sms = getattr(jax.devices()[0], "core_count", None) if jax.default_backend() == "gpu" else None
+    return max(1, min(items, sms or PERSISTENT_PROGRAMS))
+
+
 def _fwd_call(
-    q, k, v, *, interpret: bool, stages: int | None = None, block_kv: int | None = None, pingpong: bool | None = None
+    q,
+    k,
+    v,
+    *,
+    interpret: bool,
+    stages: int | None = None,
+    block_kv: int | None = None,
+    pingpong: bool | None = None,
+    persistent: bool | None = None,
+    programs: int | None = None,
 ):
     """q (B, L, H, D), k/v (B, L, K, D) -> o (B, L, H, D), lse2 (B, H, L) float32. `block_kv` (keys per kv
-    block, FWD["block_kv"] unless given) sets the online softmax's steps, so the bits; `pingpong` and
-    `stages` change when the products run, not what they sum."""
+    block, FWD["block_kv"] unless given) sets the online softmax's steps, so the bits; `pingpong`, `stages`,
+    `persistent` and its `programs` (CTAs; default _programs) change when and where the products run, not what
+    they sum."""
     pl, plgpu = _modules()
     b, length, h, d = q.shape
     kh = k.shape[2]
@@ -210,9 +237,16 @@ def _fwd_call(
         raise ValueError(
             f"the forward's pingpong needs both warpgroups to see as many kv blocks: block_kv {WGS * BLOCK}"
         )
+    persistent = FWD["persistent"] if persistent is None else persistent
+    if persistent and bk != WGS * BLOCK:
+        raise ValueError(
+            f"the persistent forward needs no kv block past a warpgroup's diagonal: block_kv {WGS * BLOCK}"
+        )
     prefetch = bk == BLOCK  # 64-key blocks: block j + 1's scores run under block j's softmax
     per_tile = WGS * BLOCK // bk  # kv blocks per CTA tile of query rows
     n_t = length // (WGS * BLOCK)
+    if persistent:
+        programs = programs or _programs(n_t * h * b)
     stages = min(stages or STAGES["fwd" if bk == BLOCK else "fwd128"], length // bk)
     c = d**-0.5 * _LOG2E
     dtype = q.dtype
@@ -221,9 +255,24 @@ def _fwd_call(
     def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref):
         def scoped(q_smem, k_smem, v_smem, l_smem, q_bar, k_bar, v_bar, k_free, v_free, turn, *p_smem):
             ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free)
-            bi, hi, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-            t = n_t - 1 - lax.axis_index("tile")  # the longest rows first: order changes time, not bits
-            n_kv = (t + 1) * per_tile  # kv blocks the CTA streams: its last row sees them all
+            wg = lax.axis_index("wg")
+
+            def each_item(body):
+                """body(bi, hi, t, base) for each (batch, head, query tile t) this CTA computes, the longest rows
+                first (order changes time, not bits); `base` counts the kv steps its ring ran before the item.
+                Returns the steps of all its items."""
+                if not persistent:
+                    t = n_t - 1 - lax.axis_index("tile")
+                    body(lax.axis_index("batch"), lax.axis_index("heads"), t, 0)
+                    return (t + 1) * per_tile
+
+                def item(info, carry):
+                    tile, hi, bi = info.index
+                    t = n_t - 1 - tile
+                    body(bi, hi, t, carry)
+                    return carry + (t + 1) * per_tile
+
+                return plgpu.nd_loop((n_t, h, b), collective_axes="sm", init_carry=jnp.int32(0))(item)
 
             def take_turn():  # pingpong: the warpgroups alternate, one's products under the other's softmax
                 if pingpong:
@@ -233,112 +282,144 @@ def _fwd_call(
             @pl.when(wg < WGS)
             def _compute():
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-                row0 = t * (WGS * BLOCK) + wg * BLOCK
-                diag = row0 // bk  # this warpgroup's diagonal kv block; it sees blocks 0 .. diag
-                offset = row0 - diag * bk  # its first row's position in the diagonal block
-                qs, ls = q_smem.at[wg], l_smem.at[wg]
-                plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, BLOCK), hi], qs, q_bar.at[wg])
-                plgpu.barrier_wait(q_bar.at[wg])
 
-                def scores(j):  # S_j = Q K_j^T, scaled; releases K_j's slot
-                    slot = lax.rem(j, stages)
-                    plgpu.barrier_wait(k_bar.at[slot])
+                def one(bi, hi, t, base):
+                    row0 = t * (WGS * BLOCK) + wg * BLOCK
+                    diag = row0 // bk  # this warpgroup's diagonal kv block; it sees blocks 0 .. diag
+                    offset = row0 - diag * bk  # its first row's position in the diagonal block
+                    qs, ls = q_smem.at[wg], l_smem.at[wg]
+                    if persistent:  # the previous item's output and lse stores have read qs and ls
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, BLOCK), hi], qs, q_bar.at[wg])
+                    plgpu.barrier_wait(q_bar.at[wg])
 
-                    def run(acc):
-                        plgpu.wgmma(acc, qs, k_smem.at[slot].transpose((1, 0)))
-                        take_turn()
-                        return acc[...]
+                    def scores(j):  # S_j = Q K_j^T, scaled; releases K_j's slot
+                        slot = lax.rem(base + j, stages)
+                        plgpu.barrier_wait(k_bar.at[slot])
 
-                    s = pl.run_scoped(run, plgpu.ACC((BLOCK, bk), jnp.float32)) * c
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    return s
+                        def run(acc):
+                            plgpu.wgmma(acc, qs, k_smem.at[slot].transpose((1, 0)))
+                            take_turn()
+                            return acc[...]
 
-                def softmax(s, m, l, masked):
-                    if masked:
-                        s = _diagonal_mask(plgpu, s, offset)
-                    m_new = jnp.maximum(m, s.max(axis=1))
-                    alpha = jnp.exp2(m - m_new)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    return m_new, l * alpha + p.sum(axis=1), alpha, p.astype(dtype)
+                        s = pl.run_scoped(run, plgpu.ACC((BLOCK, bk), jnp.float32)) * c
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        return s
 
-                def pv(acc, p16, slot):
-                    """acc + P V_j: on the GPU wgmma accumulates into acc in place. Pallas' interpreter has no
-                    pl.run_state (jax 0.12), so there the product goes to a fresh accumulator and is added."""
-                    p = _lhs(plgpu, p16, p_smem, wg)
-                    if interpret:
-                        return acc + pl.run_scoped(
-                            lambda r: (plgpu.wgmma(r, p, v_smem.at[slot]), r[...])[1],
-                            plgpu.ACC((BLOCK, d), jnp.float32),
-                        )
-                    return pl.run_state(lambda r: plgpu.wgmma(r, p, v_smem.at[slot]))(plgpu.ACC.init(acc))
+                    def softmax(s, m, l, masked):
+                        if masked:
+                            s = _diagonal_mask(plgpu, s, offset)
+                        m_new = jnp.maximum(m, s.max(axis=1))
+                        alpha = jnp.exp2(m - m_new)
+                        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                        return m_new, l * alpha + p.sum(axis=1), alpha, p.astype(dtype)
 
-                def step(j, carry, masked: bool):
-                    """Block j: its scores, softmax and P V (pingpong: the other warpgroup's products run
-                    between this one's scores and its P V)."""
-                    m, l, acc = carry
-                    slot = lax.rem(j, stages)
-                    m, l, alpha, p16 = softmax(scores(j), m, l, masked)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    if pingpong:
-                        plgpu.barrier_arrive(turn)
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    if pingpong:
-                        plgpu.barrier_wait(turn)
-                    acc = pv(acc, p16, slot)
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    return m, l, acc
+                    def pv(acc, p16, slot):
+                        """acc + P V_j: on the GPU wgmma accumulates into acc in place. Pallas' interpreter has no
+                        pl.run_state (jax 0.12), so there the product goes to a fresh accumulator and is added."""
+                        p = _lhs(plgpu, p16, p_smem, wg)
+                        if interpret:
+                            return acc + pl.run_scoped(
+                                lambda r: (plgpu.wgmma(r, p, v_smem.at[slot]), r[...])[1],
+                                plgpu.ACC((BLOCK, d), jnp.float32),
+                            )
+                        return pl.run_state(lambda r: plgpu.wgmma(r, p, v_smem.at[slot]))(plgpu.ACC.init(acc))
 
-                def step_prefetch(j, carry, masked: bool, prefetch: bool):
-                    """Block j, whose scores arrive in `carry`; with `prefetch`, block j + 1's scores are
-                    issued first and computed while the softmax of j runs."""
-                    m, l, acc, s = carry
-                    slot, nslot = lax.rem(j, stages), lax.rem(j + 1, stages)
-
-                    def products(s_acc):
-                        if prefetch:
-                            plgpu.barrier_wait(k_bar.at[nslot])
-                            plgpu.wgmma(s_acc, qs, k_smem.at[nslot].transpose((1, 0)))
-                        m_new, l_new, alpha, p16 = softmax(s, m, l, masked)
-                        scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    def step(j, carry, masked: bool):
+                        """Block j: its scores, softmax and P V (pingpong: the other warpgroup's products run
+                        between this one's scores and its P V)."""
+                        m, l, acc = carry
+                        slot = lax.rem(base + j, stages)
+                        m, l, alpha, p16 = softmax(scores(j), m, l, masked)
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        if pingpong:
+                            plgpu.barrier_arrive(turn)
                         plgpu.barrier_wait(v_bar.at[slot])
-                        acc_new = pv(scaled, p16, slot)  # waits for both products
-                        return m_new, l_new, acc_new, (s_acc[...] * c if prefetch else s)
+                        if pingpong:
+                            plgpu.barrier_wait(turn)
+                        acc = pv(acc, p16, slot)
+                        plgpu.barrier_arrive(v_free.at[slot])
+                        return m, l, acc
 
-                    out = pl.run_scoped(products, plgpu.ACC((BLOCK, bk), jnp.float32))
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    if prefetch:
-                        plgpu.barrier_arrive(k_free.at[nslot])
-                    return out
+                    def step_prefetch(j, carry, masked: bool, prefetch: bool):
+                        """Block j, whose scores arrive in `carry`; with `prefetch`, block j + 1's scores are
+                        issued first and computed while the softmax of j runs."""
+                        m, l, acc, s = carry
+                        slot, nslot = lax.rem(base + j, stages), lax.rem(base + j + 1, stages)
 
-                row = plgpu.Layout.WGMMA.reduce(1)
-                init = (
-                    plgpu.layout_cast(jnp.full((BLOCK,), -jnp.inf, jnp.float32), row),
-                    plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), row),
-                    plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA),
-                )
-                if prefetch:
-                    carry = lax.fori_loop(
-                        0, diag, functools.partial(step_prefetch, masked=False, prefetch=True), (*init, scores(0))
+                        def products(s_acc):
+                            if prefetch:
+                                plgpu.barrier_wait(k_bar.at[nslot])
+                                plgpu.wgmma(s_acc, qs, k_smem.at[nslot].transpose((1, 0)))
+                            m_new, l_new, alpha, p16 = softmax(s, m, l, masked)
+                            scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                            plgpu.barrier_wait(v_bar.at[slot])
+                            acc_new = pv(scaled, p16, slot)  # waits for both products
+                            return m_new, l_new, acc_new, (s_acc[...] * c if prefetch else s)
+
+                        out = pl.run_scoped(products, plgpu.ACC((BLOCK, bk), jnp.float32))
+                        plgpu.barrier_arrive(v_free.at[slot])
+                        if prefetch:
+                            plgpu.barrier_arrive(k_free.at[nslot])
+                        return out
+
+                    row = plgpu.Layout.WGMMA.reduce(1)
+                    init = (
+                        plgpu.layout_cast(jnp.full((BLOCK,), -jnp.inf, jnp.float32), row),
+                        plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), row),
+                        plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA),
                     )
-                    m, l, acc, _ = step_prefetch(diag, carry, masked=True, prefetch=False)
-                else:
-                    if pingpong:  # warpgroup 1 starts one turn behind warpgroup 0
-                        pl.when(wg == 1)(take_turn)
-                    carry = lax.fori_loop(0, diag, functools.partial(step, masked=False), init)
-                    m, l, acc = step(diag, carry, masked=True)
-                    if pingpong:  # and warpgroup 0 ends one turn after it, so both see every phase
-                        pl.when(wg == 0)(take_turn)
+                    if prefetch:
+                        carry = lax.fori_loop(
+                            0, diag, functools.partial(step_prefetch, masked=False, prefetch=True), (*init, scores(0))
+                        )
+                        m, l, acc, _ = step_prefetch(diag, carry, masked=True, prefetch=False)
+                    else:
+                        if pingpong:  # warpgroup 1 starts one turn behind warpgroup 0
+                            pl.when(wg == 1)(take_turn)
+                        carry = lax.fori_loop(0, diag, functools.partial(step, masked=False), init)
+                        m, l, acc = step(diag, carry, masked=True)
+                        if pingpong:  # and warpgroup 0 ends one turn after it, so both see every phase
+                            pl.when(wg == 0)(take_turn)
 
-                _skip_kv(pl, plgpu, diag + 1, n_kv, stages, ring)  # with 64-key blocks, warpgroup 0's last
+                    if not persistent:  # with 64-key blocks, warpgroup 0's last block (none with 128)
+                        _skip_kv(pl, plgpu, diag + 1, (t + 1) * per_tile, stages, ring)
 
-                qs[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
-                ls[...] = m + jnp.log(l) * (1.0 / _LN2)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qs, o_ref.at[bi, pl.ds(row0, BLOCK), hi])
-                plgpu.copy_smem_to_gmem(ls, lse_ref.at[bi, hi, pl.ds(row0, BLOCK)])
-                plgpu.wait_smem_to_gmem(0)
+                    qs[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
+                    ls[...] = m + jnp.log(l) * (1.0 / _LN2)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(qs, o_ref.at[bi, pl.ds(row0, BLOCK), hi])
+                    plgpu.copy_smem_to_gmem(ls, lse_ref.at[bi, hi, pl.ds(row0, BLOCK)])
+                    if not persistent:
+                        plgpu.wait_smem_to_gmem(0)
 
-            pl.when(wg == WGS)(lambda: _stream_kv(pl, plgpu, k_ref, v_ref, bi, hi // g, n_kv, stages, ring, bk))
+                each_item(one)
+                if persistent:
+                    plgpu.wait_smem_to_gmem(0)
+
+            @pl.when(wg == WGS)
+            def _memory():
+                if not persistent:
+                    t = n_t - 1 - lax.axis_index("tile")
+                    bi, kvh = lax.axis_index("batch"), lax.axis_index("heads") // g
+                    _stream_kv(pl, plgpu, k_ref, v_ref, bi, kvh, (t + 1) * per_tile, stages, ring, bk)
+                    return
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+                def one(bi, hi, t, base):  # the item's kv blocks go to the ring's steps base, base + 1, ...
+                    @pl.loop(0, (t + 1) * per_tile)
+                    def _(j):
+                        slot = lax.rem(base + j, stages)
+                        for ref, smem, bar, free in ((k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free)):
+                            pl.when(base + j >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+                            plgpu.copy_gmem_to_smem(ref.at[bi, pl.ds(j * bk, bk), hi // g], smem.at[slot], bar.at[slot])
+
+                steps = each_item(one)
+
+                @pl.loop(jnp.maximum(steps - stages, 0), steps)  # the last steps' releases (see _stream)
+                def _(j):
+                    for free in (k_free, v_free):
+                        plgpu.barrier_wait(free.at[lax.rem(j, stages)])
 
         pl.run_scoped(
             scoped,
@@ -357,7 +438,7 @@ def _fwd_call(
         )
 
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, length), jnp.float32)]
-    return _launch(plgpu, kernel, out_type, h, n_t, b, interpret)(q, k, v)
+    return _launch(plgpu, kernel, out_type, h, n_t, b, interpret, programs if persistent else None)(q, k, v)
 
 
 def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = None):
