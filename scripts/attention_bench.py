@@ -61,12 +61,15 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=4)
     ap.add_argument("--stages", default="", help="Mosaic ring depths to try instead of mosaic.STAGES, e.g. fwd=2,dkv=2")
     ap.add_argument(
-        "--fwd", default="", help="the Mosaic forward's options instead of mosaic.FWD, e.g. block_kv=128,pingpong=1"
+        "--fwd",
+        default="",
+        help="the Mosaic forward's options instead of mosaic.FWD, e.g. block_kv=128,pingpong=1,persistent=1",
     )
     a = ap.parse_args()
     from detjax.pallas_kernels.flash_attention import mosaic
 
-    for item in filter(None, a.fwd.split(",")):  # block_kv changes the bits (a test says which), pingpong time only
+    # block_kv changes the bits (a test says which); pingpong and persistent change time only
+    for item in filter(None, a.fwd.split(",")):
         key, value = item.split("=")
         mosaic.FWD[key] = int(value) if key == "block_kv" else bool(int(value))
 
