@@ -63,12 +63,21 @@ def main() -> int:
     ap.add_argument(
         "--fwd",
         default="",
-        help="the Mosaic forward's options instead of mosaic.FWD, e.g. block_kv=128,pingpong=1,persistent=1",
+        help="the Mosaic forward's options instead of mosaic.FWD, e.g. block_kv=128,pingpong=1",
+    )
+    ap.add_argument(
+        "--persistent",
+        default="",
+        help="the Mosaic kernels to run persistent (mosaic.PERSISTENT; time only), e.g. fwd,dq,dkv",
     )
     a = ap.parse_args()
     from detjax.pallas_kernels.flash_attention import mosaic
 
-    # block_kv changes the bits (a test says which); pingpong and persistent change time only
+    # block_kv changes the bits (a test says which); pingpong, persistent change time only
+    for name in filter(None, a.persistent.split(",")):
+        if name not in mosaic.PERSISTENT:
+            ap.error(f"--persistent takes {', '.join(mosaic.PERSISTENT)}; got {name}")
+        mosaic.PERSISTENT[name] = True
     for item in filter(None, a.fwd.split(",")):
         key, value = item.split("=")
         mosaic.FWD[key] = int(value) if key == "block_kv" else bool(int(value))
@@ -80,7 +89,8 @@ def main() -> int:
     from detjax.pallas_kernels.harness import count_differing_replays
 
     print(
-        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, Mosaic rings {mosaic.STAGES}, forward {mosaic.FWD}",
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, Mosaic rings {mosaic.STAGES}, forward {mosaic.FWD}, "
+        f"persistent {mosaic.PERSISTENT}",
         flush=True,
     )
     impls = {

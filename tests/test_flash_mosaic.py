@@ -2,6 +2,8 @@
 reference (on CPU under Pallas' Mosaic GPU interpreter, on a Hopper GPU compiled), its replays, and the
 config's refusals."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,6 +79,10 @@ def test_mosaic_flash_attention_matches_reference():
     dq2 = mosaic._dq_call(q, k, v, g, lse, delta, interpret=interp, stages=2)
     dk2, dv2 = mosaic._dkv_call(q, k, v, g, lse, delta, interpret=interp, stages=2)
     assert [_bits(x) for x in (dq2, dk2, dv2)] == [_bits(x) for x in got]
+    # the persistent dQ (three CTAs, four items) and dK/dV (one CTA, both items): the same bytes
+    dq3 = mosaic._dq_call(q, k, v, g, lse, delta, interpret=interp, stages=2, persistent=True, programs=3)
+    dk3, dv3 = mosaic._dkv_call(q, k, v, g, lse, delta, interpret=interp, stages=2, persistent=True, programs=1)
+    assert [_bits(x) for x in (dq3, dk3, dv3)] == [_bits(x) for x in got]
     assert _bits(flash_attention(q, k, v, "triton")) != _bits(o)
 
 
@@ -89,7 +95,7 @@ def test_mosaic_forward_variants():
     depth is two) change time, not bytes, and the block size changes the online softmax's steps, so it is part
     of the bits (the control: 64-key blocks differ). Pingpong needs 128-key blocks and says so. The persistent
     forward (four CTAs walking the six (tile, head) items, the ring running on across items) gives the same
-    bytes; it too needs 128-key blocks."""
+    bytes with either block size."""
     q, k, v, _ = _inputs(2, length=384)
     interp = jax.default_backend() != "gpu"
     ref = _reference(q, k, v)
@@ -102,11 +108,11 @@ def test_mosaic_forward_variants():
     assert _bits(o_ps) == _bits(o128) and _bits(lse_ps) == _bits(lse128)
     o64, lse64 = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=64, pingpong=False)
     assert _rel(o64, ref) <= TOL
+    o_ps, lse_ps = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=64, pingpong=False, persistent=True, programs=4)
+    assert _bits(o_ps) == _bits(o64) and _bits(lse_ps) == _bits(lse64)
     assert _bits(lse64) != _bits(lse128)
     with pytest.raises(ValueError, match="block_kv 128"):
         mosaic._fwd_call(q, k, v, interpret=interp, block_kv=64, pingpong=True)
-    with pytest.raises(ValueError, match="persistent forward"):
-        mosaic._fwd_call(q, k, v, interpret=interp, block_kv=64, pingpong=False, persistent=True)
 
 
 def test_mosaic_flash_attention_has_no_races():
@@ -131,11 +137,12 @@ def test_mosaic_flash_attention_has_no_races():
     q, k, v, g = _inputs(3)
     o, lse = mosaic._fwd_call(q, k, v, interpret=detector("raise"), stages=2)
     jax.block_until_ready(mosaic._fwd_call(q, k, v, interpret=detector("raise"), stages=2, block_kv=128, pingpong=True))
-    persistent = {"block_kv": 128, "pingpong": True, "persistent": True, "programs": 3}  # three CTAs, four items
+    persistent = {"persistent": True, "programs": 3}  # three CTAs (dK/dV: two) for four items (dK/dV: two)
     jax.block_until_ready(mosaic._fwd_call(q, k, v, interpret=detector("raise"), stages=2, **persistent))
     delta = jnp.sum(g.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
-    jax.block_until_ready(mosaic._dq_call(q, k, v, g, lse, delta, interpret=detector("raise"), stages=2))
-    jax.block_until_ready(mosaic._dkv_call(q, k, v, g, lse, delta, interpret=detector("raise"), stages=2))
+    for kw in ({}, persistent):
+        jax.block_until_ready(mosaic._dq_call(q, k, v, g, lse, delta, interpret=detector("raise"), stages=2, **kw))
+        jax.block_until_ready(mosaic._dkv_call(q, k, v, g, lse, delta, interpret=detector("raise"), stages=2, **kw))
     assert not ipc.get_races().races_found
 
     def racy(x_ref, o_ref, smem):
@@ -183,6 +190,8 @@ def test_mosaic_flash_attention_lowers_for_cuda(d):
         ),
         "dq": (lambda *a: mosaic._dq_call(*a, interpret=False), (q, k, k, q, r, r)),
         "dkv": (lambda *a: mosaic._dkv_call(*a, interpret=False), (q, k, k, q, r, r)),
+        "dq_persistent": (lambda *a: mosaic._dq_call(*a, interpret=False, persistent=True), (q, k, k, q, r, r)),
+        "dkv_persistent": (lambda *a: mosaic._dkv_call(*a, interpret=False, persistent=True), (q, k, k, q, r, r)),
     }
     for name, (fn, args) in calls.items():
         text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
@@ -192,8 +201,8 @@ def test_mosaic_flash_attention_lowers_for_cuda(d):
 @pytest.mark.gpu
 def test_mosaic_flash_attention_replays_bit_exact():
     """Forward and backward at head_dim 128 and 64, quiet and with a GEMM stream on the GPU beside it; the
-    persistent forward (with fewer CTAs than items, and with one per SM) gives the pinned forward's bytes and
-    replays too."""
+    persistent kernels (with fewer CTAs than items, and with one per SM) give the pinned kernels' bytes and
+    replay too."""
     if not mosaic.available():
         pytest.skip("the Mosaic GPU backend needs a Hopper GPU")
     for d in (128, 64):
@@ -201,15 +210,21 @@ def test_mosaic_flash_attention_replays_bit_exact():
         fn = jax.jit(lambda q, k, v, g=g: _value_and_grads(lambda *x: flash_attention(*x, "mosaic"), q, k, v, g))
         assert_replays_bit_exact(fn, (q, k, v), replays=4)
         assert_replays_bit_exact(fn, (q, k, v), replays=3, contention=matmul_contention(256, 5))
-        want = [_bits(a) for a in mosaic._fwd_call(q, k, v, interpret=False, block_kv=128, pingpong=True)]
-        for programs in (7, None):
-            fwd = jax.jit(
-                lambda q, k, v, n=programs: mosaic._fwd_call(
-                    q, k, v, interpret=False, block_kv=128, pingpong=True, persistent=True, programs=n
-                )
+        o, lse = mosaic._fwd_call(q, k, v, interpret=False)
+        delta = jnp.sum(g.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+
+        def kernels(q, k, v, g=g, lse=lse, delta=delta, **kw):
+            return (
+                *mosaic._fwd_call(q, k, v, interpret=False, **kw),
+                mosaic._dq_call(q, k, v, g, lse, delta, interpret=False, **kw),
+                *mosaic._dkv_call(q, k, v, g, lse, delta, interpret=False, **kw),
             )
-            assert [_bits(a) for a in fwd(q, k, v)] == want
-            assert_replays_bit_exact(fwd, (q, k, v), replays=3, contention=matmul_contention(256, 5))
+
+        want = [_bits(a) for a in kernels(q, k, v, persistent=False)]
+        for programs in (7, None):
+            persistent = jax.jit(functools.partial(kernels, persistent=True, programs=programs))
+            assert [_bits(a) for a in persistent(q, k, v)] == want
+            assert_replays_bit_exact(persistent, (q, k, v), replays=3, contention=matmul_contention(256, 5))
 
 
 def test_mosaic_flash_backend_refusals(tiny_path):

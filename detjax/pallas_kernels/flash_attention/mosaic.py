@@ -18,9 +18,9 @@ kernels; none uses an atomic, and every output tile is written by one warpgroup 
   block j + 1's scores before block j's softmax instead); dQ and dK/dV issue a step's two independent products
   (S and dP) together and run the exp2 of the first while the second runs (dK/dV also queues dV behind them).
   Issue order changes time, not what is summed.
-- Persistent forward (FWD["persistent"], off until timed): one CTA per SM walks its share of the forward's
-  (query tile, head, batch) items, longest rows first, each computed as above; the memory warpgroup's ring runs
-  on across items, so the next item's first K / V blocks load while the last item finishes.
+- Persistent kernels (PERSISTENT, each off until timed): one CTA per SM walks its share of the kernel's (tile,
+  head, batch) items, longest first, each computed as above; the memory warpgroup's ring runs on across items,
+  so the next item's first blocks load while the last item finishes.
 
 Tiles are pinned (BLOCK, FWD's block_kv), so the bits depend on the shape and the device, never on a
 measurement; the ring depth (STAGES, `stages`) and the forward's pingpong change which slot holds a block and
@@ -53,11 +53,13 @@ STAGES = {"fwd": 4, "fwd128": 2, "dq": 3, "dkv": 3}
 # the forward's keys per kv block (64 or 128: the bits) and whether its two warpgroups take turns on the tensor
 # cores (time only; needs 128). 128 with turns: 0.51 ms against 0.77 ms for 64-key blocks with the next block's
 # scores issued early (H100, 2 x 4096 x 16 heads x 128, scripts/attention_bench.py, docs/BENCHMARKS.md)
-FWD = {"block_kv": 128, "pingpong": True, "persistent": False}
-# "persistent" (time only; needs 128-key blocks): one CTA per SM walks its share of the (query tile, head, batch)
-# items, longest rows first, its memory warpgroup streaming the next item's K / V while the compute warpgroups
-# finish the last one; every item is computed as one CTA computes it. Off until timed on a GPU.
-PERSISTENT_PROGRAMS = 132  # CTAs of the persistent forward where the device does not say (an H100 SXM's SMs)
+FWD = {"block_kv": 128, "pingpong": True}
+# Whether each kernel runs persistent (time only): one CTA per SM walks its share of the kernel's (tile, head,
+# batch) items, longest first, its memory warpgroup streaming the next item's blocks while the compute
+# warpgroups finish the last one; every item is computed as a CTA of the grid computes it (tests compare the
+# bytes). Off until timed on a GPU.
+PERSISTENT = {"fwd": False, "dq": False, "dkv": False}
+PERSISTENT_PROGRAMS = 132  # CTAs of a persistent kernel where the device does not say (an H100 SXM's SMs)
 # head_dim 256 would hold 64 x 256 float32 accumulators, 128 registers a thread each (the forward two, dK/dV
 # two), past a warpgroup's 232; it keeps the Triton kernel (a computed bound, not a measured one)
 HEAD_DIMS = (64, 128)
@@ -155,60 +157,134 @@ def _diagonal_mask(plgpu, s, offset=0, *, keys_on_rows: bool = False):
     return jnp.where(visible, s, -jnp.inf)
 
 
-def _stream(pl, plgpu, n, stages, loads, releases):
-    """The memory warpgroup's loop: step j (0 <= j < n, dynamic) goes to slot j % stages once every compute
-    warpgroup released the step that used the slot before. `loads(j, slot)` issues step j's copies (and waits
-    for the slot's releases when j >= stages). At the end it waits for the releases of the last steps too
+def _wait_if(pl, plgpu, wait, barrier):
+    """barrier_wait(barrier) where `wait`: a Python bool, or a traced one (then under pl.when)."""
+    if wait is True:
+        plgpu.barrier_wait(barrier)
+    elif wait is not False:
+        pl.when(wait)(lambda: plgpu.barrier_wait(barrier))
+
+
+def _drain(pl, plgpu, steps, stages, releases):
+    """The memory warpgroup's last wait: for the releases of the ring's last `stages` of `steps` steps
     (`releases`: functions of a slot giving its release barriers), so that it has seen every phase of every
     barrier it waits on (jax 0.11.2's interpreter checks that when the barriers go; on the GPU it only delays
     the warpgroup's exit)."""
-    for j in range(stages):  # the first `stages` steps need no release
-        pl.when(j < n)(functools.partial(loads, j, j))
 
-    @pl.loop(stages, jnp.maximum(n, stages))
-    def _(j):
-        loads(j, lax.rem(j, stages))
-
-    @pl.loop(jnp.maximum(n - stages, 0), n)
+    @pl.loop(jnp.maximum(steps - stages, 0), steps)
     def _(j):
         for barrier in releases:
             plgpu.barrier_wait(barrier(lax.rem(j, stages)))
 
 
-def _skip_kv(pl, plgpu, start, end, stages, ring):
-    """kv blocks start .. end-1, which this warpgroup does not see (past its diagonal): wait for each and
-    release its slot at once. ring: (k_smem, v_smem, k_bar, v_bar, k_free, v_free)."""
+def _stream(pl, plgpu, n, stages, loads, releases, base=None):
+    """The memory warpgroup's loop: step j (0 <= j < n, dynamic) goes to slot j % stages once every compute
+    warpgroup released the step that used the slot before. `loads(j, slot, wait)` issues step j's copies,
+    first waiting for the slot's releases where `wait` (a Python or traced bool). Then _drain.
+
+    With `base` (a persistent kernel's item, whose ring runs on across the CTA's items), step j of the item is
+    the ring's step base + j, and the caller drains once, after its last item."""
+    if base is not None:
+
+        @pl.loop(0, n)
+        def _(j):
+            loads(j, lax.rem(base + j, stages), base + j >= stages)
+
+        return
+    for j in range(stages):  # the first `stages` steps need no release
+        pl.when(j < n)(functools.partial(loads, j, j, False))
+
+    @pl.loop(stages, jnp.maximum(n, stages))
+    def _(j):
+        loads(j, lax.rem(j, stages), True)
+
+    _drain(pl, plgpu, n, stages, releases)
+
+
+def _skip_kv(pl, plgpu, start, end, stages, ring, base=0):
+    """kv blocks start .. end-1 (the ring's steps base + start ..), which this warpgroup does not see (past its
+    diagonal): wait for each and release its slot at once. ring: (k_smem, v_smem, k_bar, v_bar, k_free,
+    v_free)."""
     _, _, k_bar, v_bar, k_free, v_free = ring
 
     @pl.loop(start, end)
     def _(j):
-        slot = lax.rem(j, stages)
+        slot = lax.rem(base + j, stages)
         for bar, free in ((k_bar, k_free), (v_bar, v_free)):
             plgpu.barrier_wait(bar.at[slot])
             plgpu.barrier_arrive(free.at[slot])
 
 
-def _stream_kv(pl, plgpu, k_ref, v_ref, bi, kvh, n_kv, stages, ring, block=BLOCK):
-    """The memory warpgroup of the forward and dQ: K and V blocks 0 .. n_kv-1 of `block` keys of (batch bi,
-    kv head kvh) through the ring (see _skip_kv)."""
-    k_smem, v_smem, k_bar, v_bar, k_free, v_free = ring
-    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+def _kv_releases(ring):
+    return (lambda i: ring[4].at[i], lambda i: ring[5].at[i])
 
-    def loads(j, slot):
+
+def _stream_kv(pl, plgpu, k_ref, v_ref, bi, kvh, n_kv, stages, ring, block=BLOCK, base=None):
+    """The memory warpgroup of the forward and dQ: K and V blocks 0 .. n_kv-1 of `block` keys of (batch bi,
+    kv head kvh) through the ring (see _skip_kv; `base`: see _stream)."""
+    k_smem, v_smem, k_bar, v_bar, k_free, v_free = ring
+
+    def loads(j, slot, wait):
         rows = pl.ds(j * block, block)
         for ref, smem, bar, free in ((k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free)):
-            if not isinstance(j, int):
-                plgpu.barrier_wait(free.at[slot])
+            _wait_if(pl, plgpu, wait, free.at[slot])
             plgpu.copy_gmem_to_smem(ref.at[bi, rows, kvh], smem.at[slot], bar.at[slot])
 
-    _stream(pl, plgpu, n_kv, stages, loads, (lambda i: k_free.at[i], lambda i: v_free.at[i]))
+    _stream(pl, plgpu, n_kv, stages, loads, _kv_releases(ring), base)
+
+
+def _kv_memory(pl, plgpu, each_item, persistent, k_ref, v_ref, g, stages, ring, block, n_kv):
+    """The memory warpgroup of the forward and dQ: each item's K and V blocks 0 .. n_kv(t)-1 of its kv head
+    (query head // g) through the ring (_stream_kv), drained after the last item when persistent."""
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+    def one(bi, hi, t, base):
+        _stream_kv(pl, plgpu, k_ref, v_ref, bi, hi // g, n_kv(t), stages, ring, block, base if persistent else None)
+
+    steps = each_item(one)
+    if persistent:
+        _drain(pl, plgpu, steps, stages, _kv_releases(ring))
 
 
 def _programs(items: int) -> int:
-    """CTAs of the persistent forward: one per SM of the device (PERSISTENT_PROGRAMS where it does not say, as
-    on a machine that only lowers the kernel), at most one per item."""
+    """CTAs of a persistent kernel: one per SM of the device (PERSISTENT_PROGRAMS where it does not say, as on
+    a machine that only lowers the kernel), at most one per item."""
     sms = getattr(jax.devices()[0], "core_count", None) if jax.default_backend() == "gpu" else None
     return max(1, min(items, sms or PERSISTENT_PROGRAMS))
+
+
+def _each_item(plgpu, persistent: bool, grid, order, steps, body):
+    """body(bi, hi, t, base) for each (batch, head, tile t) item of this CTA; returns the ring steps of all of
+    them. Not persistent: the CTA's own grid position (axes "tile", "heads", "batch"), base 0. Persistent:
+    the CTA's share of grid (tiles, heads, batch) over grid axis "sm" (plgpu.nd_loop: CTA i of P takes items
+    i, i + P, ..., tile index outermost), base the ring steps of its items before. `order(i)`: the tile of
+    tile index i (the longest items first: order changes time, not bits); `steps(t)`: an item's ring steps."""
+    if not persistent:
+        t = order(lax.axis_index("tile"))
+        body(lax.axis_index("batch"), lax.axis_index("heads"), t, 0)
+        return steps(t)
+
+    def item(info, carry):
+        tile, hi, bi = info.index
+        t = order(tile)
+        body(bi, hi, t, carry)
+        return carry + steps(t)
+
+    return plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))(item)
+
+
+def _output_smem_free(plgpu, persistent: bool):
+    """Before a persistent kernel's item loads into shared memory its last item stored from: wait until those
+    stores have read it (none pending at the first item)."""
+    if persistent:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _outputs_written(plgpu, persistent: bool, last: bool):
+    """After an item's output stores (`last` False) or after the CTA's last item (`last` True): wait for the
+    stores once, at the end of the CTA's work."""
+    if persistent == last:
+        plgpu.wait_smem_to_gmem(0)
 
 
 def _fwd_call(
@@ -237,11 +313,7 @@ def _fwd_call(
         raise ValueError(
             f"the forward's pingpong needs both warpgroups to see as many kv blocks: block_kv {WGS * BLOCK}"
         )
-    persistent = FWD["persistent"] if persistent is None else persistent
-    if persistent and bk != WGS * BLOCK:
-        raise ValueError(
-            f"the persistent forward needs no kv block past a warpgroup's diagonal: block_kv {WGS * BLOCK}"
-        )
+    persistent = PERSISTENT["fwd"] if persistent is None else persistent
     prefetch = bk == BLOCK  # 64-key blocks: block j + 1's scores run under block j's softmax
     per_tile = WGS * BLOCK // bk  # kv blocks per CTA tile of query rows
     n_t = length // (WGS * BLOCK)
@@ -256,23 +328,9 @@ def _fwd_call(
         def scoped(q_smem, k_smem, v_smem, l_smem, q_bar, k_bar, v_bar, k_free, v_free, turn, *p_smem):
             ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free)
             wg = lax.axis_index("wg")
-
-            def each_item(body):
-                """body(bi, hi, t, base) for each (batch, head, query tile t) this CTA computes, the longest rows
-                first (order changes time, not bits); `base` counts the kv steps its ring ran before the item.
-                Returns the steps of all its items."""
-                if not persistent:
-                    t = n_t - 1 - lax.axis_index("tile")
-                    body(lax.axis_index("batch"), lax.axis_index("heads"), t, 0)
-                    return (t + 1) * per_tile
-
-                def item(info, carry):
-                    tile, hi, bi = info.index
-                    t = n_t - 1 - tile
-                    body(bi, hi, t, carry)
-                    return carry + (t + 1) * per_tile
-
-                return plgpu.nd_loop((n_t, h, b), collective_axes="sm", init_carry=jnp.int32(0))(item)
+            each_item = functools.partial(
+                _each_item, plgpu, persistent, (n_t, h, b), lambda i: n_t - 1 - i, lambda t: (t + 1) * per_tile
+            )
 
             def take_turn():  # pingpong: the warpgroups alternate, one's products under the other's softmax
                 if pingpong:
@@ -288,8 +346,7 @@ def _fwd_call(
                     diag = row0 // bk  # this warpgroup's diagonal kv block; it sees blocks 0 .. diag
                     offset = row0 - diag * bk  # its first row's position in the diagonal block
                     qs, ls = q_smem.at[wg], l_smem.at[wg]
-                    if persistent:  # the previous item's output and lse stores have read qs and ls
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    _output_smem_free(plgpu, persistent)  # the last item's output and lse went from qs and ls
                     plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, BLOCK), hi], qs, q_bar.at[wg])
                     plgpu.barrier_wait(q_bar.at[wg])
 
@@ -382,44 +439,20 @@ def _fwd_call(
                         if pingpong:  # and warpgroup 0 ends one turn after it, so both see every phase
                             pl.when(wg == 0)(take_turn)
 
-                    if not persistent:  # with 64-key blocks, warpgroup 0's last block (none with 128)
-                        _skip_kv(pl, plgpu, diag + 1, (t + 1) * per_tile, stages, ring)
+                    _skip_kv(pl, plgpu, diag + 1, (t + 1) * per_tile, stages, ring, base)  # 64-key blocks: wg 0's last
 
                     qs[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
                     ls[...] = m + jnp.log(l) * (1.0 / _LN2)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(qs, o_ref.at[bi, pl.ds(row0, BLOCK), hi])
                     plgpu.copy_smem_to_gmem(ls, lse_ref.at[bi, hi, pl.ds(row0, BLOCK)])
-                    if not persistent:
-                        plgpu.wait_smem_to_gmem(0)
+                    _outputs_written(plgpu, persistent, last=False)
 
                 each_item(one)
-                if persistent:
-                    plgpu.wait_smem_to_gmem(0)
+                _outputs_written(plgpu, persistent, last=True)
 
-            @pl.when(wg == WGS)
-            def _memory():
-                if not persistent:
-                    t = n_t - 1 - lax.axis_index("tile")
-                    bi, kvh = lax.axis_index("batch"), lax.axis_index("heads") // g
-                    _stream_kv(pl, plgpu, k_ref, v_ref, bi, kvh, (t + 1) * per_tile, stages, ring, bk)
-                    return
-                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
-                def one(bi, hi, t, base):  # the item's kv blocks go to the ring's steps base, base + 1, ...
-                    @pl.loop(0, (t + 1) * per_tile)
-                    def _(j):
-                        slot = lax.rem(base + j, stages)
-                        for ref, smem, bar, free in ((k_ref, k_smem, k_bar, k_free), (v_ref, v_smem, v_bar, v_free)):
-                            pl.when(base + j >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
-                            plgpu.copy_gmem_to_smem(ref.at[bi, pl.ds(j * bk, bk), hi // g], smem.at[slot], bar.at[slot])
-
-                steps = each_item(one)
-
-                @pl.loop(jnp.maximum(steps - stages, 0), steps)  # the last steps' releases (see _stream)
-                def _(j):
-                    for free in (k_free, v_free):
-                        plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+            memory = (pl, plgpu, each_item, persistent, k_ref, v_ref, g, stages, ring, bk, lambda t: (t + 1) * per_tile)
+            pl.when(wg == WGS)(functools.partial(_kv_memory, *memory))
 
         pl.run_scoped(
             scoped,
@@ -441,8 +474,21 @@ def _fwd_call(
     return _launch(plgpu, kernel, out_type, h, n_t, b, interpret, programs if persistent else None)(q, k, v)
 
 
-def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = None):
-    """dQ (B, L, H, D) from q, do (B, L, H, D), k/v (B, L, K, D), lse2 and delta (B, H, L) float32."""
+def _dq_call(
+    q,
+    k,
+    v,
+    do,
+    lse2,
+    delta,
+    *,
+    interpret: bool,
+    stages: int | None = None,
+    persistent: bool | None = None,
+    programs: int | None = None,
+):
+    """dQ (B, L, H, D) from q, do (B, L, H, D), k/v (B, L, K, D), lse2 and delta (B, H, L) float32.
+    `persistent` (PERSISTENT["dq"] unless given) and its `programs` (default _programs) change time only."""
     pl, plgpu = _modules()
     b, length, h, d = q.shape
     kh = k.shape[2]
@@ -453,71 +499,81 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
     c = scale * _LOG2E
     dtype = q.dtype
     tiled = _swizzled(plgpu)
+    persistent = PERSISTENT["dq"] if persistent is None else persistent
+    programs = (programs or _programs(n_t * h * b)) if persistent else None
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
         def scoped(q_smem, do_smem, r_smem, own_bar, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *ds_smem):
             ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free)
-            bi, hi, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-            t = n_t - 1 - lax.axis_index("tile")
-            n_kv = (t + 1) * WGS
+            wg = lax.axis_index("wg")
+            each_item = functools.partial(
+                _each_item, plgpu, persistent, (n_t, h, b), lambda i: n_t - 1 - i, lambda t: (t + 1) * WGS
+            )
 
             @pl.when(wg < WGS)
             def _compute():
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-                row0 = t * (WGS * BLOCK) + wg * BLOCK
-                diag = t * WGS + wg
-                qs, dos = q_smem.at[wg], do_smem.at[wg]
-                rows = pl.ds(row0, BLOCK)
-                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], qs, own_bar.at[wg, 0])
-                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], dos, own_bar.at[wg, 1])
-                plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], r_smem.at[wg, 0], own_bar.at[wg, 2])
-                plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], r_smem.at[wg, 1], own_bar.at[wg, 3])
-                for i in range(4):
-                    plgpu.barrier_wait(own_bar.at[wg, i])
-                lse = plgpu.load(r_smem.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
-                delta = plgpu.load(r_smem.at[wg, 1], layout=plgpu.Layout.WGMMA.reduce(1))
 
-                def accumulate(dq_acc):
-                    def step(j, masked: bool):
-                        slot = lax.rem(j, stages)
-                        plgpu.barrier_wait(k_bar.at[slot])
-                        plgpu.barrier_wait(v_bar.at[slot])
+                def one(bi, hi, t, base):
+                    row0 = t * (WGS * BLOCK) + wg * BLOCK
+                    diag = t * WGS + wg
+                    qs, dos = q_smem.at[wg], do_smem.at[wg]
+                    rows = pl.ds(row0, BLOCK)
+                    _output_smem_free(plgpu, persistent)  # the last item's dQ went from qs
+                    plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], qs, own_bar.at[wg, 0])
+                    plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], dos, own_bar.at[wg, 1])
+                    plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], r_smem.at[wg, 0], own_bar.at[wg, 2])
+                    plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], r_smem.at[wg, 1], own_bar.at[wg, 3])
+                    for i in range(4):
+                        plgpu.barrier_wait(own_bar.at[wg, i])
+                    lse = plgpu.load(r_smem.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    delta = plgpu.load(r_smem.at[wg, 1], layout=plgpu.Layout.WGMMA.reduce(1))
 
-                        def products(s_acc, dp_acc):  # S and dP issued together; P's exp2 runs while dP does
-                            plgpu.wgmma(s_acc, qs, k_smem.at[slot].transpose((1, 0)))
-                            plgpu.wgmma(dp_acc, dos, v_smem.at[slot].transpose((1, 0)))
-                            s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1) * c
-                            if masked:
-                                s = _diagonal_mask(plgpu, s, keys_on_rows=False)
-                            p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
-                            return p, plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
+                    def accumulate(dq_acc):
+                        def step(j, masked: bool):
+                            slot = lax.rem(base + j, stages)
+                            plgpu.barrier_wait(k_bar.at[slot])
+                            plgpu.barrier_wait(v_bar.at[slot])
 
-                        square = plgpu.ACC((BLOCK, BLOCK), jnp.float32)
-                        p, dp = pl.run_scoped(products, square, square)
-                        plgpu.barrier_arrive(v_free.at[slot])
-                        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-                        dsl = _lhs(plgpu, ds.astype(dtype), ds_smem, wg)
-                        plgpu.wgmma(dq_acc, dsl, k_smem.at[slot])
-                        plgpu.wgmma_wait(0)  # the slot is read: release it
-                        plgpu.barrier_arrive(k_free.at[slot])
+                            def products(s_acc, dp_acc):  # S and dP issued together; P's exp2 runs while dP does
+                                plgpu.wgmma(s_acc, qs, k_smem.at[slot].transpose((1, 0)))
+                                plgpu.wgmma(dp_acc, dos, v_smem.at[slot].transpose((1, 0)))
+                                s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1) * c
+                                if masked:
+                                    s = _diagonal_mask(plgpu, s, keys_on_rows=False)
+                                p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+                                return p, plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
 
-                    @pl.loop(0, diag)
-                    def _(j):
-                        step(j, masked=False)
+                            square = plgpu.ACC((BLOCK, BLOCK), jnp.float32)
+                            p, dp = pl.run_scoped(products, square, square)
+                            plgpu.barrier_arrive(v_free.at[slot])
+                            ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+                            dsl = _lhs(plgpu, ds.astype(dtype), ds_smem, wg)
+                            plgpu.wgmma(dq_acc, dsl, k_smem.at[slot])
+                            plgpu.wgmma_wait(0)  # the slot is read: release it
+                            plgpu.barrier_arrive(k_free.at[slot])
 
-                    step(diag, masked=True)
+                        @pl.loop(0, diag)
+                        def _(j):
+                            step(j, masked=False)
 
-                    _skip_kv(pl, plgpu, diag + 1, n_kv, stages, ring)
+                        step(diag, masked=True)
 
-                    return dq_acc[...]
+                        _skip_kv(pl, plgpu, diag + 1, (t + 1) * WGS, stages, ring, base)
 
-                dq = pl.run_scoped(accumulate, plgpu.ACC((BLOCK, d), jnp.float32))
-                qs[...] = (dq * scale).astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qs, dq_ref.at[bi, rows, hi])
-                plgpu.wait_smem_to_gmem(0)
+                        return dq_acc[...]
 
-            pl.when(wg == WGS)(lambda: _stream_kv(pl, plgpu, k_ref, v_ref, bi, hi // g, n_kv, stages, ring))
+                    dq = pl.run_scoped(accumulate, plgpu.ACC((BLOCK, d), jnp.float32))
+                    qs[...] = (dq * scale).astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(qs, dq_ref.at[bi, rows, hi])
+                    _outputs_written(plgpu, persistent, last=False)
+
+                each_item(one)
+                _outputs_written(plgpu, persistent, last=True)
+
+            memory = (pl, plgpu, each_item, persistent, k_ref, v_ref, g, stages, ring, BLOCK, lambda t: (t + 1) * WGS)
+            pl.when(wg == WGS)(functools.partial(_kv_memory, *memory))
 
         pl.run_scoped(
             scoped,
@@ -536,12 +592,25 @@ def _dq_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = 
         )
 
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
-    return _launch(plgpu, kernel, out_type, h, n_t, b, interpret)(q, k, v, do, lse2, delta)
+    return _launch(plgpu, kernel, out_type, h, n_t, b, interpret, programs)(q, k, v, do, lse2, delta)
 
 
-def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None = None):
+def _dkv_call(
+    q,
+    k,
+    v,
+    do,
+    lse2,
+    delta,
+    *,
+    interpret: bool,
+    stages: int | None = None,
+    persistent: bool | None = None,
+    programs: int | None = None,
+):
     """dK, dV (B, L, K, D): each warpgroup sums its keys' gradients over the group's G query heads ascending,
-    then over the query blocks that see them ascending."""
+    then over the query blocks that see them ascending. `persistent` (PERSISTENT["dkv"] unless given) and its
+    `programs` (default _programs) change time only."""
     pl, plgpu = _modules()
     b, length, h, d = q.shape
     kh = k.shape[2]
@@ -553,108 +622,126 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None =
     c = scale * _LOG2E
     dtype = q.dtype
     tiled = _swizzled(plgpu)
+    persistent = PERSISTENT["dkv"] if persistent is None else persistent
+    programs = (programs or _programs(n_t * kh * b)) if persistent else None
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
         def scoped(k_smem, v_smem, own_bar, q_smem, do_smem, r_smem, ready, free, *lhs_smem):
-            bi, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-            t = lax.axis_index("tile")  # tile 0 has the most query blocks and starts first
-            first = t * WGS  # the first query block that sees the CTA's keys
-            per_head = n_q - first  # query blocks streamed per query head
-            n = g * per_head
+            wg = lax.axis_index("wg")
+            # tile 0 has the most query blocks and starts first; an item streams its group's G heads' query
+            # blocks from its first, t * WGS, the first that sees its keys
+            each_item = functools.partial(
+                _each_item, plgpu, persistent, (n_t, kh, b), lambda i: i, lambda t: g * (n_q - t * WGS)
+            )
 
             @pl.when(wg < WGS)
             def _compute():
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-                key0 = t * (WGS * BLOCK) + wg * BLOCK
-                ks, vs = k_smem.at[wg], v_smem.at[wg]
-                keys = pl.ds(key0, BLOCK)
-                plgpu.copy_gmem_to_smem(k_ref.at[bi, keys, kvh], ks, own_bar.at[wg, 0])
-                plgpu.copy_gmem_to_smem(v_ref.at[bi, keys, kvh], vs, own_bar.at[wg, 1])
-                plgpu.barrier_wait(own_bar.at[wg, 0])
-                plgpu.barrier_wait(own_bar.at[wg, 1])
 
-                def wait_all(slot):  # the slot's four copies arrive on one barrier
-                    plgpu.barrier_wait(ready.at[slot])
+                def one(bi, kvh, t, base):
+                    per_head = n_q - t * WGS  # query blocks streamed per query head
+                    key0 = t * (WGS * BLOCK) + wg * BLOCK
+                    ks, vs = k_smem.at[wg], v_smem.at[wg]
+                    keys = pl.ds(key0, BLOCK)
+                    _output_smem_free(plgpu, persistent)  # the last item's dK, dV went from ks, vs
+                    plgpu.copy_gmem_to_smem(k_ref.at[bi, keys, kvh], ks, own_bar.at[wg, 0])
+                    plgpu.copy_gmem_to_smem(v_ref.at[bi, keys, kvh], vs, own_bar.at[wg, 1])
+                    plgpu.barrier_wait(own_bar.at[wg, 0])
+                    plgpu.barrier_wait(own_bar.at[wg, 1])
 
-                def release(slot):
-                    plgpu.barrier_arrive(free.at[slot])
+                    def wait_all(slot):  # the slot's four copies arrive on one barrier
+                        plgpu.barrier_wait(ready.at[slot])
 
-                def accumulate(dk_acc, dv_acc):
-                    def visit(s, masked: bool):
-                        slot = lax.rem(s, stages)
-                        wait_all(slot)
-                        qb, dob = q_smem.at[slot], do_smem.at[slot]
+                    def release(slot):
+                        plgpu.barrier_arrive(free.at[slot])
 
-                        def products(st_acc, dpt_acc):  # S^T and dP^T issued together, dV behind them
-                            plgpu.wgmma(st_acc, ks, qb.transpose((1, 0)))
-                            plgpu.wgmma(dpt_acc, vs, dob.transpose((1, 0)))
-                            st = plgpu.wgmma_accumulator_load(st_acc, wait_n=1) * c  # dP^T may still run
-                            if masked:
-                                st = _diagonal_mask(plgpu, st, keys_on_rows=True)
-                            lse = plgpu.load(r_smem.at[0, slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                            pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
-                            ptl = _lhs(plgpu, pt.astype(dtype), lhs_smem, wg, 0)
-                            plgpu.wgmma(dv_acc, ptl, dob)  # dV += P^T dO
-                            return pt, plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)  # dV may still run
-
-                        square = plgpu.ACC((BLOCK, BLOCK), jnp.float32)
-                        pt, dpt = pl.run_scoped(products, square, square)
-                        delta = plgpu.load(r_smem.at[1, slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                        dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-                        dstl = _lhs(plgpu, dst.astype(dtype), lhs_smem, wg, 1)
-                        plgpu.wgmma(dk_acc, dstl, qb)  # dK += dS^T Q (scaled once at the end)
-                        plgpu.wgmma_wait(0)
-                        release(slot)
-
-                    @pl.loop(0, g)  # the group's query heads in ascending order
-                    def _(hh):
-                        base = hh * per_head
-
-                        @pl.loop(0, wg)  # warpgroup 1 does not see the CTA's first query block
-                        def _(i):
-                            slot = lax.rem(base + i, stages)
+                    def accumulate(dk_acc, dv_acc):
+                        def visit(s, masked: bool):
+                            slot = lax.rem(base + s, stages)
                             wait_all(slot)
+                            qb, dob = q_smem.at[slot], do_smem.at[slot]
+
+                            def products(st_acc, dpt_acc):  # S^T and dP^T issued together, dV behind them
+                                plgpu.wgmma(st_acc, ks, qb.transpose((1, 0)))
+                                plgpu.wgmma(dpt_acc, vs, dob.transpose((1, 0)))
+                                st = plgpu.wgmma_accumulator_load(st_acc, wait_n=1) * c  # dP^T may still run
+                                if masked:
+                                    st = _diagonal_mask(plgpu, st, keys_on_rows=True)
+                                lse = plgpu.load(r_smem.at[0, slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                                pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
+                                ptl = _lhs(plgpu, pt.astype(dtype), lhs_smem, wg, 0)
+                                plgpu.wgmma(dv_acc, ptl, dob)  # dV += P^T dO
+                                return pt, plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)  # dV may still run
+
+                            square = plgpu.ACC((BLOCK, BLOCK), jnp.float32)
+                            pt, dpt = pl.run_scoped(products, square, square)
+                            delta = plgpu.load(r_smem.at[1, slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                            dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+                            dstl = _lhs(plgpu, dst.astype(dtype), lhs_smem, wg, 1)
+                            plgpu.wgmma(dk_acc, dstl, qb)  # dK += dS^T Q (scaled once at the end)
+                            plgpu.wgmma_wait(0)
                             release(slot)
 
-                        visit(base + wg, masked=True)
+                        @pl.loop(0, g)  # the group's query heads in ascending order
+                        def _(hh):
+                            head0 = hh * per_head  # the head's first step in the item
 
-                        @pl.loop(wg + 1, per_head)
-                        def _(i):
-                            visit(base + i, masked=False)
+                            @pl.loop(0, wg)  # warpgroup 1 does not see the CTA's first query block
+                            def _(i):
+                                slot = lax.rem(base + head0 + i, stages)
+                                wait_all(slot)
+                                release(slot)
 
-                    return dk_acc[...], dv_acc[...]
+                            visit(head0 + wg, masked=True)
 
-                dk, dv = pl.run_scoped(
-                    accumulate, plgpu.ACC((BLOCK, d), jnp.float32), plgpu.ACC((BLOCK, d), jnp.float32)
-                )
-                ks[...] = (dk * scale).astype(dtype)
-                vs[...] = dv.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(ks, dk_ref.at[bi, keys, kvh])
-                plgpu.copy_smem_to_gmem(vs, dv_ref.at[bi, keys, kvh])
-                plgpu.wait_smem_to_gmem(0)
+                            @pl.loop(wg + 1, per_head)
+                            def _(i):
+                                visit(head0 + i, masked=False)
+
+                        return dk_acc[...], dv_acc[...]
+
+                    dk, dv = pl.run_scoped(
+                        accumulate, plgpu.ACC((BLOCK, d), jnp.float32), plgpu.ACC((BLOCK, d), jnp.float32)
+                    )
+                    ks[...] = (dk * scale).astype(dtype)
+                    vs[...] = dv.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(ks, dk_ref.at[bi, keys, kvh])
+                    plgpu.copy_smem_to_gmem(vs, dv_ref.at[bi, keys, kvh])
+                    _outputs_written(plgpu, persistent, last=False)
+
+                each_item(one)
+                _outputs_written(plgpu, persistent, last=True)
 
             @pl.when(wg == WGS)
             def _memory():
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-                def loads(s, slot):
-                    hh = s // per_head
-                    qh = kvh * g + hh
-                    rows = pl.ds((first + s % per_head) * BLOCK, BLOCK)
-                    srcs = (
-                        q_ref.at[bi, rows, qh],
-                        do_ref.at[bi, rows, qh],
-                        lse_ref.at[bi, qh, rows],
-                        delta_ref.at[bi, qh, rows],
-                    )
-                    dsts = (q_smem.at[slot], do_smem.at[slot], r_smem.at[0, slot], r_smem.at[1, slot])
-                    if not isinstance(s, int):
-                        plgpu.barrier_wait(free.at[slot])
-                    for src, dst in zip(srcs, dsts, strict=True):
-                        plgpu.copy_gmem_to_smem(src, dst, ready.at[slot])
+                def one(bi, kvh, t, base):
+                    first = t * WGS
+                    per_head = n_q - first
 
-                _stream(pl, plgpu, n, stages, loads, (lambda slot: free.at[slot],))
+                    def loads(s, slot, wait):
+                        hh = s // per_head
+                        qh = kvh * g + hh
+                        rows = pl.ds((first + s % per_head) * BLOCK, BLOCK)
+                        srcs = (
+                            q_ref.at[bi, rows, qh],
+                            do_ref.at[bi, rows, qh],
+                            lse_ref.at[bi, qh, rows],
+                            delta_ref.at[bi, qh, rows],
+                        )
+                        dsts = (q_smem.at[slot], do_smem.at[slot], r_smem.at[0, slot], r_smem.at[1, slot])
+                        _wait_if(pl, plgpu, wait, free.at[slot])
+                        for src, dst in zip(srcs, dsts, strict=True):
+                            plgpu.copy_gmem_to_smem(src, dst, ready.at[slot])
+
+                    _stream(pl, plgpu, g * per_head, stages, loads, releases, base if persistent else None)
+
+                releases = (lambda slot: free.at[slot],)
+                steps = each_item(one)
+                if persistent:
+                    _drain(pl, plgpu, steps, stages, releases)
 
         pl.run_scoped(
             scoped,
@@ -671,7 +758,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, interpret: bool, stages: int | None =
         )
 
     out = jax.ShapeDtypeStruct(k.shape, dtype)
-    return _launch(plgpu, kernel, [out, out], kh, n_t, b, interpret)(q, k, v, do, lse2, delta)
+    return _launch(plgpu, kernel, [out, out], kh, n_t, b, interpret, programs)(q, k, v, do, lse2, delta)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
