@@ -108,8 +108,8 @@ def _swizzled(plgpu):
 
 
 def _launch(plgpu, kernel, out_type, heads: int, tiles: int, batch: int, interpret, programs: int | None = None):
-    """The kernel over grid (heads, tiles, batch), or over `programs` CTAs on grid axis "sm" (the persistent
-    forward), with WGS compute warpgroups and one memory warpgroup: compiled (approximate exp2 / log /
+    """The kernel over grid (heads, tiles, batch), or over `programs` CTAs on grid axis "sm" (a persistent
+    kernel), with WGS compute warpgroups and one memory warpgroup: compiled (approximate exp2 / log /
     division, as FlashAttention-3), or under the interpreter (`interpret` True, or a plgpu.InterpretGPUParams of
     its own: the tests' race detector)."""
     if isinstance(interpret, plgpu.InterpretGPUParams):
