@@ -53,7 +53,11 @@ STAGES = {"fwd": 4, "fwd128": 2, "dq": 3, "dkv": 3}
 # the forward's keys per kv block (64 or 128: the bits) and whether its two warpgroups take turns on the tensor
 # cores (time only; needs 128). 128 with turns: 0.51 ms against 0.77 ms for 64-key blocks with the next block's
 # scores issued early (H100, 2 x 4096 x 16 heads x 128, scripts/attention_bench.py, docs/BENCHMARKS.md)
-FWD = {"block_kv": 128, "pingpong": True}
+FWD = {"block_kv": 128, "pingpong": True, "fold_scale": False}
+# "fold_scale": the forward takes each row's maximum of the unscaled scores and applies the scale inside exp2's
+# argument (one multiply-add a score, as FlashAttention-3, instead of a multiply and a subtract). The maximum is
+# the same number (rounding is monotonic and the scale positive); exp2's argument may round otherwise, so it may
+# be part of the bits. Off until timed on a GPU.
 # Whether each kernel runs persistent (time only): one CTA per SM walks its share of the kernel's (tile, head,
 # batch) items, longest first, its memory warpgroup streaming the next item's blocks while the compute
 # warpgroups finish the last one; every item is computed as a CTA of the grid computes it (tests compare the
@@ -298,11 +302,12 @@ def _fwd_call(
     pingpong: bool | None = None,
     persistent: bool | None = None,
     programs: int | None = None,
+    fold_scale: bool | None = None,
 ):
     """q (B, L, H, D), k/v (B, L, K, D) -> o (B, L, H, D), lse2 (B, H, L) float32. `block_kv` (keys per kv
     block, FWD["block_kv"] unless given) sets the online softmax's steps, so the bits; `pingpong`, `stages`,
     `persistent` and its `programs` (CTAs; default _programs) change when and where the products run, not what
-    they sum."""
+    they sum; `fold_scale` (FWD's unless given) where the scale is applied."""
     pl, plgpu = _modules()
     b, length, h, d = q.shape
     kh = k.shape[2]
@@ -314,6 +319,8 @@ def _fwd_call(
             f"the forward's pingpong needs both warpgroups to see as many kv blocks: block_kv {WGS * BLOCK}"
         )
     persistent = PERSISTENT["fwd"] if persistent is None else persistent
+    fold = FWD["fold_scale"] if fold_scale is None else fold_scale
+    to_softmax = (lambda s: s) if fold else (lambda s: s * c)  # the scores as the softmax takes them
     prefetch = bk == BLOCK  # 64-key blocks: block j + 1's scores run under block j's softmax
     per_tile = WGS * BLOCK // bk  # kv blocks per CTA tile of query rows
     n_t = length // (WGS * BLOCK)
@@ -350,7 +357,7 @@ def _fwd_call(
                     plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(row0, BLOCK), hi], qs, q_bar.at[wg])
                     plgpu.barrier_wait(q_bar.at[wg])
 
-                    def scores(j):  # S_j = Q K_j^T, scaled; releases K_j's slot
+                    def scores(j):  # S_j = Q K_j^T (scaled unless fold), releases K_j's slot
                         slot = lax.rem(base + j, stages)
                         plgpu.barrier_wait(k_bar.at[slot])
 
@@ -359,16 +366,20 @@ def _fwd_call(
                             take_turn()
                             return acc[...]
 
-                        s = pl.run_scoped(run, plgpu.ACC((BLOCK, bk), jnp.float32)) * c
+                        s = to_softmax(pl.run_scoped(run, plgpu.ACC((BLOCK, bk), jnp.float32)))
                         plgpu.barrier_arrive(k_free.at[slot])
                         return s
 
                     def softmax(s, m, l, masked):
                         if masked:
                             s = _diagonal_mask(plgpu, s, offset)
-                        m_new = jnp.maximum(m, s.max(axis=1))
+                        if fold:  # s unscaled: the scale in the row max and in exp2's multiply-add
+                            m_new = jnp.maximum(m, s.max(axis=1) * c)
+                            p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                        else:
+                            m_new = jnp.maximum(m, s.max(axis=1))
+                            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                         alpha = jnp.exp2(m - m_new)
-                        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                         return m_new, l * alpha + p.sum(axis=1), alpha, p.astype(dtype)
 
                     def pv(acc, p16, slot):
@@ -412,7 +423,7 @@ def _fwd_call(
                             scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                             plgpu.barrier_wait(v_bar.at[slot])
                             acc_new = pv(scaled, p16, slot)  # waits for both products
-                            return m_new, l_new, acc_new, (s_acc[...] * c if prefetch else s)
+                            return m_new, l_new, acc_new, (to_softmax(s_acc[...]) if prefetch else s)
 
                         out = pl.run_scoped(products, plgpu.ACC((BLOCK, bk), jnp.float32))
                         plgpu.barrier_arrive(v_free.at[slot])
