@@ -21,6 +21,10 @@ A worker builds its data, compiles and times its steps; compilation takes most o
 workers side by side and then runs their steps one at a time (det_tax.run_gated), which saves one compilation
 a cell. Two workers of a large cell may not fit the GPU's memory together (the d 4096 hybrid cells at 8 blocks
 on an 80 GB H100): a worker that ran out of memory beside its twin is run again alone.
+
+`--set MODULE.NAME=VALUE` (repeatable) sets a detjax module constant in the strict-kernels workers (det_tax's
+`set=` mode items), so a kernel switch is measured over the matrix before it is the default, e.g. `--set
+'detjax.pallas_kernels.flash_attention.mosaic.PERSISTENT[fwd]=True'`.
 """
 
 from __future__ import annotations
@@ -157,12 +161,26 @@ def out_of_memory(result: dict) -> bool:
     return "RESOURCE_EXHAUSTED" in err or "OUT_OF_MEMORY" in err.upper().replace(" ", "_")
 
 
-def run_strict_gated(n: int, overrides: list[str], steps: int, warmup: int, caller_platforms: str | None) -> list[dict]:
-    """n strict-kernels workers of one cell through run_gated: compiled side by side, timed one at a time."""
+def strict_mode(settings: list[str]) -> str:
+    """The deterministic workers' det_tax mode: strict-kernels with each MODULE.NAME=VALUE of --set as a set=
+    item. It is applied here too (this process runs no step), so a malformed item or a name its module lacks is
+    a ValueError naming it before any worker starts (det_tax.apply_module_settings)."""
+    from det_tax import apply_module_settings
+
+    mode = "+".join(["strict-kernels", *(f"set={x}" for x in settings)])
+    apply_module_settings(mode)
+    return mode
+
+
+def run_strict_gated(
+    n: int, mode: str, overrides: list[str], steps: int, warmup: int, caller_platforms: str | None
+) -> list[dict]:
+    """n workers of `mode` (strict_mode) of one cell through run_gated: compiled side by side, timed one at a
+    time."""
     from det_tax import run_gated
 
     t0 = time.perf_counter()
-    outs = run_gated([worker_cmd("strict-kernels", overrides, steps, warmup, caller_platforms, True)] * n)
+    outs = run_gated([worker_cmd(mode, overrides, steps, warmup, caller_platforms, True)] * n)
     print(f"  strict-kernels x {n}: workers done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return [worker_result(out) for out in outs]
 
@@ -200,18 +218,33 @@ def main() -> int:
         "compiling), then run their steps one at a time, then the baseline's; every worker allocates GPU memory "
         "as it goes (XLA_PYTHON_CLIENT_PREALLOCATE=false). Saves one compilation a cell",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="set a detjax module constant in the strict-kernels workers (det_tax's set= items); repeatable",
+    )
     ap.add_argument("overrides", nargs="*", help="key=value applied to every cell and mode")
     a = ap.parse_args()
+    try:
+        det_mode = strict_mode(a.set)
+    except (ValueError, ImportError) as e:
+        ap.error(f"--set: {e}")
     cells = a.cells.split(",") if a.cells else all_cells()
     options = dict(steps=a.steps, warmup=a.warmup, l1=not a.no_l1, max_blocks=a.max_blocks, extra=a.overrides)
     if a.overlap:  # a record of either way of running serves only that way
         options["overlap"] = True
+    if a.set:  # nor does a record of other constants
+        options["set"] = a.set
     platforms = parent_on_cpu()
     done = _recorded(a.results, options)
     started, finished = time.perf_counter(), []  # finished: (kind, model FLOPs, seconds) of this call's cells
     from detjax.config import load_config
     from detjax.flops import model_flops_per_step
 
+    if a.set:
+        print(f"deterministic workers: {det_mode}")
     print(
         "| cell | blocks | params (M) | baseline | base ms | base MFU | strict-kernels ms | MFU | ratio "
         "| peak GiB (base / det) | cold-start L1 |"
@@ -238,15 +271,15 @@ def main() -> int:
         base_mode = "plain" if kind == "dense" else "fastest"
         n_det = 1 if a.no_l1 else 2
         if a.overlap:  # the strict-kernels workers compile side by side, then the baseline runs alone
-            dets = run_strict_gated(n_det, ov, a.steps, a.warmup, platforms)
+            dets = run_strict_gated(n_det, det_mode, ov, a.steps, a.warmup, platforms)
             dets = [  # a worker that did not fit beside its twin runs again alone
-                run_worker("strict-kernels", ov, a.steps, a.warmup, platforms, overlap=True) if out_of_memory(r) else r
+                run_worker(det_mode, ov, a.steps, a.warmup, platforms, overlap=True) if out_of_memory(r) else r
                 for r in dets
             ]
             base = run_worker(base_mode, ov, a.steps, a.warmup, platforms, overlap=True)
         else:
             base = run_worker(base_mode, ov, a.steps, a.warmup, platforms)
-            dets = [run_worker("strict-kernels", ov, a.steps, a.warmup, platforms) for _ in range(n_det)]
+            dets = [run_worker(det_mode, ov, a.steps, a.warmup, platforms) for _ in range(n_det)]
         row, errs = cell_row(cell, nblocks, params, flops, base_mode, base, dets, l1=not a.no_l1)
         bad += bool(errs)
         print(row, flush=True)

@@ -142,6 +142,24 @@ def test_shape_matrix_knows_a_worker_that_ran_out_of_memory():
     assert not oom({"pipelined_ms": 100.0})
 
 
+def test_shape_matrix_set_makes_the_strict_mode_and_refuses_a_typo(monkeypatch):
+    """--set MODULE.NAME=VALUE becomes a set= item of the strict-kernels workers' det_tax mode; a name the module
+    lacks, or an item without a value, is refused before any worker starts."""
+    import shape_matrix
+
+    from detjax.pallas_kernels.flash_attention import mosaic
+
+    monkeypatch.setattr(mosaic, "PERSISTENT", dict(mosaic.PERSISTENT))  # the parent applies the item too
+    assert shape_matrix.strict_mode([]) == "strict-kernels"
+    item = "detjax.pallas_kernels.flash_attention.mosaic.PERSISTENT[fwd]=True"
+    assert shape_matrix.strict_mode([item]) == f"strict-kernels+set={item}"
+    assert mosaic.PERSISTENT["fwd"] is True
+    with pytest.raises(ValueError, match="has no entry 'fdw'"):
+        shape_matrix.strict_mode(["detjax.pallas_kernels.flash_attention.mosaic.PERSISTENT[fdw]=True"])
+    with pytest.raises(ValueError, match="write set=MODULE.NAME=VALUE"):
+        shape_matrix.strict_mode(["detjax.pallas_kernels.flash_attention.mosaic.PERSISTENT"])
+
+
 def test_shape_matrix_budget_estimates_a_cell_from_the_finished_ones():
     """--budget-s starts a cell only if its estimate fits: the fastest finished cell of its kind with at least its
     FLOPs; else the longest of its kind scaled by the FLOPs' ratio; with none of its kind, the longest of any
