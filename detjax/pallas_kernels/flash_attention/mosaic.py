@@ -290,6 +290,15 @@ def _each_item(pl, plgpu, persistent, grid, order, steps, body):
     return lax.fori_loop(0, -(-total // persistent), deal, jnp.int32(0))
 
 
+def _query_tiles(pl, plgpu, persistent, grid, per_tile: int):
+    """_each_item over the forward's or dQ's query tiles (grid (tiles, heads, batch)), the last, longest rows
+    first; a tile t streams (t + 1) * per_tile kv blocks."""
+    n_t = grid[0]
+    return functools.partial(
+        _each_item, pl, plgpu, persistent, grid, lambda i: n_t - 1 - i, lambda t: (t + 1) * per_tile
+    )
+
+
 def _output_smem_free(plgpu, persistent: bool):
     """Before a persistent kernel's item loads into shared memory its last item stored from: wait until those
     stores have read it (none pending at the first item)."""
@@ -348,15 +357,7 @@ def _fwd_call(
         def scoped(q_smem, k_smem, v_smem, l_smem, q_bar, k_bar, v_bar, k_free, v_free, turn, *p_smem):
             ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free)
             wg = lax.axis_index("wg")
-            each_item = functools.partial(
-                _each_item,
-                pl,
-                plgpu,
-                programs if persistent else False,
-                (n_t, h, b),
-                lambda i: n_t - 1 - i,
-                lambda t: (t + 1) * per_tile,
-            )
+            each_item = _query_tiles(pl, plgpu, programs if persistent else False, (n_t, h, b), per_tile)
 
             def take_turn():  # pingpong: the warpgroups alternate, one's products under the other's softmax
                 if pingpong:
@@ -536,15 +537,7 @@ def _dq_call(
         def scoped(q_smem, do_smem, r_smem, own_bar, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *ds_smem):
             ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free)
             wg = lax.axis_index("wg")
-            each_item = functools.partial(
-                _each_item,
-                pl,
-                plgpu,
-                programs if persistent else False,
-                (n_t, h, b),
-                lambda i: n_t - 1 - i,
-                lambda t: (t + 1) * WGS,
-            )
+            each_item = _query_tiles(pl, plgpu, programs if persistent else False, (n_t, h, b), WGS)
 
             @pl.when(wg < WGS)
             def _compute():
