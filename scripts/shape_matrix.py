@@ -229,7 +229,7 @@ def main() -> int:
     a = ap.parse_args()
     try:
         det_mode = strict_mode(a.set)
-    except (ValueError, ImportError) as e:
+    except (ValueError, SyntaxError, ImportError) as e:  # as profile_step's --set
         ap.error(f"--set: {e}")
     cells = a.cells.split(",") if a.cells else all_cells()
     options = dict(steps=a.steps, warmup=a.warmup, l1=not a.no_l1, max_blocks=a.max_blocks, extra=a.overrides)

@@ -263,17 +263,17 @@ def dealt(k, cta, programs, where=lambda c, a, b: a if c else b):
     return k * programs + where(k % 2 == 0, cta, programs - 1 - cta)
 
 
-def _each_item(pl, plgpu, persistent, grid, order, steps, body):
+def _each_item(pl, plgpu, programs, grid, order, steps, body):
     """body(bi, hi, t, base) for each (batch, head, tile t) item of this CTA; returns the ring steps of all of
     them. `order(i)`: the tile of tile index i (the longest items first: order changes time, not bits);
     `steps(t)`: an item's ring steps.
 
-    Not persistent (`persistent` False): the CTA's own grid position (axes "tile", "heads", "batch"), base 0.
-    Persistent (`persistent` the CTA count P): the items, tile index outermost, are dealt in rounds of P, CTA i
+    Not persistent (`programs` None): the CTA's own grid position (axes "tile", "heads", "batch"), base 0.
+    Persistent (`programs` the CTA count P): the items, tile index outermost, are dealt in rounds of P, CTA i
     taking the i-th of an even round and the (P-1-i)-th of an odd one, so that a CTA that took a long item
     takes a short one next (dealt round-robin, the causal 2 x 4096 x 16-head forward gives the busiest of 132
     CTAs 12.5 % more than the mean; dealt this way, none); base is the ring steps of its items before."""
-    if not persistent:
+    if programs is None:
         t = order(lax.axis_index("tile"))
         body(lax.axis_index("batch"), lax.axis_index("heads"), t, 0)
         return steps(t)
@@ -281,22 +281,20 @@ def _each_item(pl, plgpu, persistent, grid, order, steps, body):
     total, cta = tiles * heads * batch, lax.axis_index("sm")
 
     def deal(k, base):
-        pos = dealt(k, cta, persistent, jnp.where)
+        pos = dealt(k, cta, programs, jnp.where)
         tile, rest = pos // (heads * batch), pos % (heads * batch)
         t = order(tile)
         pl.when(pos < total)(lambda: body(rest % batch, rest // batch, t, base))
         return base + jnp.where(pos < total, steps(t), 0)
 
-    return lax.fori_loop(0, -(-total // persistent), deal, jnp.int32(0))
+    return lax.fori_loop(0, -(-total // programs), deal, jnp.int32(0))
 
 
-def _query_tiles(pl, plgpu, persistent, grid, per_tile: int):
+def _query_tiles(pl, plgpu, programs, grid, per_tile: int):
     """_each_item over the forward's or dQ's query tiles (grid (tiles, heads, batch)), the last, longest rows
     first; a tile t streams (t + 1) * per_tile kv blocks."""
     n_t = grid[0]
-    return functools.partial(
-        _each_item, pl, plgpu, persistent, grid, lambda i: n_t - 1 - i, lambda t: (t + 1) * per_tile
-    )
+    return functools.partial(_each_item, pl, plgpu, programs, grid, lambda i: n_t - 1 - i, lambda t: (t + 1) * per_tile)
 
 
 def _output_smem_free(plgpu, persistent: bool):
@@ -342,14 +340,13 @@ def _fwd_call(
         )
     persistent = PERSISTENT["fwd"] if persistent is None else persistent
     fold = FWD["fold_scale"] if fold_scale is None else fold_scale
-    to_softmax = (lambda s: s) if fold else (lambda s: s * c)  # the scores as the softmax takes them
     prefetch = bk == BLOCK  # 64-key blocks: block j + 1's scores run under block j's softmax
     per_tile = WGS * BLOCK // bk  # kv blocks per CTA tile of query rows
     n_t = length // (WGS * BLOCK)
-    if persistent:
-        programs = programs or _programs(n_t * h * b)
+    programs = (programs or _programs(n_t * h * b)) if persistent else None
     stages = min(stages or STAGES["fwd" if bk == BLOCK else "fwd128"], length // bk)
     c = d**-0.5 * _LOG2E
+    to_softmax = (lambda s: s) if fold else (lambda s: s * c)  # the scores as the softmax takes them
     dtype = q.dtype
     tiled = _swizzled(plgpu)
 
@@ -357,7 +354,7 @@ def _fwd_call(
         def scoped(q_smem, k_smem, v_smem, l_smem, q_bar, k_bar, v_bar, k_free, v_free, turn, *p_smem):
             ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free)
             wg = lax.axis_index("wg")
-            each_item = _query_tiles(pl, plgpu, programs if persistent else False, (n_t, h, b), per_tile)
+            each_item = _query_tiles(pl, plgpu, programs, (n_t, h, b), per_tile)
 
             def take_turn():  # pingpong: the warpgroups alternate, one's products under the other's softmax
                 if pingpong:
@@ -502,7 +499,7 @@ def _fwd_call(
         )
 
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, length), jnp.float32)]
-    return _launch(plgpu, kernel, out_type, h, n_t, b, interpret, programs if persistent else None)(q, k, v)
+    return _launch(plgpu, kernel, out_type, h, n_t, b, interpret, programs)(q, k, v)
 
 
 def _dq_call(
@@ -537,7 +534,7 @@ def _dq_call(
         def scoped(q_smem, do_smem, r_smem, own_bar, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *ds_smem):
             ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free)
             wg = lax.axis_index("wg")
-            each_item = _query_tiles(pl, plgpu, programs if persistent else False, (n_t, h, b), WGS)
+            each_item = _query_tiles(pl, plgpu, programs, (n_t, h, b), WGS)
 
             @pl.when(wg < WGS)
             def _compute():
@@ -660,13 +657,7 @@ def _dkv_call(
             # tile 0 has the most query blocks and starts first; an item streams its group's G heads' query
             # blocks from its first, t * WGS, the first that sees its keys
             each_item = functools.partial(
-                _each_item,
-                pl,
-                plgpu,
-                programs if persistent else False,
-                (n_t, kh, b),
-                lambda i: i,
-                lambda t: g * (n_q - t * WGS),
+                _each_item, pl, plgpu, programs, (n_t, kh, b), lambda i: i, lambda t: g * (n_q - t * WGS)
             )
 
             @pl.when(wg < WGS)
