@@ -18,7 +18,7 @@ kernels; none uses an atomic, and every output tile is written by one warpgroup 
   block j + 1's scores before block j's softmax instead); dQ and dK/dV issue a step's two independent products
   (S and dP) together and run the exp2 of the first while the second runs (dK/dV also queues dV behind them).
   Issue order changes time, not what is summed.
-- Persistent kernels (PERSISTENT, each off until timed): one CTA per SM walks its share of the kernel's (tile,
+- Persistent kernels (PERSISTENT, each off): one CTA per SM walks its share of the kernel's (tile,
   head, batch) items, longest first, each computed as above; the memory warpgroup's ring runs on across items,
   so the next item's first blocks load while the last item finishes.
 
@@ -57,11 +57,14 @@ FWD = {"block_kv": 128, "pingpong": True, "fold_scale": False}
 # "fold_scale": the forward takes each row's maximum of the unscaled scores and applies the scale inside exp2's
 # argument (one multiply-add a score, as FlashAttention-3, instead of a multiply and a subtract). The maximum is
 # the same number (rounding is monotonic and the scale positive); exp2's argument may round otherwise, so it may
-# be part of the bits. Off until timed on a GPU.
+# be part of the bits. Off: on an H100 its forward at head_dim 128 was 2-4 % faster, within the spread between
+# processes (docs/BENCHMARKS.md, "Flash attention"); head_dim 64 is not timed.
 # Whether each kernel runs persistent (time only): one CTA per SM walks its share of the kernel's (tile, head,
 # batch) items, longest first, its memory warpgroup streaming the next item's blocks while the compute
 # warpgroups finish the last one; every item is computed as a CTA of the grid computes it (tests compare the
-# bytes). Off until timed on a GPU.
+# bytes, on the GPU too). Off: on an H100 they were 8-12 % faster alone at head_dim 128 (at head_dim 64 the
+# forward 11 % faster, the backward 2.6 % slower), but whole dense steps showed no clear gain, -2.3 to +1.4 %
+# in one round each (docs/BENCHMARKS.md, "Flash attention").
 PERSISTENT = {"fwd": False, "dq": False, "dkv": False}
 PERSISTENT_PROGRAMS = 132  # CTAs of a persistent kernel where the device does not say (an H100 SXM's SMs)
 # head_dim 256 would hold 64 x 256 float32 accumulators, 128 registers a thread each (the forward two, dK/dV
