@@ -260,13 +260,20 @@ def _programs(items: int) -> int:
     return max(1, min(items, sms or PERSISTENT_PROGRAMS))
 
 
+def _persistent_ctas(kernel: str, persistent: bool | None, programs: int | None, items: int) -> int | None:
+    """A kernel's CTA count when it runs persistent (`persistent`, PERSISTENT[kernel] unless given; `programs`,
+    _programs unless given), or None for the grid."""
+    on = PERSISTENT[kernel] if persistent is None else persistent
+    return (programs or _programs(items)) if on else None
+
+
 def dealt(k, cta, programs, where=lambda c, a, b: a if c else b):
     """The item position CTA `cta` of `programs` takes in round k of a persistent kernel: rounds of `programs`
     consecutive positions, dealt forwards in even rounds and backwards in odd ones (see _each_item)."""
     return k * programs + where(k % 2 == 0, cta, programs - 1 - cta)
 
 
-def _each_item(pl, plgpu, programs, grid, order, steps, body):
+def _each_item(pl, programs, grid, order, steps, body):
     """body(bi, hi, t, base) for each (batch, head, tile t) item of this CTA; returns the ring steps of all of
     them. `order(i)`: the tile of tile index i (the longest items first: order changes time, not bits);
     `steps(t)`: an item's ring steps.
@@ -293,11 +300,11 @@ def _each_item(pl, plgpu, programs, grid, order, steps, body):
     return lax.fori_loop(0, -(-total // programs), deal, jnp.int32(0))
 
 
-def _query_tiles(pl, plgpu, programs, grid, per_tile: int):
+def _query_tiles(pl, programs, grid, per_tile: int):
     """_each_item over the forward's or dQ's query tiles (grid (tiles, heads, batch)), the last, longest rows
     first; a tile t streams (t + 1) * per_tile kv blocks."""
     n_t = grid[0]
-    return functools.partial(_each_item, pl, plgpu, programs, grid, lambda i: n_t - 1 - i, lambda t: (t + 1) * per_tile)
+    return functools.partial(_each_item, pl, programs, grid, lambda i: n_t - 1 - i, lambda t: (t + 1) * per_tile)
 
 
 def _output_smem_free(plgpu, persistent: bool):
@@ -341,12 +348,12 @@ def _fwd_call(
         raise ValueError(
             f"the forward's pingpong needs both warpgroups to see as many kv blocks: block_kv {WGS * BLOCK}"
         )
-    persistent = PERSISTENT["fwd"] if persistent is None else persistent
     fold = FWD["fold_scale"] if fold_scale is None else fold_scale
     prefetch = bk == BLOCK  # 64-key blocks: block j + 1's scores run under block j's softmax
     per_tile = WGS * BLOCK // bk  # kv blocks per CTA tile of query rows
     n_t = length // (WGS * BLOCK)
-    programs = (programs or _programs(n_t * h * b)) if persistent else None
+    programs = _persistent_ctas("fwd", persistent, programs, n_t * h * b)
+    persistent = programs is not None
     stages = min(stages or STAGES["fwd" if bk == BLOCK else "fwd128"], length // bk)
     c = d**-0.5 * _LOG2E
     to_softmax = (lambda s: s) if fold else (lambda s: s * c)  # the scores as the softmax takes them
@@ -357,7 +364,7 @@ def _fwd_call(
         def scoped(q_smem, k_smem, v_smem, l_smem, q_bar, k_bar, v_bar, k_free, v_free, turn, *p_smem):
             ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free)
             wg = lax.axis_index("wg")
-            each_item = _query_tiles(pl, plgpu, programs, (n_t, h, b), per_tile)
+            each_item = _query_tiles(pl, programs, (n_t, h, b), per_tile)
 
             def take_turn():  # pingpong: the warpgroups alternate, one's products under the other's softmax
                 if pingpong:
@@ -530,14 +537,14 @@ def _dq_call(
     c = scale * _LOG2E
     dtype = q.dtype
     tiled = _swizzled(plgpu)
-    persistent = PERSISTENT["dq"] if persistent is None else persistent
-    programs = (programs or _programs(n_t * h * b)) if persistent else None
+    programs = _persistent_ctas("dq", persistent, programs, n_t * h * b)
+    persistent = programs is not None
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
         def scoped(q_smem, do_smem, r_smem, own_bar, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *ds_smem):
             ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free)
             wg = lax.axis_index("wg")
-            each_item = _query_tiles(pl, plgpu, programs, (n_t, h, b), WGS)
+            each_item = _query_tiles(pl, programs, (n_t, h, b), WGS)
 
             @pl.when(wg < WGS)
             def _compute():
@@ -651,8 +658,8 @@ def _dkv_call(
     c = scale * _LOG2E
     dtype = q.dtype
     tiled = _swizzled(plgpu)
-    persistent = PERSISTENT["dkv"] if persistent is None else persistent
-    programs = (programs or _programs(n_t * kh * b)) if persistent else None
+    programs = _persistent_ctas("dkv", persistent, programs, n_t * kh * b)
+    persistent = programs is not None
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
         def scoped(k_smem, v_smem, own_bar, q_smem, do_smem, r_smem, ready, free, *lhs_smem):
@@ -660,7 +667,7 @@ def _dkv_call(
             # tile 0 has the most query blocks and starts first; an item streams its group's G heads' query
             # blocks from its first, t * WGS, the first that sees its keys
             each_item = functools.partial(
-                _each_item, pl, plgpu, programs, (n_t, kh, b), lambda i: i, lambda t: g * (n_q - t * WGS)
+                _each_item, pl, programs, (n_t, kh, b), lambda i: i, lambda t: g * (n_q - t * WGS)
             )
 
             @pl.when(wg < WGS)
