@@ -565,6 +565,9 @@ def _state_after(overrides: list[str], model: tuple[str, ...], steps: int):
 FP8_PIPE_MODEL = ("model.pattern='--'", "model.fp8.enabled=true", "model.fp8.amax_history_len=3")
 
 
+@pytest.mark.extended  # ~55 s on 2 cores; in kind in the default run: test_fp8_scales_are_mesh_invariant (fp8 amaxes
+# as maxima over the leaves), test_pipeline_is_byte_equal_to_one_device (the canonical pipeline) and
+# test_fp8_through_a_default_pipeline_takes_every_stages_amaxes (the scale sets through the stages)
 def test_fp8_through_a_canonical_pipeline_is_mesh_invariant():
     """Canonical numerics with model.fp8 through the pipeline (pipeline 2 x data 4; MLP blocks and the MTP
     head, whose scale sets live outside the stages): each chunk and head runs with the step's scales and its
@@ -579,7 +582,7 @@ def test_fp8_through_a_canonical_pipeline_is_mesh_invariant():
     assert not _same(bf16[0], ref[0]), "negative control: fp8 off should give other bits"
 
 
-@pytest.mark.extended  # ~35 s on 2 cores; the fp8 canonical pipeline test above covers the pipeline in kind
+@pytest.mark.extended  # ~35 s on 2 cores; beside the fp8 canonical pipeline test above
 def test_fp8_lm_head_through_a_canonical_pipeline_is_mesh_invariant():
     """model.fp8.lm_head through the canonical pipeline (pipeline 2 x data 4): the LM and MTP heads' one
     scale set ("head", outside the stages) takes the maximum over both heads, microbatches, ranks and batch
@@ -625,7 +628,9 @@ def test_fp8_with_an_expert_axis_is_mesh_invariant():
 @pytest.mark.parametrize(
     "model",
     [
-        pytest.param(("model.pattern='-'", "model.mtp.depth=0"), id="mlp"),
+        # ~35 s on 2 cores; in kind in the default run: test_fp8_scales_are_mesh_invariant (amaxes as maxima
+        # over leaves) and test_pallas_kernels_in_tensor_chunks (canonical tensor chunks against one device)
+        pytest.param(("model.pattern='-'", "model.mtp.depth=0"), id="mlp", marks=pytest.mark.extended),
         pytest.param((), id="hybrid", marks=pytest.mark.extended),  # Mamba2, attention, experts, MTP: ~1 min
     ],
 )
