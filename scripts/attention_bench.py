@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument(
         "--fwd",
         default="",
-        help="the Mosaic forward's options instead of mosaic.FWD, e.g. block_kv=128,pingpong=1,fold_scale=1",
+        help="the Mosaic forward's options instead of mosaic.FWD, e.g. block_kv=128,pingpong=1,fold_scale=0",
     )
     ap.add_argument(
         "--persistent",
@@ -73,7 +73,7 @@ def main() -> int:
     a = ap.parse_args()
     from detjax.pallas_kernels.flash_attention import mosaic
 
-    # block_kv changes the bits (a test says which) and fold_scale may; pingpong, persistent change time only
+    # block_kv and fold_scale change the bits (a test says which for block_kv); pingpong, persistent change time only
     for name in filter(None, a.persistent.split(",")):
         if name not in mosaic.PERSISTENT:
             ap.error(f"--persistent takes {', '.join(mosaic.PERSISTENT)}; got {name}")

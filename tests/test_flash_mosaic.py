@@ -95,7 +95,8 @@ def test_mosaic_forward_variants():
     depth is two) change time, not bytes, and the block size changes the online softmax's steps, so it is part
     of the bits (the control: 64-key blocks differ). Pingpong needs 128-key blocks and says so. The persistent
     forward (four CTAs walking the six (tile, head) items, the ring running on across items) gives the same
-    bytes with either block size. The scale folded into exp2's argument (fold_scale) matches the reference."""
+    bytes with either block size. The scale applied before the row maximum (fold_scale off; on by default it
+    is folded into exp2's argument) matches the reference and the default's lse to float32 rounding."""
     q, k, v, _ = _inputs(2, length=384)
     interp = jax.default_backend() != "gpu"
     ref = _reference(q, k, v)
@@ -110,9 +111,11 @@ def test_mosaic_forward_variants():
     assert _rel(o64, ref) <= TOL
     o_ps, lse_ps = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=64, pingpong=False, persistent=True, programs=4)
     assert _bits(o_ps) == _bits(o64) and _bits(lse_ps) == _bits(lse64)
-    # the scale folded into exp2's argument: the same math (lse to float32 rounding), both block sizes
+    # the scale applied before the row maximum instead of in exp2's argument: the same math (lse to float32
+    # rounding), both block sizes
+    assert mosaic.FWD["fold_scale"]
     for bk, pp, lse_pinned in ((128, True, lse128), (64, False, lse64)):
-        o_f, lse_f = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=bk, pingpong=pp, fold_scale=True)
+        o_f, lse_f = mosaic._fwd_call(q, k, v, interpret=interp, block_kv=bk, pingpong=pp, fold_scale=False)
         assert _rel(o_f, ref) <= TOL
         assert float(jnp.max(jnp.abs(lse_f - lse_pinned))) <= 1e-4 * float(jnp.max(jnp.abs(lse_pinned)))
     assert _bits(lse64) != _bits(lse128)
@@ -213,8 +216,8 @@ def test_mosaic_flash_attention_lowers_for_cuda(d):
             lambda q, k, v: mosaic._fwd_call(q, k, v, interpret=False, block_kv=128, pingpong=True),
             (q, k, k),
         ),
-        "fwd128fold": (
-            lambda q, k, v: mosaic._fwd_call(q, k, v, interpret=False, block_kv=128, pingpong=True, fold_scale=True),
+        "fwd128unfolded": (
+            lambda q, k, v: mosaic._fwd_call(q, k, v, interpret=False, block_kv=128, pingpong=True, fold_scale=False),
             (q, k, k),
         ),
         "fwd128persistent": (
@@ -235,7 +238,7 @@ def test_mosaic_flash_attention_lowers_for_cuda(d):
 def test_mosaic_flash_attention_replays_bit_exact():
     """Forward and backward at head_dim 128 and 64, quiet and with a GEMM stream on the GPU beside it; the
     persistent kernels (with fewer CTAs than items, and with one per SM) give the pinned kernels' bytes and
-    replay too; the forward with the folded scale replays."""
+    replay too; the forward with the scale applied before the row maximum (fold_scale off) replays."""
     if not mosaic.available():
         pytest.skip("the Mosaic GPU backend needs a Hopper GPU")
     for d in (128, 64):
@@ -258,8 +261,8 @@ def test_mosaic_flash_attention_replays_bit_exact():
             persistent = jax.jit(functools.partial(kernels, persistent=True, programs=programs))
             assert [_bits(a) for a in persistent(q, k, v)] == want
             assert_replays_bit_exact(persistent, (q, k, v), replays=3, contention=matmul_contention(256, 5))
-        folded = jax.jit(functools.partial(mosaic._fwd_call, interpret=False, fold_scale=True))
-        assert_replays_bit_exact(folded, (q, k, v), replays=3, contention=matmul_contention(256, 5))
+        unfolded = jax.jit(functools.partial(mosaic._fwd_call, interpret=False, fold_scale=False))
+        assert_replays_bit_exact(unfolded, (q, k, v), replays=3, contention=matmul_contention(256, 5))
 
 
 def test_mosaic_flash_backend_refusals(tiny_path):

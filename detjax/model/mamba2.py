@@ -53,8 +53,9 @@ KERNEL_CONV = True
 # Whether the SSD kernels form x * dt themselves (pallas_kernels.ssd.ops.ssd_dt; model.kernels=pallas, one
 # device, no canonical tensor chunks): the forward then writes no x * dt array and the backward no separate
 # pass for dt's share of the gradient (a row sum over the head's columns, in the kernel). The scan's bytes for
-# the same x and dt; dt's gradient in the kernel's order of sums, so a new trajectory. Off: not yet timed on a
-# GPU, and its backward spills more (docs/BENCHMARKS.md, "Registers and spills of the Triton kernels").
+# the same x and dt; dt's gradient in the kernel's order of sums, so a new trajectory. Off: in the gpu_medium
+# step on an H100 it saved 0.2 % pipelined (1.1 % synced, one round), within the spread between rounds, and its
+# backward spills more (docs/BENCHMARKS.md, "gpu_medium paired, canonical numerics and the SSD's x*dt").
 KERNEL_X_DT = False
 
 

@@ -53,12 +53,13 @@ STAGES = {"fwd": 4, "fwd128": 2, "dq": 3, "dkv": 3}
 # the forward's keys per kv block (64 or 128: the bits) and whether its two warpgroups take turns on the tensor
 # cores (time only; needs 128). 128 with turns: 0.51 ms against 0.77 ms for 64-key blocks with the next block's
 # scores issued early (H100, 2 x 4096 x 16 heads x 128, scripts/attention_bench.py, docs/BENCHMARKS.md)
-FWD = {"block_kv": 128, "pingpong": True, "fold_scale": False}
+FWD = {"block_kv": 128, "pingpong": True, "fold_scale": True}
 # "fold_scale": the forward takes each row's maximum of the unscaled scores and applies the scale inside exp2's
 # argument (one multiply-add a score, as FlashAttention-3, instead of a multiply and a subtract). The maximum is
-# the same number (rounding is monotonic and the scale positive); exp2's argument may round otherwise, so it may
-# be part of the bits. Off: on an H100 its forward at head_dim 128 was 2-4 % faster, within the spread between
-# processes (docs/BENCHMARKS.md, "Flash attention"); head_dim 64 is not timed.
+# the same number (rounding is monotonic and the scale positive); exp2's argument may round otherwise, so it is
+# part of the bits. On: on an H100 at 1 x 8192 x 64 heads x 64 it took the forward from 1.556-1.576 ms to
+# 1.413-1.451 ms (alternating processes; cuDNN 1.349 ms), at head_dim 128 2-4 % (docs/BENCHMARKS.md, "Flash
+# attention").
 # Whether each kernel runs persistent (time only): one CTA per SM walks its share of the kernel's (tile, head,
 # batch) items, longest first, its memory warpgroup streaming the next item's blocks while the compute
 # warpgroups finish the last one; every item is computed as a CTA of the grid computes it (tests compare the
