@@ -104,7 +104,7 @@ def cases():
     from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
     from detjax.pallas_kernels.segment_sum.ops import segment_sum
     from detjax.pallas_kernels.ssd.kernel import sum_heads
-    from detjax.pallas_kernels.ssd.ops import ssd, ssd_dt
+    from detjax.pallas_kernels.ssd.ops import ssd
 
     f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
     a = jax.ShapeDtypeStruct
@@ -124,11 +124,6 @@ def cases():
             fwd_bwd(lambda x, da, bb, cc: ssd(x, da, bb, cc, 64), 4),
             (a((b, length, h, p), f32), a((b, length, h), f32), a((b, length, n), f32), a((b, length, n), f32))
             + (a((b, length, h, p), f32),),
-        ),
-        "ssd_dt": (  # x * dt formed in the kernels (model.mamba2.KERNEL_X_DT)
-            fwd_bwd(lambda x, dt, da, bb, cc: ssd_dt(x, dt, da, bb, cc, 64), 5),
-            (a((b, length, h, p), f32), a((b, length, h), f32), a((b, length, h), f32))
-            + (a((b, length, n), f32), a((b, length, n), f32), a((b, length, h, p), f32)),
         ),
         "sum_heads": (
             lambda db, dc: sum_heads(db, dc, h=h, interpret=False),
@@ -192,7 +187,7 @@ def ptxas_report(ttir: str, num_warps: int, num_stages: int, workdir: str) -> tu
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernels", default="ssd,ssd_dt,sum_heads,gmm,rmsnorm,gated_norm,ce,conv,flash_triton,segment_sum")
+    ap.add_argument("--kernels", default="ssd,sum_heads,gmm,rmsnorm,gated_norm,ce,conv,flash_triton,segment_sum")
     ap.add_argument("--warps", default="", help="num_warps to compile each kernel with (default: its pinned one)")
     a = ap.parse_args()
     try:

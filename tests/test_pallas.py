@@ -379,22 +379,6 @@ def _mixer_with_and_without(monkeypatch, switch: str, kernel: str):
     return off, run()
 
 
-def test_mamba2_forms_x_dt_in_the_ssd_kernels_only_when_switched_on(monkeypatch):
-    """model.mamba2.KERNEL_X_DT: the mixer calls ssd.ops.ssd_dt (x * dt formed in the SSD kernels) under
-    model.kernels=pallas, and only then; its output and gradients agree with the product formed outside to
-    rounding. (Not bytes: under jax 0.11.2 the output differs in a byte, presumably XLA rounding x another way
-    in the fusion that forms the product outside; the op's own bytes are test_ssd_with_dt_in_the_kernels_....)"""
-    from detjax.model import mamba2
-
-    calls, real = [], mamba2.ssd_dt
-    monkeypatch.setattr(mamba2, "ssd_dt", lambda *t: calls.append(mamba2.KERNEL_X_DT) or real(*t))
-    (_, y_off, g_off), (_, y_on, g_on) = _mixer_with_and_without(monkeypatch, "KERNEL_X_DT", "ssd_fwd")
-    assert calls and all(calls)
-    assert _rel(y_on, y_off) <= 1e-6
-    for u, w in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_off), strict=True):
-        assert _rel(u, w) <= 1e-5
-
-
 def test_mamba2_gated_norm_takes_the_rmsnorm_kernel_only_when_switched_on(monkeypatch):
     """model.mamba2.KERNEL_GATED_NORM puts the Pallas RMSNorm into the mixer's gated norm (model.kernels=pallas,
     no tensor chunks); its output and gradients then agree with the jnp norm's to rounding. Off, or at a width
@@ -622,42 +606,6 @@ def test_ssd_splits_heads_that_are_not_powers_of_two():
     assert _bits(got[1]) != _bits(da[..., 2] + da[..., 1] + da[..., 0])
     for u, w in zip((got[0], got[2], got[3]), (sub[0].reshape(x.shape), sub[2], sub[3]), strict=True):
         assert _bits(u) == _bits(w)
-
-
-@pytest.mark.parametrize("p", [16, 48])
-def test_ssd_with_dt_in_the_kernels_gives_the_bits_of_the_product_outside(p):
-    """ssd.ops.ssd_dt forms x * dt inside the kernels that read x: y and the gradients of x, a, B and C are the
-    bytes of ssd(x * dt) differentiated through the product formed outside (the same float32 products), also
-    with head dim 48 as three sub-heads; dt's gradient (the row sums over the head's columns, in the kernel)
-    matches the outside product's to float32 rounding. It replays byte-equal, quiet and under contention.
-    Negative control: one dt 0.1 % larger changes y."""
-    from detjax.pallas_kernels.ssd.ops import ssd_dt
-
-    args, g = _ssd_inputs(7, b=1, length=32, h=2, p=p)
-    x, a, bm, cm = args
-    dt = jax.nn.softplus(jax.random.normal(jax.random.key(8), a.shape))
-
-    def run(scan, *t):
-        y, pull = jax.vjp(scan, *t)
-        return y, *pull(g)
-
-    def outside(x, dt, a, bm, cm):
-        return ssd(x * dt[..., None], a, bm, cm, 16)
-
-    def inside(x, dt, a, bm, cm):
-        return ssd_dt(x, dt, a, bm, cm, 16)
-
-    want, got = run(outside, x, dt, *args[1:]), run(inside, x, dt, *args[1:])
-    for name, u, w in zip(("y", "dx", "ddt", "da", "dB", "dC"), got, want, strict=True):
-        if name == "ddt":
-            assert _rel(u, w) <= 1e-5, name
-        else:
-            assert _bits(u) == _bits(w), name
-    assert _bits(inside(x, dt.at[0, 3, 1].multiply(1.001), *args[1:])) != _bits(got[0])
-    if p == 16:
-        fn = jax.jit(lambda *t: run(inside, *t))
-        assert_replays_bit_exact(fn, (x, dt, *args[1:]), replays=3)
-        assert_replays_bit_exact(fn, (x, dt, *args[1:]), replays=2, contention=matmul_contention(256, 5))
 
 
 def test_ssd_walks_split_over_state_rows_change_no_byte(monkeypatch):

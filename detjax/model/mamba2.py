@@ -17,7 +17,7 @@ from detjax.pallas_kernels.gated_norm.ops import gated_norm
 from detjax.pallas_kernels.rmsnorm import takes_width
 from detjax.pallas_kernels.rmsnorm.kernel import fits as rmsnorm_fits
 from detjax.pallas_kernels.rmsnorm.ops import rmsnorm
-from detjax.pallas_kernels.ssd.ops import ssd, ssd_dt
+from detjax.pallas_kernels.ssd.ops import ssd
 from detjax.pallas_kernels.ssd.reference import ssd_chunked
 from detjax.sharding import canonical
 from detjax.sharding import rules as ax
@@ -48,15 +48,6 @@ KERNEL_GATE = True
 # and the two-pass convolution backward"). The one-pass form was no faster than XLA's autodiff (0.243 against
 # 0.241 ms forward + backward) and 0.7 ms slower in the step.
 KERNEL_CONV = True
-
-
-# Whether the SSD kernels form x * dt themselves (pallas_kernels.ssd.ops.ssd_dt; model.kernels=pallas, one
-# device, no canonical tensor chunks): the forward then writes no x * dt array and the backward no separate
-# pass for dt's share of the gradient (a row sum over the head's columns, in the kernel). The scan's bytes for
-# the same x and dt; dt's gradient in the kernel's order of sums, so a new trajectory. Off: in the gpu_medium
-# step on an H100 it saved 0.2 % pipelined (1.1 % synced, one round), within the spread between rounds, and its
-# backward spills more (docs/BENCHMARKS.md, "gpu_medium paired, canonical numerics and the SSD's x*dt").
-KERNEL_X_DT = False
 
 
 def conv_silu(x_BL_: jax.Array, w_W_: jax.Array, b_: jax.Array, kernels: str) -> jax.Array:
@@ -136,10 +127,7 @@ class SSD(nn.Module):
     kernels: str = "reference"
 
     @nn.compact
-    def __call__(self, x_BLHP, a_BLH, b_BLN, c_BLN, dt_BLH=None) -> jax.Array:
-        """The scan of x (B, L, H, P), or with dt_BLH (the Pallas kernels only) of x * dt formed in them."""
-        if dt_BLH is not None:
-            return ssd_dt(x_BLHP, dt_BLH, a_BLH, b_BLN, c_BLN, self.chunk)
+    def __call__(self, x_BLHP, a_BLH, b_BLN, c_BLN) -> jax.Array:
         if self.kernels == "pallas":
             return ssd(x_BLHP, a_BLH, b_BLN, c_BLN, self.chunk)
         return ssd_chunked(x_BLHP, a_BLH, b_BLN, c_BLN, self.chunk)
@@ -207,11 +195,7 @@ class Mamba2(nn.Module):
 
         dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + dt_bias_H[None, None, :])
         adt_BLH = decay_times_dt(-jnp.exp(a_log_H), dt_BLH)
-        scan = SSD(c.chunk_size, self.kernels, name="ssd")
-        if KERNEL_X_DT and self.kernels == "pallas":
-            y_BLHP = scan(x_BLHP, adt_BLH, b_BLN, c_BLN, dt_BLH)
-        else:
-            y_BLHP = scan(x_BLHP * dt_BLH[..., None], adt_BLH, b_BLN, c_BLN)
+        y_BLHP = SSD(c.chunk_size, self.kernels, name="ssd")(x_BLHP * dt_BLH[..., None], adt_BLH, b_BLN, c_BLN)
         if KERNEL_GATE and self._norm_kernel(y_BLHP):
             b, length = y_BLHP.shape[:2]
             flat = [v.reshape(b * length, heads * p) for v in (y_BLHP, x_BLHP, z_BLHP)]

@@ -28,11 +28,8 @@ Fixed-order reductions:
   once"). No atomics anywhere.
 - cumsum and its transpose are masked row sums; moving a (Q, 1) column to a (1, Q) row is a masked sum
   with exactly one nonzero term, so both views hold the same bits.
-dt, A and D are outside the kernel (a = A*dt is formed by the caller), so dA and dD come from XLA's autodiff
-of elementwise products and per-head sums. x*dt is formed by the caller too, or, given dt as a column
-(G, L, 1) (ops.ssd_dt), inside the kernels that read x: the same float32 product, so the same scan; the
-backward then writes x's gradient times dt and dt's share, the row sum over the head's columns of x's
-gradient times x (one writer per row, a tile-local sum).
+dt, A and D are outside the kernel (a = A*dt and x*dt are formed by the caller), so ddt, dA and dD come
+from XLA's autodiff of elementwise products and per-head sums.
 Tiles: the chunk Q is the model's `mamba.chunk_size`; P, N and Q must be powers of two >= 16 on GPU. TILES
 pins the warps (the backward's last kernel its own; other warps may give other bits on the GPU, which
 scripts/tile_sweep.py reports) and the walks' state rows a program (time only).
@@ -87,25 +84,12 @@ def _chunk_terms(a_row, q):
     return i, j, acs_col, decay, last
 
 
-def _scan_x(x_ref, dt_ref):
-    """The chunk's x as the scan takes it: x, or with a dt column x * dt, the product formed here."""
-    x = x_ref[...].astype(jnp.float32)
-    return x if dt_ref is None else x * dt_ref[...]
-
-
-def _split_dt(refs, n_in: int, with_dt: bool):
-    """A kernel's refs as (its n_in inputs, the dt column or None, its outputs)."""
-    ins, rest = refs[:n_in], refs[n_in:]
-    return (ins, rest[0], rest[1:]) if with_dt else (ins, None, rest)
-
-
-def _state_kernel(*refs, q: int, with_dt: bool):
+def _state_kernel(x_ref, arow_ref, b_ref, inc_ref, el_ref, *, q: int):
     """One (row, chunk): what the chunk adds to the state it passes on, x^T (w o B), and the chunk's decay
     e^{last} (as a (1, N) row, for the two walks)."""
-    (x_ref, arow_ref, b_ref), dt_ref, (inc_ref, el_ref) = _split_dt(refs, 3, with_dt)
     _, _, acs_col, _, last = _chunk_terms(arow_ref[...].astype(jnp.float32), q)
     w = jnp.exp(last - acs_col)
-    inc_ref[...] = jnp.dot(_scan_x(x_ref, dt_ref).T, b_ref[...].astype(jnp.float32) * w)
+    inc_ref[...] = jnp.dot(x_ref[...].astype(jnp.float32).T, b_ref[...].astype(jnp.float32) * w)
     el_ref[...] = jnp.broadcast_to(jnp.exp(last), el_ref.shape)
 
 
@@ -128,10 +112,9 @@ def _pass_kernel(el_ref, inc_ref, s_ref, *, nc: int, reverse: bool):
     jax.lax.fori_loop(0, nc, body, jnp.zeros((rows, n), jnp.float32))
 
 
-def _out_kernel(*refs, q: int, with_dt: bool):
+def _out_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, y_ref, *, q: int):
     """One (row, chunk): y = ((C B^T) o D) x + e^{acs} o (C S^T), S the state entering the chunk."""
-    (x_ref, arow_ref, b_ref, c_ref, s_ref), dt_ref, (y_ref,) = _split_dt(refs, 5, with_dt)
-    x = _scan_x(x_ref, dt_ref)
+    x = x_ref[...].astype(jnp.float32)
     b = b_ref[...].astype(jnp.float32)
     c = c_ref[...].astype(jnp.float32)
     _, _, acs_col, decay, _ = _chunk_terms(arow_ref[...].astype(jnp.float32), q)
@@ -189,28 +172,23 @@ def _da(dacs, dacs_off, dww, dlast_s, last, i, j, q: int):
     return jnp.sum(jnp.where(j >= i, _col_to_row(dacs, i, j), 0.0), axis=1, keepdims=True)
 
 
-def _bwd_kernel(*refs, q: int, with_dt: bool):
+def _bwd_kernel(x_ref, arow_ref, b_ref, c_ref, s_ref, ds_ref, dy_ref, dx_ref, da_ref, db_ref, dc_ref, *, q: int):
     """One (row, chunk), given S (the state entering it) and dS (the gradient of the state leaving it).
 
     The terms are formed in the order that keeps the fewest float32 tiles live at once (each operand loaded
     where it is first used, dx stored before dB and dC are formed, the inter-chunk terms first); every output
     is the same expression with the same order of sums as in any other order (scripts/triton_regs.py: 356
-    bytes a thread spilled at 4 warps, against 788 in the order of the formulas). With a dt column: x * dt's
-    gradient is stored as dx is formed and read back last, when ddt (its row sum times x) and dx (it times dt)
-    are written (forming them at once spilled 884 bytes a thread, scripts/triton_regs.py)."""
-    ins, dt_ref, outs = _split_dt(refs, 7, with_dt)
-    x_ref, arow_ref, b_ref, c_ref, s_ref, ds_ref, dy_ref = ins
-    dx_ref, da_ref, db_ref, dc_ref = outs[:4]
+    bytes a thread spilled at 4 warps, against 788 in the order of the formulas)."""
     i, j, acs_col, decay, last, w, b, c, dy, ds_PN = _bwd_operands(arow_ref, b_ref, c_ref, dy_ref, ds_ref, q)
     # dx: from y_diag = (CB^T o D) x and from S' = e^{last} S + x^T (w o B)
     cb = jnp.dot(c, b.T)
     dx = jnp.dot((cb * decay).T, dy)
     dx = dx + w * jnp.dot(b, ds_PN.T)
-    dx_ref[...] = dx.astype(dx_ref.dtype)  # with a dt column: x * dt's gradient, scaled at the end
+    dx_ref[...] = dx.astype(dx_ref.dtype)
     s = s_ref[...]
     dc_off, dacs_off, dlast_s = _state_terms(dy, acs_col, c, s, ds_PN)
     # y_diag's dC, dB, dacs; S's dB and dw
-    x = _scan_x(x_ref, dt_ref)
+    x = x_ref[...].astype(jnp.float32)
     dmd = jnp.dot(dy, x.T) * decay
     dacs = _diag_dacs(dmd * cb, i, j)
     dc_ref[...] = jnp.dot(dmd, b) + dc_off
@@ -218,10 +196,6 @@ def _bwd_kernel(*refs, q: int, with_dt: bool):
     db_ref[...] = jnp.dot(dmd.T, c) + w * xds
     dww = jnp.sum(xds * b, axis=1, keepdims=True) * w
     da_ref[...] = _da(dacs, dacs_off, dww, dlast_s, last, i, j, q)
-    if dt_ref is not None:  # read back (float32, exact) when few tiles are live: x's gradient and dt's share
-        g = dx_ref[...]
-        outs[4][...] = jnp.sum(g * x_ref[...].astype(jnp.float32), axis=1, keepdims=True)
-        dx_ref[...] = g * dt_ref[...]
 
 
 def _check(length: int, chunk: int, p: int, n: int) -> int:
@@ -279,45 +253,39 @@ def _pass(el_GC1N, inc_GCPN, *, chunk, reverse, name, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("h", "chunk", "interpret"))
-def ssd_fwd(x_BLK, arow_G1L, b_BLN, c_BLN, dt_GL1=None, *, h: int, chunk: int, interpret: bool):
+def ssd_fwd(x_BLK, arow_G1L, b_BLN, c_BLN, *, h: int, chunk: int, interpret: bool):
     """x (B, L, K = H*P), G = B*H rows -> y (B, L, K), the state entering every chunk (G, nc, P, N) and every
-    chunk's decay e^{last} (G, nc, 1, N), both kept for the backward. dt_GL1 (G, L, 1) or None: the scan
-    takes x * dt, formed in the kernels that read x."""
+    chunk's decay e^{last} (G, nc, 1, N), both kept for the backward."""
     bsz, length, width = x_BLK.shape
     g, p, n = bsz * h, width // h, b_BLN.shape[-1]
     nc = _check(length, chunk, p, n)
     sp = _Specs(h, length, chunk, p, n)
-    with_dt = dt_GL1 is not None
-    dt_in, dt_spec = ([dt_GL1], [sp.col]) if with_dt else ([], [])
     states_shape = jax.ShapeDtypeStruct((g, nc, p, n), jnp.float32)
     inc, el = _chunk_call(
-        functools.partial(_state_kernel, q=chunk, with_dt=with_dt),
+        functools.partial(_state_kernel, q=chunk),
         (g, nc),
-        [sp.x, sp.arow, sp.shared, *dt_spec],
+        [sp.x, sp.arow, sp.shared],
         [sp.state, sp.decay],
         [states_shape, jax.ShapeDtypeStruct((g, nc, 1, n), jnp.float32)],
         "ssd_chunk_state",
         interpret,
-    )(x_BLK, arow_G1L, b_BLN, *dt_in)
+    )(x_BLK, arow_G1L, b_BLN)
     states = _pass(el, inc, chunk=chunk, reverse=False, name="ssd_state_pass", interpret=interpret)
     y = _chunk_call(
-        functools.partial(_out_kernel, q=chunk, with_dt=with_dt),
+        functools.partial(_out_kernel, q=chunk),
         (g, nc),
-        [sp.x, sp.arow, sp.shared, sp.shared, sp.state, *dt_spec],
+        [sp.x, sp.arow, sp.shared, sp.shared, sp.state],
         sp.x,
         jax.ShapeDtypeStruct((bsz, length, width), jnp.float32),
         "ssd_fwd",
         interpret,
-    )(x_BLK, arow_G1L, b_BLN, c_BLN, states, *dt_in)
+    )(x_BLK, arow_G1L, b_BLN, c_BLN, states)
     return y, states, el
 
 
 @functools.partial(jax.jit, static_argnames=("h", "chunk", "interpret"))
-def ssd_bwd(
-    x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, el_GC1N, dy_BLK, dt_GL1=None, *, h: int, chunk: int, interpret: bool
-):
-    """-> dx (B, L, K), da (G, L, 1), and per-head slots dB, dC (G, L, N) for the caller to add in order; with
-    dt_GL1 (ssd_fwd's), x's gradient through x * dt and then ddt (G, L, 1) after them."""
+def ssd_bwd(x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, el_GC1N, dy_BLK, *, h: int, chunk: int, interpret: bool):
+    """-> dx (B, L, K), da (G, L, 1), and per-head slots dB, dC (G, L, N) for the caller to add in order."""
     bsz, length, width = x_BLK.shape
     g, p, n = bsz * h, width // h, b_BLN.shape[-1]
     nc = _check(length, chunk, p, n)
@@ -335,18 +303,16 @@ def ssd_bwd(
     f32 = jnp.float32
     dx_shape = jax.ShapeDtypeStruct((bsz, length, width), f32)
     slot_shape = jax.ShapeDtypeStruct((g, length, n), f32)
-    col_shape = jax.ShapeDtypeStruct((g, length, 1), f32)
-    with_dt = dt_GL1 is not None
     return _chunk_call(
-        functools.partial(_bwd_kernel, q=chunk, with_dt=with_dt),
+        functools.partial(_bwd_kernel, q=chunk),
         (g, nc),
-        [sp.x, sp.arow, sp.shared, sp.shared, sp.state, sp.state, sp.x] + [sp.col] * with_dt,
-        [sp.x, sp.col, sp.slot, sp.slot] + [sp.col] * with_dt,
-        [dx_shape, col_shape, slot_shape, slot_shape] + [col_shape] * with_dt,
+        [sp.x, sp.arow, sp.shared, sp.shared, sp.state, sp.state, sp.x],
+        [sp.x, sp.col, sp.slot, sp.slot],
+        [dx_shape, jax.ShapeDtypeStruct((g, length, 1), f32), slot_shape, slot_shape],
         "ssd_bwd",
         interpret,
         TILES["bwd_num_warps"],
-    )(x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, ds, dy_BLK, *([dt_GL1] if with_dt else []))
+    )(x_BLK, arow_G1L, b_BLN, c_BLN, s_GCPN, ds, dy_BLK)
 
 
 def _sum_heads_kernel(db_ref, dc_ref, db_out, dc_out, *, h: int):

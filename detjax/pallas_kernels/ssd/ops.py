@@ -1,8 +1,7 @@
 """ssd(x, a, b, c, chunk): the Mamba2 SSD scan as a Pallas kernel with a fixed-order backward.
 
 Same contract as ssd.reference.ssd_chunked: x (B, L, H, P) already multiplied by dt, a = A*dt (B, L, H),
-B and C (B, L, N) shared by all heads; float32 out (B, L, H, P). ssd_dt(x, dt, a, b, c, chunk) is the same scan
-of x * dt with the product formed in the kernels (and dt's gradient through it written there).
+B and C (B, L, N) shared by all heads; float32 out (B, L, H, P).
 
 The kernel holds a head in power-of-two blocks. A head dim P that is not a power of two (96 = expand 2 x 1536 /
 32 heads; 160, 192, 320, ...) is split into k = P / p sub-heads of its largest power-of-two divisor p (>= 16):
@@ -57,70 +56,37 @@ def ssd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk: int) -> jax.Array:
     return _fwd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def ssd_dt(x_BLHP, dt_BLH, a_BLH, b_BLN, c_BLN, chunk: int) -> jax.Array:
-    """ssd(x * dt[..., None], a, b, c, chunk) with the product formed inside the kernels that read x, so that
-    neither x * dt nor its gradient is an array of its own: the same float32 products, so the same y, and
-    the same dx, da, dB, dC bytes as differentiating the product outside (tests). dt's gradient through the
-    product is each row's sum over the head's columns, in the kernel (a sub-head's sums then added in
-    ascending order): its own order, not XLA's reduction's."""
-    return _fwd_dt(x_BLHP, dt_BLH, a_BLH, b_BLN, c_BLN, chunk)[0]
-
-
-def _per_sub_head(v_BLH, k: int):
-    """A per-head (B, L, H) value as the kernel's rows see it: each head's k sub-heads side by side."""
-    v = v_BLH.astype(jnp.float32)
-    return jnp.repeat(v, k, axis=2) if k > 1 else v
-
-
-def _sub_heads_summed(v_G1, bsz: int, length: int, heads: int, k: int):
-    """A per-row (G, L, 1) kernel output back to (B, L, H): the k sub-heads added in ascending order."""
-    v_BLhk = _heads_last(v_G1.reshape(bsz * heads * k, length), bsz, heads * k).reshape(bsz, length, heads, k)
-    out = v_BLhk[..., 0]
-    for j in range(1, k):
-        out = out + v_BLhk[..., j]
-    return out
-
-
-def _fwd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk, dt_BLH=None):
+def _fwd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk):
     bsz, length, heads, p = x_BLHP.shape
     k = sub_heads(p)
     h = heads * k  # the kernel's heads: each head's k sub-heads side by side, in column order
     x = x_BLHP.astype(jnp.float32).reshape(bsz, length, heads * p)  # the kernel reads heads in place
-    arow = _heads_first(_per_sub_head(a_BLH, k)).reshape(bsz * h, 1, length)
-    dt = None if dt_BLH is None else _heads_first(_per_sub_head(dt_BLH, k)).reshape(bsz * h, length, 1)
+    a = jnp.repeat(a_BLH.astype(jnp.float32), k, axis=2) if k > 1 else a_BLH.astype(jnp.float32)
+    arow = _heads_first(a).reshape(bsz * h, 1, length)
     b, c = b_BLN.astype(jnp.float32), c_BLN.astype(jnp.float32)
-    y, states, decays = ssd_fwd(x, arow, b, c, dt, h=h, chunk=chunk, interpret=interpret_mode())
-    return y.reshape(bsz, length, heads, p), (x, arow, b, c, states, decays, dt)
+    y, states, decays = ssd_fwd(x, arow, b, c, h=h, chunk=chunk, interpret=interpret_mode())
+    return y.reshape(bsz, length, heads, p), (x, arow, b, c, states, decays)
 
 
 def _bwd(chunk, res, dy_BLHP):
-    x, arow, b, c, states, decays, dt = res
+    x, arow, b, c, states, decays = res
     bsz, length, heads, p = dy_BLHP.shape
     k = sub_heads(p)
     h = heads * k
     dy = dy_BLHP.astype(jnp.float32).reshape(bsz, length, heads * p)
-    dx, da, db_slots, dc_slots, *ddt = ssd_bwd(
-        x, arow, b, c, states, decays, dy, dt, h=h, chunk=chunk, interpret=interpret_mode()
+    dx, da, db_slots, dc_slots = ssd_bwd(
+        x, arow, b, c, states, decays, dy, h=h, chunk=chunk, interpret=interpret_mode()
     )
-    da_BLH = _sub_heads_summed(da, bsz, length, heads, k)
+    da_BLhk = _heads_last(da.reshape(bsz * h, length), bsz, h).reshape(bsz, length, heads, k)
+    da_BLH = da_BLhk[..., 0]
+    for j in range(1, k):  # the sub-heads' da in ascending order
+        da_BLH = da_BLH + da_BLhk[..., j]
     n = db_slots.shape[-1]
     if KERNEL_SUM_HEADS and sum_heads_usable(h, length, n):
         db, dc = sum_heads(db_slots, dc_slots, h=h, interpret=interpret_mode())
     else:
         db, dc = _sum_heads_in_order(db_slots, bsz, h), _sum_heads_in_order(dc_slots, bsz, h)
-    ddt_BLH = [_sub_heads_summed(v, bsz, length, heads, k) for v in ddt]
-    return dx.reshape(bsz, length, heads, p), da_BLH, db, dc, *ddt_BLH
-
-
-def _fwd_dt(x_BLHP, dt_BLH, a_BLH, b_BLN, c_BLN, chunk):
-    return _fwd(x_BLHP, a_BLH, b_BLN, c_BLN, chunk, dt_BLH)
-
-
-def _bwd_dt(chunk, res, dy_BLHP):
-    dx, da, db, dc, ddt = _bwd(chunk, res, dy_BLHP)
-    return dx, ddt, da, db, dc
+    return dx.reshape(bsz, length, heads, p), da_BLH, db, dc
 
 
 ssd.defvjp(_fwd, _bwd)
-ssd_dt.defvjp(_fwd_dt, _bwd_dt)
