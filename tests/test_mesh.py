@@ -219,8 +219,10 @@ def test_stack_params_roundtrip():
     cfg = cfg_for("mesh.pipeline=2", "mesh.pipeline_virtual=2", "model.pattern=" + BASE * 4)
     from detjax.model.lm import HybridLM
 
-    init = jax.jit(HybridLM(cfg.model).init)  # jitted: one compile, not one per op
-    params = nn.unbox(init(jax.random.key(0), jnp.zeros((2, 16), jnp.int32))["params"])
+    # the parameters' shapes without compiling the 16-layer init; distinct values in every leaf
+    shapes = nn.unbox(jax.eval_shape(HybridLM(cfg.model).init, jax.random.key(0), jnp.zeros((2, 16), jnp.int32)))
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), shapes["params"])
     stacked = stack_params(params, cfg)
     assert stacked["stages"]["block_2"]["mixer"]["experts"]["w_up"].shape[:2] == (2, 2)
     # chunk c = v * S + s holds layers c*n .. c*n+n-1

@@ -354,45 +354,60 @@ def test_token_ce_of_takes_the_kernel_only_when_switched_on_and_where_it_fits(mo
     assert not used_odd and np.asarray(v_odd).view(np.uint32) == np.asarray(v_ref).view(np.uint32)
 
 
-def _mixer_with_and_without(monkeypatch, switch: str, kernel: str):
-    """A small Mamba2 mixer (inner width 128, B/C width 32) under model.kernels=pallas, its output and gradients
-    with model.mamba2.<switch> off and on, and whether the named kernel was in each step."""
+MIXER_KERNELS = ("rmsnorm_fwd", "gated_norm_fwd", "conv_silu_bwd")
+
+
+def _mixer_run(monkeypatch, **switches):
+    """A small Mamba2 mixer (inner width 128, B/C width 32) under model.kernels=pallas with the given
+    model.mamba2 switches (the rest at their defaults): which of MIXER_KERNELS its step holds, its output and
+    the gradients of sum(out^2) / 2."""
     from detjax.config import MambaConfig
     from detjax.model import mamba2
 
+    for name in ("KERNEL_GATE", "KERNEL_GATED_NORM", "KERNEL_CONV"):
+        monkeypatch.setattr(mamba2, name, switches.get(name, getattr(mamba2, name)))
     cfg = MambaConfig(d_state=16, d_conv=4, expand=2, n_heads=2, chunk_size=16)
     mixer = mamba2.Mamba2(d_model=64, cfg=cfg, init_std=0.02, norm_eps=1e-5, dtype=jnp.float32, kernels="pallas")
     x = jax.random.normal(jax.random.key(1), (1, 32, 64))
     params = mixer.init(jax.random.key(0), x)
 
-    def run():
-        def with_grads(p, x):  # the output and the gradients of sum(out^2) / 2; a new function: a new trace
-            out, pull = jax.vjp(mixer.apply, p, x)
-            return out, pull(out)
+    def with_grads(p, x):  # a new function: a new trace
+        out, pull = jax.vjp(mixer.apply, p, x)
+        return out, pull(out)
 
-        fn = jax.jit(with_grads)
-        return kernel in str(fn.trace(params, x).jaxpr), *fn(params, x)
-
-    monkeypatch.setattr(mamba2, switch, False)
-    off = run()
-    monkeypatch.setattr(mamba2, switch, True)
-    return off, run()
+    fn = jax.jit(with_grads)
+    text = str(fn.trace(params, x).jaxpr)
+    return {k for k in MIXER_KERNELS if k in text}, *fn(params, x)
 
 
-def test_mamba2_gated_norm_takes_the_rmsnorm_kernel_only_when_switched_on(monkeypatch):
-    """model.mamba2.KERNEL_GATED_NORM puts the Pallas RMSNorm into the mixer's gated norm (model.kernels=pallas,
-    no tensor chunks); its output and gradients then agree with the jnp norm's to rounding. Off, or at a width
-    the kernel does not take, the mixer keeps the jnp norm. (KERNEL_GATE, which takes precedence, is off.)"""
+def _agree(a, b, tol_y, tol_g=1e-4):
+    (_, y_a, g_a), (_, y_b, g_b) = a, b
+    assert _rel(y_a, y_b) <= tol_y
+    for x, y in zip(jax.tree.leaves(g_a), jax.tree.leaves(g_b), strict=True):
+        assert _rel(x, y) <= tol_g
+
+
+def test_mamba2_kernel_switches_put_their_kernels_in_only_when_on(monkeypatch):
+    """The Mamba2 mixer's kernel switches (model.kernels=pallas), each on against off with the others as they
+    are, four steps in all. model.mamba2.KERNEL_GATE (on by default) puts the gate and gated norm's kernel into
+    the mixer; off, KERNEL_GATED_NORM puts the Pallas RMSNorm into the gated norm (at a width the kernel
+    takes), and with both off the mixer keeps the jnp norm: the outputs and gradients agree to rounding.
+    KERNEL_CONV puts the Pallas backward into the convolutions where it takes the width (here the inner width
+    128, not the B/C width 32); the forward is the same formula, but XLA fuses it differently behind the
+    custom_vjp (on the CPU some outputs move by one ulp), so it agrees with XLA's autodiff to rounding."""
     from detjax.model import mamba2
 
-    monkeypatch.setattr(mamba2, "KERNEL_GATE", False)
-    (used_off, y_off, g_off), (used_on, y_on, g_on) = _mixer_with_and_without(
-        monkeypatch, "KERNEL_GATED_NORM", "rmsnorm_fwd"
-    )
-    assert (used_off, used_on) == (False, True)
-    assert _rel(y_on, y_off) <= 1e-5
-    for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_off), strict=True):
-        assert _rel(a, b) <= 1e-4
+    both = _mixer_run(monkeypatch, KERNEL_GATE=True, KERNEL_CONV=True)
+    assert both[0] == {"gated_norm_fwd", "conv_silu_bwd"}
+    no_gate = _mixer_run(monkeypatch, KERNEL_GATE=False, KERNEL_GATED_NORM=True, KERNEL_CONV=True)
+    assert no_gate[0] == {"rmsnorm_fwd", "conv_silu_bwd"}
+    _agree(both, no_gate, 1e-5)
+    no_norm = _mixer_run(monkeypatch, KERNEL_GATE=False, KERNEL_GATED_NORM=False, KERNEL_CONV=True)
+    assert no_norm[0] == {"conv_silu_bwd"}
+    _agree(no_gate, no_norm, 1e-5)
+    no_conv = _mixer_run(monkeypatch, KERNEL_GATE=True, KERNEL_CONV=False)
+    assert no_conv[0] == {"gated_norm_fwd"}
+    _agree(both, no_conv, TOL_FWD)
     assert mamba2.gated_norm_kernel_fits(32, 128) and not mamba2.gated_norm_kernel_fits(32, 96)
     assert not mamba2.gated_norm_kernel_fits(30, 128)  # rows not in whole blocks
 
@@ -441,20 +456,6 @@ def test_conv_silu_bwd_replays_bit_exact(monkeypatch, dx_in):
     assert_replays_bit_exact(fn, (x, w, bias), replays=3, contention=matmul_contention(256, 5))
 
 
-def test_mamba2_conv_takes_the_kernel_only_when_switched_on(monkeypatch):
-    """model.mamba2.KERNEL_CONV puts the Pallas backward into the mixer's convolutions where it takes the width
-    (here the inner width 128, not the B/C width 32). The forward is the same formula, but XLA fuses it
-    differently behind the custom_vjp (on the CPU some of the mixer's outputs move by one ulp), so the output
-    and the gradients agree with XLA's autodiff to rounding."""
-    (used_off, y_off, g_off), (used_on, y_on, g_on) = _mixer_with_and_without(
-        monkeypatch, "KERNEL_CONV", "conv_silu_bwd"
-    )
-    assert (used_off, used_on) == (False, True)
-    assert _rel(y_on, y_off) <= TOL_FWD
-    for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_off), strict=True):
-        assert _rel(a, b) <= 1e-4
-
-
 def _gate_inputs(seed=4, n=80, d=384):
     """The gated norm's operands: y, x float32, z bf16 (N, D); d, w (D,); an incoming bf16 gradient."""
     k = jax.random.split(jax.random.key(seed), 6)
@@ -492,18 +493,6 @@ def test_gated_norm_replays_bit_exact():
     fn = jax.jit(lambda *a: jax.vjp(lambda *b: gated_norm(*b, 1e-5, jnp.bfloat16), *a)[1](g))
     assert_replays_bit_exact(fn, args, replays=5)
     assert_replays_bit_exact(fn, args, replays=3, contention=matmul_contention(256, 5))
-
-
-def test_mamba2_gate_takes_the_gated_norm_kernel_only_when_switched_on(monkeypatch):
-    """model.mamba2.KERNEL_GATE puts the gate and gated norm's kernel into the mixer (model.kernels=pallas, a
-    width the RMSNorm kernel takes); its output and gradients agree with the unfused path's to rounding."""
-    (used_off, y_off, g_off), (used_on, y_on, g_on) = _mixer_with_and_without(
-        monkeypatch, "KERNEL_GATE", "gated_norm_fwd"
-    )
-    assert (used_off, used_on) == (False, True)
-    assert _rel(y_on, y_off) <= 1e-5
-    for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_off), strict=True):
-        assert _rel(a, b) <= 1e-4
 
 
 def _attn_inputs(seed=0, b=2, length=48, h=4, kv=2, d=16):
