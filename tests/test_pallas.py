@@ -371,7 +371,7 @@ def _mixer_run(monkeypatch, **switches):
     x = jax.random.normal(jax.random.key(1), (1, 32, 64))
     params = mixer.init(jax.random.key(0), x)
 
-    def with_grads(p, x):  # a new function: a new trace
+    def with_grads(p, x):
         out, pull = jax.vjp(mixer.apply, p, x)
         return out, pull(out)
 
