@@ -27,6 +27,13 @@ digest fusion takes under 0.1 ms per call; with the parameters' non-finite count
 reduction of its own) they stayed, two of them then named as concatenate-reduce fusions (2026-12-02). Writing
 each stack out before its reduction (an optimization barrier) was slower still: 8.7 against 4.5 ms alone, 6.8
 against 3.2 ms in the step (2026-12-02), so XLA's fused concatenate-reduce is the cheaper form.
+On one device a small tree (at most FLAT_WORDS 32-bit words) is digested in one pass over its leaves'
+concatenated bits instead (`flat`, `_flat_sums`): an element's position in its leaf is its position in the
+concatenation less the leaf's start, folded into a per-leaf constant, and each leaf's sums are differences
+of one cumulative sum of chunk sums (exact mod 2^32), so the bits are the grouped form's (tested). It is a
+compile-time form: one hash pipeline per tree instead of one per group, which halves the tiny train step's
+HLO text (1.26 M to 0.65 M characters) and shortens its CPU compile. The concatenation copies the tree, so
+large trees and sharded ones (whose concatenation would gather them) keep the grouped form.
 The Pallas kernel of pallas_kernels/digest gives the same bits (integer sums) in one pass per large leaf. It is
 off by default (DIGEST_KERNEL): on an H100 (2026-12-05, docs/BENCHMARKS.md "The d 4096 dense cell") it digested
 a 1.3 B-parameter state's 19 GiB in 8.52 ms against the XLA reductions' 8.66, and in the step the time moved
@@ -139,9 +146,10 @@ def row_digest(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.stack([h1, h2], axis=-1), axis=1, dtype=jnp.uint32)
 
 
-def tree_digest(tree: Any) -> jax.Array:
-    """uint32[2] over a pytree: leaf digests mixed with each leaf's path, so moved leaves are caught."""
-    return tree_digest_and_finite(tree, count_nonfinite=False)[0]
+def tree_digest(tree: Any, flat: bool = False) -> jax.Array:
+    """uint32[2] over a pytree: leaf digests mixed with each leaf's path, so moved leaves are caught. `flat`:
+    the leaves are on one device (`tree_digest_and_finite`)."""
+    return tree_digest_and_finite(tree, count_nonfinite=False, flat=flat)[0]
 
 
 # A stacked group's bytes are capped: where a backend does not fuse the stack into the reduction, the copy it
@@ -171,6 +179,55 @@ def _bounded(groups: Any, leaves: list) -> list[list[int]]:
     return out
 
 
+# The most 32-bit words a tree may hold for the flat form (`tree_digest_and_finite(..., flat=True)`): its
+# concatenation and hash lanes are three uint32 copies of the tree, at most 192 MiB.
+FLAT_WORDS = 1 << 24
+
+
+def _words(x: jax.Array) -> int:
+    """How many uint32 words `as_u32` makes of `x`."""
+    return int(np.prod(jax.eval_shape(as_u32, jax.ShapeDtypeStruct(x.shape, x.dtype)).shape))
+
+
+# The flat form pads each leaf to whole chunks of this many words, so one reshape gives every chunk's sums
+FLAT_CHUNK = 128
+
+
+def _flat_sums(leaves: list, count_nonfinite: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(lane-1 sums, lane-2 sums, non-finite counts), uint32[leaves] each, from one hash pass over all leaves'
+    bits concatenated: the bits of one `_lane_sums` per leaf (version 2). Each leaf is padded with zero bits to
+    whole FLAT_CHUNKs, the lanes are summed per chunk by one reshape, and a leaf's sums are the differences of
+    the chunk sums' cumulative sum at its first and last chunk (exact mod 2^32), less its padding's hashes
+    (known before the step: zero bits at known positions)."""
+    bits, consts, bads, bounds, pad_sums = [], [], [], [0], []
+    for _, x in leaves:
+        b = as_u32(x).reshape(-1)
+        n, pad, start = b.size, -b.size % FLAT_CHUNK, bounds[-1] * FLAT_CHUNK
+        salt = meta_salt(x)
+        # element i of this leaf sits at start + i: p = (start + i) * C1 + (salt - start * C1) mod 2^32
+        consts.append(jnp.full((n + pad,), np.uint32((int(salt) - start * int(_C1)) % 2**32)))
+        bits.append(jnp.pad(b, (0, pad)))
+        pads = element_hashes(np.zeros(pad, np.uint32), salt, 2, np.arange(n, n + pad, dtype=np.uint32))
+        pad_sums.append([int(np.sum(h, dtype=np.uint32)) for h in pads])
+        if count_nonfinite:
+            bad = jnp.zeros((n,), jnp.uint32)
+            if jnp.issubdtype(x.dtype, jnp.floating):  # (8-byte floats do not occur under x32 jax)
+                bad = (~jnp.isfinite(x)).astype(jnp.uint32).reshape(-1)
+            bads.append(jnp.pad(bad, (0, pad)))
+        bounds.append(bounds[-1] + (n + pad) // FLAT_CHUNK)
+    total = bounds[-1] * FLAT_CHUNK
+    lanes = list(element_hashes(jnp.concatenate(bits), jnp.concatenate(consts), 2, jax.lax.iota(jnp.uint32, total)))
+    if count_nonfinite:
+        lanes.append(jnp.concatenate(bads))
+    chunks = jnp.sum(jnp.stack(lanes).reshape(len(lanes), -1, FLAT_CHUNK), axis=2, dtype=jnp.uint32)
+    run = jnp.concatenate([jnp.zeros((len(lanes), 1), jnp.uint32), jnp.cumsum(chunks, axis=1, dtype=jnp.uint32)], 1)
+    ends = np.array(bounds)
+    sums = run[:, ends[1:]] - run[:, ends[:-1]]
+    pad_sums = np.array(pad_sums, np.uint32).T  # (2, leaves)
+    bad = sums[2] if count_nonfinite else jnp.zeros((len(leaves),), jnp.uint32)
+    return sums[0] - pad_sums[0], sums[1] - pad_sums[1], bad
+
+
 # Whether the step's digests take the Pallas kernel (pallas_kernels/digest) where it can run (`kernel_here`).
 # Off: not shown faster in the step (module docstring); `scripts/digest_bench.py --kernel` times both.
 DIGEST_KERNEL = False
@@ -191,6 +248,7 @@ def tree_digest_and_finite(
     version: int = DIGEST_VERSION,
     alone_bytes: int | None = -1,
     kernel: bool | None = None,
+    flat: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(tree_digest, bool[leaves]: each leaf has no inf/NaN), from one pass over each leaf (the non-finite
     guard rides on the digest's reads).
@@ -200,7 +258,9 @@ def tree_digest_and_finite(
     few dozen reductions for a tree of hundreds of leaves. Integer sums: the same bits either way (tested).
     `alone_bytes`: leaves of at least this many bytes are not stacked (-1: the module's ALONE_BYTES).
     `kernel`: leaves of at least KERNEL_MIN_PROGRAMS of its programs are digested by the Pallas kernel, one
-    pass each (None: where `kernel_here`; the same bits either way)."""
+    pass each (None: where `kernel_here`; the same bits either way).
+    `flat`: the caller's leaves are on one device; a tree of at most FLAT_WORDS words (version 2, no kernel)
+    is then digested by one hash pass over its concatenated bits (module docstring; the same bits)."""
     from detjax.pallas_kernels.backend import interpret_mode
     from detjax.pallas_kernels.digest import kernel as digest
 
@@ -226,6 +286,10 @@ def tree_digest_and_finite(
         )
 
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if not leaves:
+        return jnp.zeros((2,), jnp.uint32), jnp.ones((0,), bool)
+    if flat and version == 2 and not kernel and sum(_words(x) for _, x in leaves) <= FLAT_WORDS:
+        return _mixed(leaves, *_flat_sums(leaves, count_nonfinite))
     sums: list[Any] = [None] * len(leaves)
     groups: dict[Any, list[int]] = {}
     for i, (path, leaf) in enumerate(leaves):
@@ -246,17 +310,20 @@ def tree_digest_and_finite(
         h1, h2, bad = jax.vmap(lane_sums)(stacked)
         for n, i in enumerate(idx):
             sums[i] = (h1[n], h2[n], bad[n])
-    if not leaves:
-        return jnp.zeros((2,), jnp.uint32), jnp.ones((0,), bool)
-    # each leaf's pair mixed with its path's salt, all leaves in one vector op and one integer sum (the bits
-    # of adding them one leaf at a time, without an op per leaf)
+    h1s, h2s, bads = (jnp.stack([s[lane] for s in sums]) for lane in range(3))
+    return _mixed(leaves, h1s, h2s, bads)
+
+
+def _mixed(leaves: list, h1: jax.Array, h2: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(tree digest, bool[leaves] finite) from the leaves' lane sums and non-finite counts (uint32[leaves]):
+    each leaf's pair mixed with its path's salt, all leaves in one vector op and one integer sum (the bits of
+    adding them one leaf at a time, without an op per leaf)."""
     salts = [
         int.from_bytes(hashlib.blake2s(jax.tree_util.keystr(p).encode(), digest_size=4).digest(), "little")
         for p, _ in leaves
     ]
-    pairs = jnp.stack([jnp.stack([h1, h2]) for h1, h2, _ in sums])
-    mixed = _fmix(pairs ^ np.array(salts, np.uint32)[:, None]) * np.array([[1, 3]], np.uint32)
-    return jnp.sum(mixed, axis=0, dtype=jnp.uint32), jnp.stack([bad == 0 for _, _, bad in sums])
+    mixed = _fmix(jnp.stack([h1, h2], axis=1) ^ np.array(salts, np.uint32)[:, None]) * np.array([[1, 3]], np.uint32)
+    return jnp.sum(mixed, axis=0, dtype=jnp.uint32), bad == 0
 
 
 def digest_hex(d: Any) -> str:

@@ -547,16 +547,19 @@ class Trainer:
             out = dict(losses, grad_norm=norm, lr=self.schedule(state.step))
         if self.cfg.run.fingerprints:
             with jax.named_scope("fingerprint"):
-                params_digest, params_finite = fp.tree_digest_and_finite(new_state.params)
+                # on one device small trees take the flat form (fingerprint.FLAT_WORDS: the same bits, less to
+                # compile); sharded leaves would be gathered by it
+                flat = self.layout is None or self.layout.trivial
+                params_digest, params_finite = fp.tree_digest_and_finite(new_state.params, flat=flat)
                 out["digest"] = {
                     "params": params_digest,
-                    "grads": fp.tree_digest(grads),
-                    "opt_state": fp.tree_digest(new_state.opt_state),
+                    "grads": fp.tree_digest(grads, flat),
+                    "opt_state": fp.tree_digest(new_state.opt_state, flat),
                     "batch": fp.tensor_digest(batch),
                     "rng": fp.tensor_digest(step_key),
                 }
                 if new_state.collections:  # fp8 scales and amax histories
-                    out["digest"]["collections"] = fp.tree_digest(new_state.collections)
+                    out["digest"]["collections"] = fp.tree_digest(new_state.collections, flat)
         if not self.guard_nonfinite:
             return out
         with jax.named_scope("nonfinite_guard"):  # its own scope: scripts/profile_step.py --scope prices it

@@ -69,6 +69,39 @@ def test_grouped_tree_digest_equals_the_per_leaf_one(monkeypatch):
     assert np.asarray(ok_m).tolist() == np.asarray(ok_s).tolist()
 
 
+def test_flat_tree_digest_equals_the_grouped_one(monkeypatch):
+    """The flat form (one hash pass over the concatenated bits, per-leaf sums from a cumulative sum) gives the
+    grouped form's digest and per-leaf finite flags: float32, bf16, int and PRNG-key leaves, a NaN and an inf
+    in two leaves, with and without the finite count. Negative controls: the flat digest of a tree with two
+    equal-shaped leaves swapped differs, and so does one with a leaf's first two elements swapped (positions
+    within a leaf count). Above FLAT_WORDS the grouped form runs (the same bits)."""
+    ks = jax.random.split(jax.random.key(1), 4)
+    tree = {
+        "a": jax.random.normal(ks[0], (7, 3)),
+        "b": jax.random.normal(ks[1], (7, 3)).astype(jnp.bfloat16),
+        "c": jnp.arange(5, dtype=jnp.int32),
+        "key": ks[2],
+        "d": jax.random.normal(ks[3], (7, 3)),
+    }
+    tree["a"] = tree["a"].at[2, 1].set(jnp.nan)
+    tree["b"] = tree["b"].at[0, 0].set(jnp.inf)
+    flags = {}
+    for count in (True, False):
+        want, ok_want = jax.jit(lambda t, c=count: tree_digest_and_finite(t, count_nonfinite=c))(tree)
+        got, ok_got = jax.jit(lambda t, c=count: tree_digest_and_finite(t, count_nonfinite=c, flat=True))(tree)
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+        assert np.asarray(ok_got).tolist() == np.asarray(ok_want).tolist()
+        flags[count] = np.asarray(ok_got).tolist()
+    assert flags == {True: [False, False, True, True, True], False: [True] * 5}  # leaves a, b, c, d, key
+    flat = jax.jit(lambda t: tree_digest(t, flat=True))
+    assert digest_hex(flat(tree)) == digest_hex(tree_digest(tree))
+    assert digest_hex(flat({**tree, "a": tree["d"], "d": tree["a"]})) != digest_hex(flat(tree))
+    moved = tree["d"].at[0, 0].set(tree["d"][0, 1]).at[0, 1].set(tree["d"][0, 0])
+    assert digest_hex(flat({**tree, "d": moved})) != digest_hex(flat(tree))
+    monkeypatch.setattr(fp, "FLAT_WORDS", 8)
+    assert digest_hex(jax.jit(lambda t: tree_digest(t, flat=True))(tree)) == digest_hex(tree_digest(tree))
+
+
 def test_digest_values_are_pinned():
     """The digest is a file format (fingerprints.jsonl, checkpoint meta): each version's values are pinned.
     Version 1's were produced by the first implementation (two separate reductions) and must stay, so that

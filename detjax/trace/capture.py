@@ -125,6 +125,10 @@ def instrumented_step(trainer: Any, level: str = "none", scope: str = ""):
     inj_step = trainer.cfg.debug.inject_nondeterminism.step
     inject_modules, inject_optimizer = injection(trainer.cfg)
     objective = trainer.objective
+    one_device = trainer.layout is None or trainer.layout.trivial
+
+    def tree_digest(tree):  # the flat form where the trees are on one device (fingerprint.FLAT_WORDS)
+        return fp.tree_digest(tree, one_device)
 
     def step(state, batch):
         step_key = trainer.step_key(state)
@@ -147,11 +151,11 @@ def instrumented_step(trainer: Any, level: str = "none", scope: str = ""):
             if level != "phase":
                 return g, terms, module_taps
             rec = Recorder()
-            fwd_in = [fp.tree_digest(params), tokens, key]
+            fwd_in = [tree_digest(params), tokens, key]
             rec.add("phase", "forward", fwd_in, list(terms) + logits)
-            rec.add("phase", "backward", fwd_in, [fp.tree_digest(g)])
+            rec.add("phase", "backward", fwd_in, [tree_digest(g)])
             new_acc = jax.tree.map(jnp.add, g_acc, g)  # the accumulation the scan body does (same op)
-            rec.add("phase", "grad_accumulate", [fp.tree_digest(g_acc), fp.tree_digest(g)], [fp.tree_digest(new_acc)])
+            rec.add("phase", "grad_accumulate", [tree_digest(g_acc), tree_digest(g)], [tree_digest(new_acc)])
             return g, terms, rec.tree
 
         (g_sum, sums), micro_taps = trainer.accumulate(state.params, trainer.micro_tokens(batch), step_key, micro)
@@ -165,12 +169,12 @@ def instrumented_step(trainer: Any, level: str = "none", scope: str = ""):
         )
         rec = Recorder()
         if level == "phase":
-            rec.add("phase", "grad_scale", [fp.tree_digest(g_sum)], [fp.tree_digest(grads)])
+            rec.add("phase", "grad_scale", [tree_digest(g_sum)], [tree_digest(grads)])
             rec.add(
                 "phase",
                 "optimizer",
-                [fp.tree_digest(grads), fp.tree_digest(state.opt_state), fp.tree_digest(state.params)],
-                [fp.tree_digest(updates), fp.tree_digest(new_state.opt_state), fp.tree_digest(new_state.params)],
+                [tree_digest(grads), tree_digest(state.opt_state), tree_digest(state.params)],
+                [tree_digest(updates), tree_digest(new_state.opt_state), tree_digest(new_state.params)],
             )
         new_state, metrics = trainer.conclude(state, new_state, grads, losses, batch, step_key)
         return new_state, metrics, {"micro": micro_taps, "step": rec.tree}
