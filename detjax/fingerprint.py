@@ -33,7 +33,9 @@ concatenation less the leaf's start, folded into a per-leaf constant, and each l
 of one cumulative sum of chunk sums (exact mod 2^32), so the bits are the grouped form's (tested). It is a
 compile-time form: one hash pipeline per tree instead of one per group, which halves the tiny train step's
 HLO text (1.26 M to 0.65 M characters) and shortens its CPU compile. The concatenation copies the tree, so
-large trees and sharded ones (whose concatenation would gather them) keep the grouped form.
+large trees keep the grouped form, and so do sharded ones: their concatenation gathers them, and XLA's
+sharding propagation carries its layout back into the ops that produce them (forced onto a data 2 x fsdp 4
+CPU mesh, it changed the gradients' bits, while the same gradients digested either way gave equal digests).
 The Pallas kernel of pallas_kernels/digest gives the same bits (integer sums) in one pass per large leaf. It is
 off by default (DIGEST_KERNEL): on an H100 (2026-12-05, docs/BENCHMARKS.md "The d 4096 dense cell") it digested
 a 1.3 B-parameter state's 19 GiB in 8.52 ms against the XLA reductions' 8.66, and in the step the time moved

@@ -548,7 +548,7 @@ class Trainer:
         if self.cfg.run.fingerprints:
             with jax.named_scope("fingerprint"):
                 # on one device small trees take the flat form (fingerprint.FLAT_WORDS: the same bits, less to
-                # compile); sharded leaves would be gathered by it
+                # compile); on a mesh it would gather the leaves and reshard the ops that produce them
                 flat = self.layout is None or self.layout.trivial
                 params_digest, params_finite = fp.tree_digest_and_finite(new_state.params, flat=flat)
                 out["digest"] = {

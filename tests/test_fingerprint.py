@@ -102,6 +102,26 @@ def test_flat_tree_digest_equals_the_grouped_one(monkeypatch):
     assert digest_hex(jax.jit(lambda t: tree_digest(t, flat=True))(tree)) == digest_hex(tree_digest(tree))
 
 
+def test_the_step_takes_the_flat_digest_on_one_device_only(tiny_path, monkeypatch):
+    """The train step's digests take the flat form on a one-device layout and the grouped form on a mesh (where
+    the concatenation would gather the leaves and reshard the ops that make them). Traced, not compiled."""
+    from detjax.config import load_config
+    from detjax.sharding.mesh import build_layout
+    from detjax.step import Trainer
+
+    calls = []
+    flat_sums = fp._flat_sums
+    monkeypatch.setattr(fp, "_flat_sums", lambda *a, **k: calls.append(1) or flat_sums(*a, **k))
+    for over, devices, want in (([], 1, 3), (["mesh.data=2"], 2, 0)):
+        cfg = load_config(tiny_path, ["run.tensorboard=false", *over])
+        tr = Trainer(cfg, build_layout(cfg, jax.devices()[:devices]))
+        batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32)
+        calls.clear()
+        step = jax.jit(tr.train_step, in_shardings=(tr.state_shardings(), tr.batch_sharding()))
+        step.trace(tr.abstract_state(), batch)
+        assert len(calls) == want, over  # params, grads, optimizer state (no fp8 collections)
+
+
 def test_digest_values_are_pinned():
     """The digest is a file format (fingerprints.jsonl, checkpoint meta): each version's values are pinned.
     Version 1's were produced by the first implementation (two separate reductions) and must stay, so that
