@@ -182,7 +182,8 @@ def _bounded(groups: Any, leaves: list) -> list[list[int]]:
 
 
 # The most 32-bit words a tree may hold for the flat form (`tree_digest_and_finite(..., flat=True)`): its
-# concatenation and hash lanes are three uint32 copies of the tree, at most 192 MiB.
+# concatenated bits, per-leaf constants, hash lanes and non-finite flags are uint32 arrays of the tree's
+# length (up to 64 MiB each at this bound) where XLA does not fuse them.
 FLAT_WORDS = 1 << 24
 
 
