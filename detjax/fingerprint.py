@@ -31,8 +31,8 @@ On one device a small tree (at most FLAT_WORDS 32-bit words) is digested in one 
 concatenated bits instead (`flat`, `_flat_sums`): an element's position in its leaf is its position in the
 concatenation less the leaf's start, folded into a per-leaf constant, and each leaf's sums are differences
 of one cumulative sum of chunk sums (exact mod 2^32), so the bits are the grouped form's (tested). It is a
-compile-time form: one hash pipeline per tree instead of one per group, which halves the tiny train step's
-HLO text (1.26 M to 0.65 M characters) and shortens its CPU compile. The concatenation copies the tree, so
+compile-time form: one hash pipeline per tree instead of one per group, so a smaller program for XLA to
+compile (the suite's many CPU step compiles gain most). The concatenation copies the tree, so
 large trees keep the grouped form, and so do sharded ones: their concatenation gathers them, and XLA's
 sharding propagation carries its layout back into the ops that produce them (forced onto a data 2 x fsdp 4
 CPU mesh, it changed the gradients' bits, while the same gradients digested either way gave equal digests).

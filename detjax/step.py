@@ -70,6 +70,7 @@ class Trainer:
         self.cfg = cfg
         self.layout = layout
         self.pipelined = layout is not None and layout.degrees["pipeline"] > 1
+        self.one_device = layout is None or layout.trivial
         self.canonical = cfg.determinism.canonical
         # the state's parameters stacked per pipeline stage; under canonical numerics the state keeps the
         # one-device layout (so its digests, norm and checkpoints are the one-device run's) and the step stacks
@@ -277,7 +278,7 @@ class Trainer:
             and DTYPES[m.compute_dtype] != jnp.float32
             and not (self.fp8 or self.canonical or self.pipelined)
             and self.tensor_split is None
-            and (self.layout is None or self.layout.trivial)
+            and self.one_device
         )
 
     def accumulators(self, params: Any) -> dict:
@@ -549,7 +550,7 @@ class Trainer:
             with jax.named_scope("fingerprint"):
                 # on one device small trees take the flat form (fingerprint.FLAT_WORDS: the same bits, less to
                 # compile); on a mesh it would gather the leaves and reshard the ops that produce them
-                flat = self.layout is None or self.layout.trivial
+                flat = self.one_device
                 params_digest, params_finite = fp.tree_digest_and_finite(new_state.params, flat=flat)
                 out["digest"] = {
                     "params": params_digest,

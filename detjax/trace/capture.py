@@ -125,10 +125,9 @@ def instrumented_step(trainer: Any, level: str = "none", scope: str = ""):
     inj_step = trainer.cfg.debug.inject_nondeterminism.step
     inject_modules, inject_optimizer = injection(trainer.cfg)
     objective = trainer.objective
-    one_device = trainer.layout is None or trainer.layout.trivial
 
     def tree_digest(tree):  # the flat form where the trees are on one device (fingerprint.FLAT_WORDS)
-        return fp.tree_digest(tree, one_device)
+        return fp.tree_digest(tree, trainer.one_device)
 
     def step(state, batch):
         step_key = trainer.step_key(state)
