@@ -98,8 +98,14 @@ def test_flat_tree_digest_equals_the_grouped_one(monkeypatch):
     assert digest_hex(flat({**tree, "a": tree["d"], "d": tree["a"]})) != digest_hex(flat(tree))
     moved = tree["d"].at[0, 0].set(tree["d"][0, 1]).at[0, 1].set(tree["d"][0, 0])
     assert digest_hex(flat({**tree, "d": moved})) != digest_hex(flat(tree))
+    calls = []
+    flat_sums = fp._flat_sums
+    monkeypatch.setattr(fp, "_flat_sums", lambda *a: calls.append(1) or flat_sums(*a))
+    jax.jit(lambda t: tree_digest(t, flat=True)).trace(tree)
+    assert calls == [1]  # the flat form ran at this size (the control for the next check)
     monkeypatch.setattr(fp, "FLAT_WORDS", 8)
     assert digest_hex(jax.jit(lambda t: tree_digest(t, flat=True))(tree)) == digest_hex(tree_digest(tree))
+    assert calls == [1]  # above FLAT_WORDS it did not: the grouped form gave these bits
 
 
 def test_the_step_takes_the_flat_digest_on_one_device_only(tiny_path, monkeypatch):
