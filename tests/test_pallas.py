@@ -970,9 +970,8 @@ KERNEL_NAMES = {
 def test_model_uses_pallas_kernels_through_one_switch(tiny_path):
     """model.kernels=pallas puts every kernel (forward and backward) into the train step of the hybrid
     M*E- model, every GEMM included, and the step's loss and gradient norm match the reference path's."""
-    import re
-
     from detjax.config import load_config
+    from detjax.jaxprs import iter_eqns
     from detjax.step import Trainer
 
     over = ["model.pattern=M*E-", "model.mtp.depth=0", "model.dropout=0.0"]
@@ -982,7 +981,7 @@ def test_model_uses_pallas_kernels_through_one_switch(tiny_path):
         tr = Trainer(load_config(tiny_path, [f"model.kernels={kernels}", *over]))
         state = jax.jit(tr.init_state)(jax.random.key(0))
         traced = jax.jit(tr.train_step).trace(state, batch)  # one trace and one lowering serve every check
-        names = set(re.findall(r"name=(\w+)", str(traced.jaxpr)))
+        names = {str(e.params["name"]) for e in iter_eqns(traced.jaxpr) if "name" in e.params}  # kernels, jits
         lowered = traced.lower()
         out[kernels] = (names & KERNEL_NAMES, lowered.compile()(state, batch)[1], lowered.as_text())
         dots[kernels] = determinism.xla_dots(traced.jaxpr)
