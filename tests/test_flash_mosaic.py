@@ -68,9 +68,20 @@ def test_mosaic_flash_attention_matches_reference():
     for name, a, b in zip("qkv", got, want, strict=True):
         assert a.dtype == jnp.bfloat16, name
         assert _rel(a, b) <= TOL, name
-    # a ring of two slots (every kernel's ring wraps at this length) gives the same bytes as the pinned depths
-    # (the forward's pinned depth is two already: test_mosaic_forward_variants compares it with three); the
-    # Triton backend's differ (other arithmetic), so the comparison can fail
+
+
+@pytest.mark.extended  # ring depths and persistent kernels other than the pinned ones (time only)
+@pytest.mark.skipif(
+    jax.default_backend() == "gpu" and not mosaic.available(), reason="the Mosaic GPU backend needs a Hopper GPU"
+)
+def test_mosaic_ring_depths_and_persistent_kernels_give_the_pinned_bytes():
+    """The inputs of test_mosaic_flash_attention_matches_reference: a ring of two slots in every kernel (each
+    ring wraps at this length) and the persistent dQ (three CTAs, four items) and dK/dV (one CTA, both items)
+    give the bytes of the pinned kernels. The Triton backend's differ (other arithmetic), so the comparison can
+    fail."""
+    q, k, v, g = _inputs()
+    o = jax.jit(lambda *x: flash_attention(*x, "mosaic"))(q, k, v)
+    _, got = _value_and_grads(lambda *x: flash_attention(*x, "mosaic"), q, k, v, g)
     interp = jax.default_backend() != "gpu"
     o2, lse2 = mosaic._fwd_call(q, k, v, interpret=interp, stages=2)
     _, lse = mosaic.flash_fwd(q, k, v, interpret=interp)
@@ -79,13 +90,13 @@ def test_mosaic_flash_attention_matches_reference():
     dq2 = mosaic._dq_call(q, k, v, g, lse, delta, interpret=interp, stages=2)
     dk2, dv2 = mosaic._dkv_call(q, k, v, g, lse, delta, interpret=interp, stages=2)
     assert [_bits(x) for x in (dq2, dk2, dv2)] == [_bits(x) for x in got]
-    # the persistent dQ (three CTAs, four items) and dK/dV (one CTA, both items): the same bytes
     dq3 = mosaic._dq_call(q, k, v, g, lse, delta, interpret=interp, stages=2, persistent=True, programs=3)
     dk3, dv3 = mosaic._dkv_call(q, k, v, g, lse, delta, interpret=interp, stages=2, persistent=True, programs=1)
     assert [_bits(x) for x in (dq3, dk3, dv3)] == [_bits(x) for x in got]
     assert _bits(flash_attention(q, k, v, "triton")) != _bits(o)
 
 
+@pytest.mark.extended  # forward configurations other than the pinned one (FWD); the default run checks the pinned one
 @pytest.mark.skipif(
     jax.default_backend() == "gpu" and not mosaic.available(), reason="the Mosaic GPU backend needs a Hopper GPU"
 )
@@ -119,8 +130,14 @@ def test_mosaic_forward_variants():
         assert _rel(o_f, ref) <= TOL
         assert float(jnp.max(jnp.abs(lse_f - lse_pinned))) <= 1e-4 * float(jnp.max(jnp.abs(lse_pinned)))
     assert _bits(lse64) != _bits(lse128)
+
+
+def test_mosaic_pingpong_needs_128_key_blocks():
+    """The forward's warpgroups take turns only over 128-key blocks, and a call that asks for turns over
+    64-key blocks is refused before anything runs."""
+    q, k, v, _ = _inputs(2, length=384)
     with pytest.raises(ValueError, match="block_kv 128"):
-        mosaic._fwd_call(q, k, v, interpret=interp, block_kv=64, pingpong=True)
+        mosaic._fwd_call(q, k, v, interpret=jax.default_backend() != "gpu", block_kv=64, pingpong=True)
 
 
 def test_persistent_kernels_deal_every_item_once_and_evenly():

@@ -372,7 +372,9 @@ def test_fp8_mosaic_product_replays_bit_exact_on_gpu():
 
 
 @pytest.mark.parametrize(
-    "tile", [None, {"block_m": 64, "block_n": 32, "num_warps": 4, "t32": True}], ids=["pinned", "64x32_t32"]
+    "tile",
+    [None, pytest.param({"block_m": 64, "block_n": 32, "num_warps": 4, "t32": True}, marks=pytest.mark.extended)],
+    ids=["pinned", "64x32_t32"],  # other tiles: a sweep's candidates, run with -m extended
 )
 def test_fp8_quantize_transposed_matches_the_xla_quantization(tile, monkeypatch):
     """quantize.quantize_transposed (Triton on the GPU, the interpreter on CPU): q byte-equal to
@@ -448,12 +450,18 @@ def test_fp8_quantize_transposed_matches_the_xla_quantization(tile, monkeypatch)
 @pytest.mark.parametrize(
     "tiles",
     [
-        None,  # the pinned TILES
-        {
-            "swiglu_fwd": {"block_m": 256, "block_n": 128, "num_warps": 8, "t32": True},
-            "swiglu_bwd": {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": False, "t32": True},
-        },
-        {"swiglu_bwd": {"block_m": 64, "block_n": 128, "num_warps": 4, "pair": True, "t32": True}},
+        None,  # the pinned TILES; the others are a sweep's candidates, run with -m extended
+        pytest.param(
+            {
+                "swiglu_fwd": {"block_m": 256, "block_n": 128, "num_warps": 8, "t32": True},
+                "swiglu_bwd": {"block_m": 128, "block_n": 128, "num_warps": 8, "pair": False, "t32": True},
+            },
+            marks=pytest.mark.extended,
+        ),
+        pytest.param(
+            {"swiglu_bwd": {"block_m": 64, "block_n": 128, "num_warps": 4, "pair": True, "t32": True}},
+            marks=pytest.mark.extended,
+        ),
     ],
     ids=["pinned", "other_tiles_t32", "pair_t32"],
 )

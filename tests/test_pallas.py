@@ -426,7 +426,11 @@ def _conv_dx_in_kernel(monkeypatch, dx_in: bool):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("dx_in", [True, False], ids=["one_pass", "two_pass"])
+@pytest.mark.parametrize(
+    "dx_in",
+    [pytest.param(True, marks=pytest.mark.extended), False],  # the one pass is not the pinned form
+    ids=["one_pass", "two_pass"],
+)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_conv_silu_bwd_matches_reference(monkeypatch, dtype, dx_in):
     """The convolution's backward, dx in the kernel (one pass) or from the kernel's dconv (two passes), against
@@ -445,7 +449,11 @@ def test_conv_silu_bwd_matches_reference(monkeypatch, dtype, dx_in):
     assert _rel(dw, rw) <= TOL_GRAD and _rel(db, rb) <= TOL_GRAD
 
 
-@pytest.mark.parametrize("dx_in", [True, False], ids=["one_pass", "two_pass"])
+@pytest.mark.parametrize(
+    "dx_in",
+    [pytest.param(True, marks=pytest.mark.extended), False],  # the one pass is not the pinned form
+    ids=["one_pass", "two_pass"],
+)
 def test_conv_silu_bwd_replays_bit_exact(monkeypatch, dx_in):
     from detjax.pallas_kernels.conv.ops import conv_silu
 
@@ -516,6 +524,7 @@ def test_flash_attention_matches_reference(shape):
         assert _rel(a, b) <= TOL_GRAD
 
 
+@pytest.mark.extended  # tile_sweep's candidates, not the pinned tiles (test_flash_attention_matches_reference)
 @pytest.mark.parametrize("tiles", [(32, 64), (64, 32)], ids=["q32k64", "q64k32"])
 def test_flash_dkv_uneven_tiles_match_reference(tiles, monkeypatch):
     """dK/dV with query and key blocks of different sizes (tile_sweep's candidates): the causal mask of the
