@@ -19,6 +19,9 @@ if os.environ.get("DETJAX_TEST_GPU") != "1":
 _have = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_have + [f for f in _FLAGS if f not in _have])
 os.environ.setdefault("JAX_PLATFORMS", "cpu") if os.environ.get("DETJAX_TEST_GPU") != "1" else None
+# On a GPU the tests' processes allocate as they go: a subprocess (the scatter-add control) cannot get memory when
+# this process has already preallocated most of the card.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false") if os.environ.get("DETJAX_TEST_GPU") == "1" else None
 # Compilation dominates the suite. A persistent compilation cache in the checkout (git-ignored) lets the
 # test subprocesses (CLI runs, resume stops, the mesh sweep) and the two xdist workers load a program that
 # another process already compiled, instead of compiling it again; a fresh clone starts with it empty.

@@ -261,7 +261,7 @@ def _copies_case(tiny_path, overrides):
     copies_of(scales) the step's copies and grads(compute) the microbatch's loss terms, gradients and amaxes
     (compute None: the weights quantized at each use)."""
     base = ["model.kernels=pallas", "model.fp8.enabled=true", "train.global_batch=2", "train.micro_batch=2"]
-    cfg = load_config(tiny_path, [*base, "model.mtp.depth=0", "model.dropout=0", *overrides])
+    cfg = load_config(tiny_path, [*base, "model.mtp.depth=0", "model.dropout=0", "run.tensorboard=false", *overrides])
     trainer = Trainer(cfg)
     state = jax.jit(trainer.init_state)(jax.random.key(0))
     scales = jax.tree.map(lambda s: s * jnp.asarray([4.0, 16.0, 2.0]), trainer.fp8_scales(state))
