@@ -69,6 +69,14 @@ def test_grouped_tree_digest_equals_the_per_leaf_one(monkeypatch):
     assert np.asarray(ok_m).tolist() == np.asarray(ok_s).tolist()
 
 
+def _count_flat_sums(monkeypatch) -> list:
+    """fingerprint._flat_sums wrapped to append to the returned list on every call (the flat form ran)."""
+    calls: list = []
+    flat_sums = fp._flat_sums
+    monkeypatch.setattr(fp, "_flat_sums", lambda *a, **k: calls.append(1) or flat_sums(*a, **k))
+    return calls
+
+
 def test_flat_tree_digest_equals_the_grouped_one(monkeypatch):
     """The flat form (one hash pass over the concatenated bits, per-leaf sums from a cumulative sum) gives the
     grouped form's digest and per-leaf finite flags: float32, bf16, int and PRNG-key leaves, a NaN and an inf
@@ -98,9 +106,7 @@ def test_flat_tree_digest_equals_the_grouped_one(monkeypatch):
     assert digest_hex(flat({**tree, "a": tree["d"], "d": tree["a"]})) != digest_hex(flat(tree))
     moved = tree["d"].at[0, 0].set(tree["d"][0, 1]).at[0, 1].set(tree["d"][0, 0])
     assert digest_hex(flat({**tree, "d": moved})) != digest_hex(flat(tree))
-    calls = []
-    flat_sums = fp._flat_sums
-    monkeypatch.setattr(fp, "_flat_sums", lambda *a: calls.append(1) or flat_sums(*a))
+    calls = _count_flat_sums(monkeypatch)
     jax.jit(lambda t: tree_digest(t, flat=True)).trace(tree)
     assert calls == [1]  # the flat form ran at this size (the control for the next check)
     monkeypatch.setattr(fp, "FLAT_WORDS", 8)
@@ -115,9 +121,7 @@ def test_the_step_takes_the_flat_digest_on_one_device_only(tiny_path, monkeypatc
     from detjax.sharding.mesh import build_layout
     from detjax.step import Trainer
 
-    calls = []
-    flat_sums = fp._flat_sums
-    monkeypatch.setattr(fp, "_flat_sums", lambda *a, **k: calls.append(1) or flat_sums(*a, **k))
+    calls = _count_flat_sums(monkeypatch)
     for over, devices, want in (([], 1, 3), (["mesh.data=2"], 2, 0)):
         cfg = load_config(tiny_path, ["run.tensorboard=false", *over])
         tr = Trainer(cfg, build_layout(cfg, jax.devices()[:devices]))
