@@ -16,6 +16,18 @@ from detjax.sharding.rules import tree_shardings
 # canonical numerics: leaves whose gradients one scan stacks before their pair tree (a power of two; more
 # leaves per device go through a TreeAccumulator in groups of this many)
 STACK = 4
+# Whether each scan step of a leaf group runs two leaves and adds their gradients (the pair tree's first level)
+# before the scan stacks the sum, instead of stacking every leaf's gradient: the same adds in the same order,
+# so the same bits (tests/test_canonical.py). It saves writing every leaf's gradient into the stack and
+# reading it back: on an H100, gpu_medium's canonical step 3.4 ms faster (docs/BENCHMARKS.md, "Canonical
+# numerics"). A scan step then holds two leaf programs, which XLA compiles about a fifth slower on the CPU, so
+# None (the default) pairs leaves on a GPU only; True or False forces it.
+PAIRS: bool | None = None
+
+
+def pairs_here() -> bool:
+    """Whether canonical_grad_sums pairs leaves in its scan (PAIRS; None: on a GPU)."""
+    return jax.default_backend() == "gpu" if PAIRS is None else PAIRS
 
 
 ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")  # the routed experts' stacked weights (model.moe.Experts)
@@ -41,7 +53,8 @@ def canonical_grad_sums(trainer: Any, params: Any, batch_GL1: jax.Array, step_ke
     per-device one (no partitioner choice inside it): its leaves one at a time (lax.scan: the same
     batch-C program whatever the mesh or the microbatch size), each with the dropout key of its global
     leaf index, with the weights whole. Up to STACK leaves' gradients are stacked by the scan and summed
-    by their pair tree; longer blocks push those STACK-leaf subtrees into a TreeAccumulator. The S block
+    by their pair tree (with pairs_here, the scan runs two leaves a step and stacks their sum: the tree's
+    first level); longer blocks push those STACK-leaf subtrees into a TreeAccumulator. The S block
     sums then meet in the top levels of the same tree (pair_sum over S), on each device's piece of the
     elements (canonical.reduce_to_shards: an all-to-all, the tree's adds, an all-gather into the stored
     shards): the same adds, so the same bits, for about the bytes of an all-reduce. With expert dispatch
@@ -74,8 +87,22 @@ def canonical_grad_sums(trainer: Any, params: Any, batch_GL1: jax.Array, step_ke
             tokens_CL1, j = xs
             return None, leaf_grad(params, tokens_CL1, jax.random.fold_in(key, first + j), scales, compute)
 
+        def pair_body(_, xs):
+            tokens_2CL1, j = xs
+            s0, a0 = leaf_body(None, (tokens_2CL1[0], j))[1]
+            # the second leaf reads its tokens after the first leaf's gradient exists: one leaf's activations
+            # live at a time, as in the unpaired scan
+            (s0, a0), tokens_CL1 = jax.lax.optimization_barrier(((s0, a0), tokens_2CL1[1]))
+            s1, a1 = leaf_body(None, (tokens_CL1, j + 1))[1]
+            with jax.named_scope("grad_accumulate"):
+                return None, (jax.tree.map(jnp.add, s0, s1), jax.tree.map(jnp.maximum, a0, a1))
+
         def group_sum(tokens_KCL1, j0):
-            _, (grads_K, amax_K) = jax.lax.scan(leaf_body, None, (tokens_KCL1, j0 + jnp.arange(stack)))
+            if stack > 1 and pairs_here():
+                pairs = (tokens_KCL1.reshape(stack // 2, 2, *tokens_KCL1.shape[1:]), j0 + 2 * jnp.arange(stack // 2))
+                _, (grads_K, amax_K) = jax.lax.scan(pair_body, None, pairs)
+            else:
+                _, (grads_K, amax_K) = jax.lax.scan(leaf_body, None, (tokens_KCL1, j0 + jnp.arange(stack)))
             with jax.named_scope("grad_accumulate"):
                 return canonical.tree_pair_sum(grads_K), amax_max(amax_K)
 

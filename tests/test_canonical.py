@@ -229,6 +229,35 @@ def _one_step(overrides: list[str], model: tuple[str, ...] = ("model.pattern='-'
     return jax.device_get(state.params), jax.device_get(metrics)
 
 
+def test_leaf_pairs_give_the_unpaired_bytes(monkeypatch):
+    """The paired leaf scan (two leaves a scan step, their gradients added before the stack: the pair tree's
+    first level, step_canonical.PAIRS, the GPU default) gives the unpaired scan's bytes: parameters after two
+    steps of 16 one-sequence leaves on one device (groups of STACK = 4 leaves). Negative control: the batch
+    with sequences 1 and 2 swapped (no dropout, so the same leaf gradients in other pairs) changes them."""
+    from detjax import step_canonical
+    from detjax.sharding.mesh import build_layout
+    from detjax.step import Trainer, compile_init
+
+    model = ["model.pattern='-'", "model.mtp.depth=0", "model.dropout=0.0"]
+    cfg = load_config(MESH_CFG, [*model, "determinism.numerics=canonical", "mesh.devices=1"])
+    batch = jax.random.randint(jax.random.key(1), (cfg.train.global_batch, cfg.train.seq_len + 1), 0, 264)
+
+    def run(pairs: bool, rows: np.ndarray):
+        monkeypatch.setattr(step_canonical, "PAIRS", pairs)
+        tr = Trainer(cfg, build_layout(cfg, jax.devices()[:1]))
+        ssh, bsh = tr.state_shardings(), tr.batch_sharding()
+        state = compile_init(tr, ssh)(jax.random.key(0))
+        step = jax.jit(tr.train_step, in_shardings=(ssh, bsh))
+        for _ in range(2):
+            state, _ = step(state, jax.device_put(batch[rows], bsh))
+        return jax.device_get(state.params)
+
+    order = np.arange(cfg.train.global_batch)
+    paired = run(True, order)
+    assert _same(run(False, order), paired)
+    assert not _same(run(True, order[[0, 2, 1, *range(3, len(order))]]), paired)
+
+
 def _same(a, b) -> bool:
     return all(np.array_equal(u32(x), u32(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
