@@ -229,17 +229,15 @@ def _one_step(overrides: list[str], model: tuple[str, ...] = ("model.pattern='-'
     return jax.device_get(state.params), jax.device_get(metrics)
 
 
-def test_leaf_pairs_give_the_unpaired_bytes(monkeypatch):
-    """The paired leaf scan (two leaves a scan step, their gradients added before the stack: the pair tree's
-    first level, step_canonical.PAIRS, the GPU default) gives the unpaired scan's bytes: parameters after two
-    steps of 16 one-sequence leaves on one device (groups of STACK = 4 leaves). Negative control: the batch
-    with sequences 1 and 2 swapped (no dropout, so the same leaf gradients in other pairs) changes them."""
+def _check_leaf_pairs(monkeypatch, model: list[str]) -> None:
+    """Two canonical steps of 16 one-sequence leaves on one device (groups of STACK = 4 leaves) with the paired
+    leaf scan give the unpaired scan's parameter bytes, and with sequences 1 and 2 swapped in the batch (no
+    dropout: the same leaf gradients in other pairs) other bytes."""
     from detjax import step_canonical
     from detjax.sharding.mesh import build_layout
     from detjax.step import Trainer, compile_init
 
-    model = ["model.pattern='-'", "model.mtp.depth=0", "model.dropout=0.0"]
-    cfg = load_config(MESH_CFG, [*model, "determinism.numerics=canonical", "mesh.devices=1"])
+    cfg = load_config(MESH_CFG, [*model, "model.dropout=0.0", "determinism.numerics=canonical", "mesh.devices=1"])
     batch = jax.random.randint(jax.random.key(1), (cfg.train.global_batch, cfg.train.seq_len + 1), 0, 264)
 
     def run(pairs: bool, rows: np.ndarray):
@@ -255,7 +253,21 @@ def test_leaf_pairs_give_the_unpaired_bytes(monkeypatch):
     order = np.arange(cfg.train.global_batch)
     paired = run(True, order)
     assert _same(run(False, order), paired)
-    assert not _same(run(True, order[[0, 2, 1, *range(3, len(order))]]), paired)
+    assert not _same(run(True, order[[0, 2, 1, *range(3, len(order))]]), paired)  # negative control
+
+
+def test_leaf_pairs_give_the_unpaired_bytes(monkeypatch):
+    """The paired leaf scan (two leaves a scan step, their gradients added before the stack: the pair tree's
+    first level, step_canonical.PAIRS, the GPU default) gives the unpaired scan's bytes (_check_leaf_pairs, on
+    an MLP model). Negative control: swapped sequences in the batch change them."""
+    _check_leaf_pairs(monkeypatch, ["model.pattern='-'", "model.mtp.depth=0"])
+
+
+@pytest.mark.gpu
+def test_leaf_pairs_give_the_unpaired_bytes_on_gpu(monkeypatch):
+    """The same on the GPU, where pairs are the default, with tiny_mesh's hybrid (Mamba2, attention, MoE, MTP):
+    XLA compiles the paired and unpaired programs for the GPU, and their bytes must agree there too."""
+    _check_leaf_pairs(monkeypatch, [])
 
 
 def _same(a, b) -> bool:
