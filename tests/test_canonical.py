@@ -213,7 +213,10 @@ def test_config_rules():
     assert c.hash() != d.hash()
 
 
-def _one_step(overrides: list[str], model: tuple[str, ...] = ("model.pattern='-'", "model.mtp.depth=0"), steps=1):
+def _one_step(
+    overrides: list[str], model: tuple[str, ...] = ("model.pattern='-'", "model.mtp.depth=0"), steps=1, rows=None
+):
+    """(parameters, metrics) after `steps` steps on one fixed batch; `rows`: that batch's sequences in this order."""
     from detjax.sharding.mesh import build_layout
     from detjax.step import Trainer, compile_init
 
@@ -223,51 +226,42 @@ def _one_step(overrides: list[str], model: tuple[str, ...] = ("model.pattern='-'
     ssh, bsh = tr.state_shardings(), tr.batch_sharding()
     state = compile_init(tr, ssh)(jax.random.key(0))
     batch = jax.random.randint(jax.random.key(1), (cfg.train.global_batch, cfg.train.seq_len + 1), 0, 264)
+    batch = batch if rows is None else batch[np.asarray(rows)]
     step = jax.jit(tr.train_step, in_shardings=(ssh, bsh))
     for _ in range(steps):  # step 0 has lr 0 under warm-up; step 1 is the first AdamW update
         state, metrics = step(state, jax.device_put(batch, bsh))
     return jax.device_get(state.params), jax.device_get(metrics)
 
 
-def _check_leaf_pairs(monkeypatch, model: list[str]) -> None:
+def _check_leaf_pairs(monkeypatch, model: tuple[str, ...]) -> None:
     """Two canonical steps of 16 one-sequence leaves on one device (groups of STACK = 4 leaves) with the paired
     leaf scan give the unpaired scan's parameter bytes, and with sequences 1 and 2 swapped in the batch (no
     dropout: the same leaf gradients in other pairs) other bytes."""
     from detjax import step_canonical
-    from detjax.sharding.mesh import build_layout
-    from detjax.step import Trainer, compile_init
 
-    cfg = load_config(MESH_CFG, [*model, "model.dropout=0.0", "determinism.numerics=canonical", "mesh.devices=1"])
-    batch = jax.random.randint(jax.random.key(1), (cfg.train.global_batch, cfg.train.seq_len + 1), 0, 264)
+    canon = ["model.dropout=0.0", "determinism.numerics=canonical", "mesh.devices=1"]
 
-    def run(pairs: bool, rows: np.ndarray):
+    def run(pairs: bool, rows=None):
         monkeypatch.setattr(step_canonical, "PAIRS", pairs)
-        tr = Trainer(cfg, build_layout(cfg, jax.devices()[:1]))
-        ssh, bsh = tr.state_shardings(), tr.batch_sharding()
-        state = compile_init(tr, ssh)(jax.random.key(0))
-        step = jax.jit(tr.train_step, in_shardings=(ssh, bsh))
-        for _ in range(2):
-            state, _ = step(state, jax.device_put(batch[rows], bsh))
-        return jax.device_get(state.params)
+        return _one_step(canon, model, steps=2, rows=rows)[0]
 
-    order = np.arange(cfg.train.global_batch)
-    paired = run(True, order)
-    assert _same(run(False, order), paired)
-    assert not _same(run(True, order[[0, 2, 1, *range(3, len(order))]]), paired)  # negative control
+    paired = run(True)
+    assert _same(run(False), paired)
+    assert not _same(run(True, [0, 2, 1, *range(3, 16)]), paired)  # negative control (tiny_mesh's 16 sequences)
 
 
 def test_leaf_pairs_give_the_unpaired_bytes(monkeypatch):
     """The paired leaf scan (two leaves a scan step, their gradients added before the stack: the pair tree's
     first level, step_canonical.PAIRS, the GPU default) gives the unpaired scan's bytes (_check_leaf_pairs, on
     an MLP model). Negative control: swapped sequences in the batch change them."""
-    _check_leaf_pairs(monkeypatch, ["model.pattern='-'", "model.mtp.depth=0"])
+    _check_leaf_pairs(monkeypatch, ("model.pattern='-'", "model.mtp.depth=0"))
 
 
 @pytest.mark.gpu
 def test_leaf_pairs_give_the_unpaired_bytes_on_gpu(monkeypatch):
     """The same on the GPU, where pairs are the default, with tiny_mesh's hybrid (Mamba2, attention, MoE, MTP):
     XLA compiles the paired and unpaired programs for the GPU, and their bytes must agree there too."""
-    _check_leaf_pairs(monkeypatch, [])
+    _check_leaf_pairs(monkeypatch, ())
 
 
 def _same(a, b) -> bool:
