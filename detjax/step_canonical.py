@@ -19,9 +19,9 @@ STACK = 4
 # Whether each scan step of a leaf group runs two leaves and adds their gradients (the pair tree's first level)
 # before the scan stacks the sum, instead of stacking every leaf's gradient: the same adds in the same order,
 # so the same bits (tests/test_canonical.py). It saves writing every leaf's gradient into the stack and
-# reading it back: on an H100, gpu_medium's canonical step was 3.4 ms faster with pairs whose two leaves had
-# no order between them (and 4.4 GiB more peak memory: both leaves' activations lived at once); the form here,
-# the second leaf after the first, is not timed yet (docs/BENCHMARKS.md, "Canonical numerics"). A scan step
+# reading it back: on an H100, gpu_medium's canonical step took 132.7 against 135.5 ms unpaired, and 12.7
+# against 13.5 GiB peak memory (docs/BENCHMARKS.md, "Canonical numerics"; the second leaf runs after the first,
+# so one leaf's activations live at a time: pairs with no order between the two leaves held 17.9 GiB). A scan step
 # holds two leaf programs, which XLA compiles about a fifth slower on the CPU, so None (the default) pairs
 # leaves on a GPU only; True or False forces it.
 PAIRS: bool | None = None

@@ -239,7 +239,7 @@ def _check_leaf_pairs(monkeypatch, model: tuple[str, ...]) -> None:
     dropout: the same leaf gradients in other pairs) other bytes."""
     from detjax import step_canonical
 
-    canon = ["model.dropout=0.0", "determinism.numerics=canonical", "mesh.devices=1"]
+    canon = ["model.dropout=0.0", "determinism.numerics=canonical", "mesh.devices=1", "run.tensorboard=false"]
 
     def run(pairs: bool, rows=None):
         monkeypatch.setattr(step_canonical, "PAIRS", pairs)
