@@ -21,9 +21,9 @@ STACK = 4
 # so the same bits (tests/test_canonical.py). It saves writing every leaf's gradient into the stack and
 # reading it back: on an H100, gpu_medium's canonical step took 132.7 against 135.5 ms unpaired, and 12.7
 # against 13.5 GiB peak memory (docs/BENCHMARKS.md, "Canonical numerics"; the second leaf runs after the first,
-# so one leaf's activations live at a time: pairs with no order between the two leaves held 17.9 GiB). A scan step
-# holds two leaf programs, which XLA compiles about a fifth slower on the CPU, so None (the default) pairs
-# leaves on a GPU only; True or False forces it.
+# so one leaf's activations live at a time: pairs with no order between the two leaves held 17.9 GiB). A scan
+# step holds two leaf programs, which take XLA longer to compile, so None (the default) pairs leaves on a GPU
+# only, where the step time is won back; True or False forces it.
 PAIRS: bool | None = None
 
 

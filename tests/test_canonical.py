@@ -213,9 +213,10 @@ def test_config_rules():
     assert c.hash() != d.hash()
 
 
-def _one_step(
-    overrides: list[str], model: tuple[str, ...] = ("model.pattern='-'", "model.mtp.depth=0"), steps=1, rows=None
-):
+MLP_MODEL = ("model.pattern='-'", "model.mtp.depth=0")  # one MLP block, no MTP head
+
+
+def _one_step(overrides: list[str], model: tuple[str, ...] = MLP_MODEL, steps=1, rows=None):
     """(parameters, metrics) after `steps` steps on one fixed batch; `rows`: that batch's sequences in this order."""
     from detjax.sharding.mesh import build_layout
     from detjax.step import Trainer, compile_init
@@ -254,7 +255,7 @@ def test_leaf_pairs_give_the_unpaired_bytes(monkeypatch):
     """The paired leaf scan (two leaves a scan step, their gradients added before the stack: the pair tree's
     first level, step_canonical.PAIRS, the GPU default) gives the unpaired scan's bytes (_check_leaf_pairs, on
     an MLP model). Negative control: swapped sequences in the batch change them."""
-    _check_leaf_pairs(monkeypatch, ("model.pattern='-'", "model.mtp.depth=0"))
+    _check_leaf_pairs(monkeypatch, MLP_MODEL)
 
 
 @pytest.mark.gpu
@@ -665,7 +666,7 @@ def test_fp8_with_an_expert_axis_is_mesh_invariant():
     [
         # ~35 s on 2 cores; in kind in the default run: test_fp8_scales_are_mesh_invariant (amaxes as maxima
         # over leaves) and test_pallas_kernels_in_tensor_chunks (canonical tensor chunks against one device)
-        pytest.param(("model.pattern='-'", "model.mtp.depth=0"), id="mlp", marks=pytest.mark.extended),
+        pytest.param(MLP_MODEL, id="mlp", marks=pytest.mark.extended),
         pytest.param((), id="hybrid", marks=pytest.mark.extended),  # Mamba2, attention, experts, MTP: ~1 min
     ],
 )
@@ -690,7 +691,7 @@ PALLAS = ["model.kernels=pallas", "model.head_dim=16", "model.mamba.d_state=16",
 @pytest.mark.parametrize(
     "model",
     [
-        pytest.param(("model.pattern='-'", "model.mtp.depth=0"), id="mlp"),
+        pytest.param(MLP_MODEL, id="mlp"),
         # flash attention, SSD, gmm/tgmm, RMSNorm and the matmul inside the feature chunks
         pytest.param((), id="hybrid", marks=pytest.mark.extended),
     ],
@@ -712,7 +713,7 @@ def test_pallas_kernels_in_tensor_chunks(model):
 @pytest.mark.parametrize(
     "model",
     [
-        pytest.param(("model.pattern='-'", "model.mtp.depth=0"), id="mlp"),
+        pytest.param(MLP_MODEL, id="mlp"),
         # every kernel (flash attention, SSD, gmm/tgmm, RMSNorm, matmul, segment sum): ~5 min on 2 cores
         pytest.param((), id="hybrid", marks=pytest.mark.extended),
     ],
