@@ -833,10 +833,11 @@ def test_padded_group_layout_matches_a_row_by_row_construction():
 def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypatch):
     """gmm.ops.grouped_swiglu_padded (the experts' three products with the rows kept in the padded group
     layout, Mosaic under its interpreter) gives the bytes of three grouped_matmul(..., "mosaic") calls around
-    the same SwiGLU: y, dx and the three float32 weight gradients, on general values, reading the step's
-    weight copies. Without copies it casts the weights itself (the same grouped_compute_copy, then the same
-    products and backward): dispatch.expert_ffn takes that path where swiglu_on_padded_layout says so, and
-    its y is checked here (its backward is the interpreter's most expensive run and adds no other code).
+    the same SwiGLU: y (written in bf16 by the down product's kernel: the float32 y rounded), dx and the three
+    float32 weight gradients, on general values, reading the step's weight copies. Without copies it casts
+    the weights itself (the same grouped_compute_copy, then the same products and backward):
+    dispatch.expert_ffn takes that path where swiglu_on_padded_layout says so, and its float32 y is checked
+    here (its backward is the interpreter's most expensive run and adds no other code).
     Negative control: swapped group sizes change y."""
     from detjax.model import dispatch
     from detjax.pallas_kernels.gmm.ops import grouped_compute_copy, grouped_swiglu_padded
@@ -850,7 +851,7 @@ def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypa
         0.1 * jax.random.normal(ks[2], (3, 256, 256)),
         0.1 * jax.random.normal(ks[3], (3, 256, 256)),
     )
-    g = jax.random.normal(ks[4], (240, 256))
+    g = jax.random.normal(ks[4], (240, 256)).astype(bf)  # the cotangent of a bf16 y; float32 for want's y
 
     def per_product(x, *ws, gs=gs):
         def mm(a, w):
@@ -861,15 +862,16 @@ def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypa
     @functools.partial(jax.jit, static_argnums=0)
     def run(f, x, ws):
         y, pull = jax.vjp(f, x, *ws)
-        return y, *pull(g)
+        return y, *pull(g.astype(y.dtype))
 
-    def padded_copies(x, *ws):
-        return grouped_swiglu_padded(x, gs, ws, bf, tuple(grouped_compute_copy(w, bf) for w in ws))
+    def padded_copies(x, *ws):  # y in bf16, as the MoE block asks for it: the down product's kernel writes it
+        return grouped_swiglu_padded(x, gs, ws, bf, tuple(grouped_compute_copy(w, bf) for w in ws), out_dtype=bf)
 
     want, got = run(per_product, x, ws), run(padded_copies, x, ws)
-    for name, a, b in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), want, got, strict=True):
+    assert want[0].dtype == jnp.float32 and got[0].dtype == bf and _bits(got[0]) == _bits(want[0].astype(bf))
+    for name, a, b in zip(("dx", "dw_gate", "dw_up", "dw_down"), want[1:], got[1:], strict=True):
         assert a.dtype == b.dtype and _bits(a) == _bits(b), name
-    assert want[0].dtype == jnp.float32 and want[4].dtype == jnp.float32
+    assert want[4].dtype == jnp.float32
     assert float(jnp.max(jnp.abs(want[4][1]))) > 0 and not np.any(np.asarray(want[4][0]))  # expert 0: no rows
 
     monkeypatch.setattr(dispatch, "swiglu_on_padded_layout", lambda dtype, d, f: True)

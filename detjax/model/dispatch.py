@@ -63,6 +63,7 @@ def expert_ffn(
     kernels: str = "reference",
     fp8_scales: tuple | None = None,
     weight_copies: tuple | None = None,
+    out_dtype=jnp.float32,
 ) -> jax.Array:
     """SwiGLU per expert over rows sorted by expert (group sizes gs_E): grouped matmuls (XLA's ragged_dot,
     or with kernels=pallas the fixed-order Pallas gmm/tgmm; `kernels` here is the resolved experts_impl).
@@ -70,11 +71,13 @@ def expert_ffn(
     weight_copies: the (gate, up, down) weights' copies the trainer made once per step, or None: with
     fp8_scales fp8.grouped_weight_copy, else (kernels=pallas) gmm.ops.grouped_compute_copy. Where the bf16
     products take the Mosaic kernel (gmm.ops.swiglu_on_padded_layout), the whole SwiGLU runs on the padded
-    group layout (gmm.ops.grouped_swiglu_padded): the same bytes, fewer row copies."""
+    group layout (gmm.ops.grouped_swiglu_padded): the same bytes, fewer row copies. The result is the float32
+    sums in out_dtype (a caller that casts them to the compute dtype next passes it here: the padded layout's
+    down product then writes it from its kernel)."""
     d, f = w_gate_EDF.shape[1:]
     if kernels == "pallas" and fp8_scales is None and xs_RD.dtype == dtype and swiglu_on_padded_layout(dtype, d, f):
         weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
-        return grouped_swiglu_padded(xs_RD, gs_E, weights, dtype, weight_copies)
+        return grouped_swiglu_padded(xs_RD, gs_E, weights, dtype, weight_copies, out_dtype)
     scales, copies = iter(fp8_scales or ()), iter(weight_copies or ())
 
     def gmm(a, w):
@@ -89,7 +92,7 @@ def expert_ffn(
         return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)
 
     h_RF = nn.silu(gmm(xs_RD, w_gate_EDF)) * gmm(xs_RD, w_up_EDF)
-    return gmm(h_RF.astype(dtype), w_down_EFD)
+    return gmm(h_RF.astype(dtype), w_down_EFD).astype(out_dtype)
 
 
 def expert_ffn_chunked(

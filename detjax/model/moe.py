@@ -99,7 +99,7 @@ class Experts(nn.Module):
             copies = None  # the trainer's once-per-step weight copies (layers.module_copies), when it made them
             if self.kernels == "pallas" and self.has_variable("compute", "w_gate"):
                 copies = tuple(self.get_variable("compute", n) for n in ("w_gate", "w_up", "w_down"))
-            ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype, self.kernels, scales, copies).astype(dtype)
+            ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype, self.kernels, scales, copies, dtype)
         if self.combine == "scatter_add":
             # fast, nondeterministic baseline (refused in strict mode): atomics accumulate per token
             tok_R = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k)).reshape(-1)

@@ -24,6 +24,11 @@ from detjax.pallas_kernels.gmm.kernel import gmm, tgmm
 # Triton's 1.346 on an H100 (`scripts/gemm_bench.py --swiglu`), and the gpu_medium step 130.19 against 134.78 ms
 # pipelined, ending on the same parameter digest (docs/BENCHMARKS.md, "The experts on the Mosaic path").
 MOSAIC_BF16 = True
+# Whether grouped_swiglu_padded's down product writes its caller's out_dtype (the compute dtype, where the MoE
+# block casts the experts' output to it next) from the kernel, so the rows copied out of the padded layout, and
+# their cotangents copied in, are bf16 instead of float32: the same bytes (the kernel rounds its float32 sums to
+# the nearest even bf16, as XLA's cast does), half the bytes moved.
+DOWN_WRITES_OUT_DTYPE = True
 # Whether the Mosaic path's bf16 dw reads x and dy as stored (gmm/mosaic.py grouped_dw, a transposed
 # shared-memory view) instead of from transposed copies (grouped_tnt): the same reduction order, two fewer
 # passes over the rows a product.
@@ -172,9 +177,12 @@ def swiglu_on_padded_layout(dtype, d: int, f: int) -> bool:
     return MOSAIC_BF16 and use_mosaic(dtype, dtype, d, f) and use_mosaic(dtype, dtype, f, d)
 
 
-def grouped_swiglu_padded(xs_RD, gs_E, weights: tuple, dtype, copies: tuple | None = None) -> jax.Array:
+def grouped_swiglu_padded(
+    xs_RD, gs_E, weights: tuple, dtype, copies: tuple | None = None, out_dtype=jnp.float32
+) -> jax.Array:
     """silu(x w_gate[e]) * (x w_up[e]), times w_down[e], per expert over rows sorted by expert (group sizes
-    gs_E), float32 (R, D): the three products on the Mosaic kernel with the rows kept in the padded group
+    gs_E), (R, D) in out_dtype (the float32 sums rounded once; the down product's kernel writes out_dtype where
+    DOWN_WRITES_OUT_DTYPE): the three products on the Mosaic kernel with the rows kept in the padded group
     layout from the first product to the last. The rows are copied in once and out once (and their
     cotangents once each way), where three grouped_matmul calls copy in and out around every product.
 
@@ -193,7 +201,8 @@ def grouped_swiglu_padded(xs_RD, gs_E, weights: tuple, dtype, copies: tuple | No
     g_PF = _padded_product(x_PD, weights[0], *cs[0], lay)
     u_PF = _padded_product(x_PD, weights[1], *cs[1], lay)
     h_PF = (jax.nn.silu(g_PF) * u_PF).astype(dtype)
-    return _padded_out(_padded_product(h_PF, weights[2], *cs[2], lay), lay)
+    y_PD = _padded_product(h_PF, weights[2], *cs[2], lay, out_dtype if DOWN_WRITES_OUT_DTYPE else jnp.float32)
+    return _padded_out(y_PD, lay).astype(out_dtype)
 
 
 @jax.custom_vjp
@@ -240,21 +249,22 @@ def _padded_out_bwd(lay, ct_RN):
 _padded_out.defvjp(_padded_out_fwd, _padded_out_bwd)
 
 
-@jax.custom_vjp
-def _padded_product(x_PK, w_EKN, w_c_EKN, w_c_ENK, lay) -> jax.Array:
-    """x @ w[expert] per padded row tile, float32 (P, N), reading the compute copy w_c (and w_c with K and N
-    swapped, for the forward); w (the stored stack) only receives dw, rounded to the copy's dtype first."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _padded_product(x_PK, w_EKN, w_c_EKN, w_c_ENK, lay, out_dtype=jnp.float32) -> jax.Array:
+    """x @ w[expert] per padded row tile, (P, N) float32 sums written in out_dtype, reading the compute copy w_c
+    (and w_c with K and N swapped, for the forward); w (the stored stack) only receives dw, rounded to the
+    copy's dtype first."""
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
 
-    return gmosaic.grouped_nt(x_PK, w_c_ENK, lay, out_dtype=jnp.float32, interpret=interpret_mode())
+    return gmosaic.grouped_nt(x_PK, w_c_ENK, lay, out_dtype=out_dtype, interpret=interpret_mode())
 
 
-def _padded_product_fwd(x_PK, w_EKN, w_c_EKN, w_c_ENK, lay):
+def _padded_product_fwd(x_PK, w_EKN, w_c_EKN, w_c_ENK, lay, out_dtype):
     like = jnp.zeros((0,), w_EKN.dtype)  # the stored stack's dtype, for dw (no data)
-    return _padded_product(x_PK, w_EKN, w_c_EKN, w_c_ENK, lay), (x_PK, w_c_EKN, lay, like)
+    return _padded_product(x_PK, w_EKN, w_c_EKN, w_c_ENK, lay, out_dtype), (x_PK, w_c_EKN, lay, like)
 
 
-def _padded_product_bwd(res, dy_PN):
+def _padded_product_bwd(out_dtype, res, dy_PN):
     x_PK, w_c_EKN, lay, like = res
     dx, dw = _padded_grads(x_PK, w_c_EKN, dy_PN, lay)
     return dx, dw.astype(w_c_EKN.dtype).astype(like.dtype), None, None, None
