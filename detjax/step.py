@@ -284,11 +284,14 @@ class Trainer:
     def accumulators(self, params: Any) -> dict:
         """The fusion's running sums at zero: a float32 array per fused projection group, in its compute copy's
         layout (layers.module_accumulators), nested as the parameters are. The LM head is left out when the
-        MTP heads share it (its gradient is the sum of two products' there)."""
-        exclude = (("w_head",),) if self.cfg.model.mtp.depth else ()
+        MTP heads share it (its gradient is the sum of two products' there). The routed experts' stacks join
+        where their products are the Pallas grouped ones (layers.EXPERT_ACCUMULATORS)."""
+        m = self.cfg.model
+        exclude = (("w_head",),) if m.mtp.depth else ()
+        experts = m.moe.experts_kernels(m.kernels) == "pallas"
 
         def walk(tree):
-            out = layers.module_accumulators(tree, exclude)
+            out = layers.module_accumulators(tree, exclude, experts)
             for name, sub in tree.items():
                 if isinstance(sub, Mapping) and (sums := walk(sub)):
                     out[name] = sums

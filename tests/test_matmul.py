@@ -615,21 +615,27 @@ def test_dw_adds_into_the_running_sum():
 
 def test_mosaic_dw_into_a_running_sum_lowers_for_cuda(monkeypatch):
     """The Mosaic kernel's in-place epilogue (acc_ref: each output piece loaded, added to and written back)
-    goes through the Mosaic GPU lowering for CUDA (jax.export, no GPU), in both pipelines."""
+    goes through the Mosaic GPU lowering for CUDA (jax.export, no GPU), in both pipelines: the dense dw, and
+    the experts' grouped dw whose sums are rounded to bf16 before the add (group_blocks, acc_round)."""
     from detjax.pallas_kernels.matmul import mosaic
 
     monkeypatch.setattr(mosaic, "_num_sms", lambda: 132)
     x, g = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((512, 512), jnp.bfloat16)
-    acc = jnp.zeros((256, 512), jnp.float32)
-    for stream in (True, False):
+    blocks = jnp.asarray([[0, 4], [4, 4]], jnp.int32)  # two groups of 4 blocks of 64 rows
+    cases = {"dense": ({}, (256, 512)), "grouped": ({"group_blocks": blocks, "acc_round": jnp.bfloat16}, (512, 512))}
+    for name, (kw, shape) in cases.items():
+        for stream in (True, False):
 
-        def into(x, g, acc, stream=stream):
-            ref = jax.new_ref(acc)
-            mosaic.mosaic_matmul(x, g, kind="dw", out_dtype=jnp.float32, r_chunk=0, acc_ref=ref, stream=stream)
-            return jax.freeze(ref)
+            def into(x, g, acc, stream=stream, kw=kw):
+                ref = jax.new_ref(acc)
+                mosaic.mosaic_matmul(
+                    x, g, kind="dw", out_dtype=jnp.float32, r_chunk=0, acc_ref=ref, stream=stream, **kw
+                )
+                return jax.freeze(ref)
 
-        text = jax.export.export(jax.jit(into), platforms=["cuda"])(x, g, acc).mlir_module()
-        assert "mosaic_gpu" in text, stream
+            acc = jnp.zeros(shape, jnp.float32)
+            text = jax.export.export(jax.jit(into), platforms=["cuda"])(x, g, acc).mlir_module()
+            assert "mosaic_gpu" in text, (name, stream)
 
 
 @pytest.mark.gpu

@@ -830,14 +830,36 @@ def test_padded_group_layout_matches_a_row_by_row_construction():
     assert np.asarray(one.pos_R).tolist() != np.asarray(other.pos_R).tolist()
 
 
+def test_grouped_dw_adds_its_rounded_sums_into_a_running_sum():
+    """gmm.mosaic.grouped_dw with `acc` (the experts in the gradient accumulation fusion; Mosaic under its
+    interpreter): acc + dw rounded to bf16, added in the kernel's epilogue, byte-equal to adding them apart,
+    an empty group included. Negative control: adding the unrounded float32 dw gives other bits, so the test
+    sees the rounding."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    bf = jnp.bfloat16
+    ks = jax.random.split(jax.random.key(9), 3)
+    gs = jnp.asarray([70, 0, 30], jnp.int32)
+    lay = gmosaic.padded_layout(gs, 100, 64)
+    x = gmosaic.to_padded(jax.random.normal(ks[0], (100, 128)).astype(bf), lay)
+    g = gmosaic.to_padded(jax.random.normal(ks[1], (100, 256)).astype(bf), lay)
+    acc = jax.random.normal(ks[2], (3, 128, 256), jnp.float32) * 30
+    dw = gmosaic.grouped_dw(x, g, lay, interpret=True)
+    got = gmosaic.grouped_dw(x, g, lay, interpret=True, acc=acc)
+    assert got.dtype == jnp.float32 and _bits(got) == _bits(acc + dw.astype(bf).astype(jnp.float32))
+    assert _bits(got[1]) == _bits(acc[1] + 0.0)  # the empty expert: its sum plus zeros
+    assert _bits(got) != _bits(acc + dw), "negative control: the float32 dw unrounded"
+
+
 def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypatch):
     """gmm.ops.grouped_swiglu_padded (the experts' three products with the rows kept in the padded group
     layout, Mosaic under its interpreter) gives the bytes of three grouped_matmul(..., "mosaic") calls around
     the same SwiGLU: y (written in bf16 by the down product's kernel: the float32 y rounded), dx and the three
-    float32 weight gradients, on general values, reading the step's weight copies. Without copies it casts
-    the weights itself (the same grouped_compute_copy, then the same products and backward):
-    dispatch.expert_ffn takes that path where swiglu_on_padded_layout says so, and its float32 y is checked
-    here (its backward is the interpreter's most expensive run and adds no other code).
+    float32 weight gradients, on general values, reading the step's weight copies; with running sums of the
+    stacks (the gradient accumulation fusion) each sum plus its dw, added in grouped_dw's epilogue, and y and
+    dx unchanged. Without copies it casts the weights itself (the same grouped_compute_copy, then the same
+    products and backward): dispatch.expert_ffn takes that path where swiglu_on_padded_layout says so, and its
+    float32 y is checked here (its backward is the interpreter's most expensive run and adds no other code).
     Negative control: swapped group sizes change y."""
     from detjax.model import dispatch
     from detjax.pallas_kernels.gmm.ops import grouped_compute_copy, grouped_swiglu_padded
@@ -867,10 +889,18 @@ def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypa
     def padded_copies(x, *ws):  # y in bf16, as the MoE block asks for it: the down product's kernel writes it
         return grouped_swiglu_padded(x, gs, ws, bf, tuple(grouped_compute_copy(w, bf) for w in ws), out_dtype=bf)
 
-    want, got = run(per_product, x, ws), run(padded_copies, x, ws)
+    def padded_sums(x, *accs):  # the gradient accumulation fusion: the dw go to running sums of the stacks
+        cs = tuple(grouped_compute_copy(w, bf) for w in ws)
+        return grouped_swiglu_padded(x, gs, ws, bf, cs, out_dtype=bf, accs=accs)
+
+    accs = tuple(30 * jax.random.normal(jax.random.key(i), w.shape) for i, w in enumerate(ws))
+    want, got, summed = run(per_product, x, ws), run(padded_copies, x, ws), run(padded_sums, x, accs)
     assert want[0].dtype == jnp.float32 and got[0].dtype == bf and _bits(got[0]) == _bits(want[0].astype(bf))
     for name, a, b in zip(("dx", "dw_gate", "dw_up", "dw_down"), want[1:], got[1:], strict=True):
         assert a.dtype == b.dtype and _bits(a) == _bits(b), name
+    assert _bits(summed[0]) == _bits(got[0]) and _bits(summed[1]) == _bits(got[1])
+    for name, acc, a, b in zip(("gate", "up", "down"), accs, want[2:], summed[2:], strict=True):
+        assert _bits(b) == _bits(acc + a), name  # want's dw: the float32 sums rounded to bf16, then float32
     assert want[4].dtype == jnp.float32
     assert float(jnp.max(jnp.abs(want[4][1]))) > 0 and not np.any(np.asarray(want[4][0]))  # expert 0: no rows
 

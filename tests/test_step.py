@@ -156,8 +156,9 @@ def test_experts_read_their_compute_copies(tiny_path):
 def test_gradient_accumulation_fusion_gives_the_bits_of_separate_sums(tiny_path):
     """train.grad_accumulation_fusion (on by default; with model.kernels=pallas on one device): the microbatch
     loop's gradient sums, with the projections' weight gradients added by their dw kernels to running sums in
-    the fused-copy layout, equal the separate sums byte for byte, every leaf, on the hybrid with an MTP head
-    (whose shared LM head keeps the separate sum). Negative control: the separate sums of the same
+    the fused-copy layout (and the routed experts' grouped dw to sums of their stacks' shape), equal the
+    separate sums byte for byte, every leaf, on the hybrid with an MTP head (whose shared LM head keeps the
+    separate sum). Negative control: the separate sums of the same
     three microbatches in the other order differ in some fused weight's gradient. A running sum that would reach
     two products (the shared head) is refused while tracing."""
     from detjax.model import layers
@@ -184,6 +185,7 @@ def test_gradient_accumulation_fusion_gives_the_bits_of_separate_sums(tiny_path)
     sums = fused_tr.accumulators(state.params)
     fused_keys = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(sums)[0]}
     assert "['layer_3']['mixer']['w_gate+w_up']" in fused_keys and "['w_head']" not in fused_keys
+    assert {f"['layer_2']['mixer']['experts']['{n}']" for n in layers.EXPERT_STACKS} <= fused_keys
     reordered = jax.device_get(separate_fn(state, tokens[::-1]))
     moved = [
         p

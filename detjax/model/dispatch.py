@@ -11,6 +11,7 @@ from flax import linen as nn
 from detjax.model.fp8 import fp8_grouped_matmul, fp8_grouped_matmul_copy
 from detjax.pallas_kernels.gmm.ops import (
     grouped_matmul,
+    grouped_matmul_acc,
     grouped_matmul_copy,
     grouped_swiglu_padded,
     swiglu_on_padded_layout,
@@ -64,6 +65,7 @@ def expert_ffn(
     fp8_scales: tuple | None = None,
     weight_copies: tuple | None = None,
     out_dtype=jnp.float32,
+    accs: tuple | None = None,
 ) -> jax.Array:
     """SwiGLU per expert over rows sorted by expert (group sizes gs_E): grouped matmuls (XLA's ragged_dot,
     or with kernels=pallas the fixed-order Pallas gmm/tgmm; `kernels` here is the resolved experts_impl).
@@ -73,14 +75,20 @@ def expert_ffn(
     products take the Mosaic kernel (gmm.ops.swiglu_on_padded_layout), the whole SwiGLU runs on the padded
     group layout (gmm.ops.grouped_swiglu_padded): the same bytes, fewer row copies. The result is the float32
     sums in out_dtype (a caller that casts them to the compute dtype next passes it here: the padded layout's
-    down product then writes it from its kernel)."""
+    down product then writes it from its kernel). `accs`: the gradient accumulation fusion's float32 running
+    sums of the three stacks (detjax.step; with kernels=pallas, the weight copies and no fp8), which receive
+    the weight gradients in place of the stacks (gmm.ops.grouped_matmul_acc)."""
     d, f = w_gate_EDF.shape[1:]
+    if accs is not None and (kernels != "pallas" or fp8_scales is not None or weight_copies is None):
+        raise ValueError("expert_ffn: running sums (accs) need kernels=pallas, the weight copies and no fp8")
     if kernels == "pallas" and fp8_scales is None and xs_RD.dtype == dtype and swiglu_on_padded_layout(dtype, d, f):
         weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
-        return grouped_swiglu_padded(xs_RD, gs_E, weights, dtype, weight_copies, out_dtype)
-    scales, copies = iter(fp8_scales or ()), iter(weight_copies or ())
+        return grouped_swiglu_padded(xs_RD, gs_E, weights, dtype, weight_copies, out_dtype, accs)
+    scales, copies, sums = iter(fp8_scales or ()), iter(weight_copies or ()), iter(accs or ())
 
     def gmm(a, w):
+        if accs is not None:
+            return grouped_matmul_acc(a.astype(dtype), next(sums), gs_E, next(copies))
         if fp8_scales is not None and weight_copies is not None:
             return fp8_grouped_matmul_copy(a.astype(dtype), w, gs_E, next(scales), next(copies), kernels, dtype)
         if fp8_scales is not None:

@@ -120,11 +120,27 @@ def module_copies(tree: dict, dtype, fp8_scales: dict | None = None, experts: bo
     return out
 
 
-def module_accumulators(tree: dict, exclude: tuple[tuple[str, ...], ...] = ()) -> dict:
+# Whether the routed experts' stacks join the gradient accumulation fusion (module_accumulators' `experts`):
+# their grouped products' dw then add to the running sums (on the padded layout's Mosaic path, in grouped_dw's
+# epilogue), with the bits of the separate sums.
+EXPERT_ACCUMULATORS = True
+EXPERT_STACKS = ("w_gate", "w_up", "w_down")
+
+
+def module_accumulators(tree: dict, exclude: tuple[tuple[str, ...], ...] = (), experts: bool = False) -> dict:
     """The gradient accumulation fusion's running sums of one module's parameter dict, {copy_key: zeros}:
     one float32 array shaped like each of module_copies' 2-D compute copies (the fused, padded layout the
-    products' weight gradient has), except the COMPUTE_COPIES groups named in `exclude`."""
+    products' weight gradient has), except the COMPUTE_COPIES groups named in `exclude`; with `experts` (the
+    routed experts on the Pallas grouped products, EXPERT_ACCUMULATORS on) one shaped like each 3-D float32
+    expert stack (EXPERT_STACKS)."""
     out = {}
+    stacks = [tree.get(n) for n in EXPERT_STACKS]
+    if (
+        experts
+        and EXPERT_ACCUMULATORS
+        and all(isinstance(w, jax.Array) and w.ndim == 3 and w.dtype == jnp.float32 for w in stacks)
+    ):
+        out.update({n: jnp.zeros(w.shape, jnp.float32) for n, w in zip(EXPERT_STACKS, stacks, strict=True)})
     for names, (contracted, ndim) in COMPUTE_COPIES.items():
         ws = [tree.get(n) for n in names]
         if names in exclude or not (
@@ -141,6 +157,9 @@ def accumulated_grads(tree: dict, sums: dict) -> dict:
     each weight's columns of its group's sum, zero padding dropped, in the weight's shape."""
     out = {}
     for key, acc in sums.items():
+        if key in EXPERT_STACKS and tree[key].ndim == 3:  # a routed experts' stack (not the MLP's w_down): its shape
+            out[key] = acc
+            continue
         names = tuple(key.split("+"))
         contracted = COMPUTE_COPIES[names][0]
         start = 0

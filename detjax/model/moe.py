@@ -15,7 +15,7 @@ from flax import linen as nn
 from detjax.config import MoEConfig
 from detjax.model.dispatch import combine_slots, expert_ffn, expert_ffn_chunked, permute_rows, sort_by_expert
 from detjax.model.fp8 import scale_var
-from detjax.model.layers import MLP, normal_init, param, pinned_normalize, pinned_softmax, proj, tree_sum_last
+from detjax.model.layers import MLP, acc_of, normal_init, param, pinned_normalize, pinned_softmax, proj, tree_sum_last
 from detjax.sharding import rules as ax
 from detjax.sharding.expert import ExpertSplit, canonical_expert_moe, expert_parallel_moe
 from detjax.sharding.tensor import TensorSplit
@@ -96,10 +96,15 @@ class Experts(nn.Module):
         if tp is not None:
             ys_RD = expert_ffn_chunked(tp, xs_RD, gs_E, weights, dtype, self.kernels, scales).astype(dtype)
         else:
-            copies = None  # the trainer's once-per-step weight copies (layers.module_copies), when it made them
+            # the trainer's once-per-step weight copies (layers.module_copies) and the gradient accumulation
+            # fusion's running sums (layers.module_accumulators), where it made them
+            copies = accs = None
+            names = ("w_gate", "w_up", "w_down")
             if self.kernels == "pallas" and self.has_variable("compute", "w_gate"):
-                copies = tuple(self.get_variable("compute", n) for n in ("w_gate", "w_up", "w_down"))
-            ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype, self.kernels, scales, copies, dtype)
+                copies = tuple(self.get_variable("compute", n) for n in names)
+                if self.has_variable("grad_acc", "w_gate"):
+                    accs = tuple(acc_of((self, (n,))) for n in names)
+            ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype, self.kernels, scales, copies, dtype, accs)
         if self.combine == "scatter_add":
             # fast, nondeterministic baseline (refused in strict mode): atomics accumulate per token
             tok_R = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k)).reshape(-1)

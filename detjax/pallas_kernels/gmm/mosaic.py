@@ -130,13 +130,32 @@ def grouped_tnt(x_KP, g_NP, lay: GroupLayout, inv_scale=None, *, interpret: bool
     return out.reshape(e, k, n)
 
 
-def grouped_dw(x_PK, g_PN, lay: GroupLayout, *, interpret: bool) -> jax.Array:
+def grouped_dw(x_PK, g_PN, lay: GroupLayout, *, interpret: bool, acc=None) -> jax.Array:
     """bf16 dw[e] = x_e^T g_e (float32 sums over group e's padded rows in ascending blocks of 64) -> (E, K, N)
     float32, reading x and g as stored (the "dw" product reads x through a transposed shared-memory view), so
     without grouped_tnt's transposed copies; the same reduction order. `lay` counts group_blocks in 64-row
-    blocks (mosaic.block_r of bf16). Needs dw_usable(K, N)."""
+    blocks (mosaic.block_r of bf16). Needs dw_usable(K, N).
+    `acc` (float32 (E, K, N)): a running sum; the result is then acc + dw rounded to x's dtype, added in the
+    kernel's epilogue (mosaic_matmul's acc_ref and acc_round): the bits of
+    `acc + dw.astype(x_PK.dtype).astype(float32)` without a pass over dw."""
     e = lay.group_blocks.shape[1]
     k, n = x_PK.shape[1], g_PN.shape[1]
+    if acc is not None:
+        if acc.shape != (e, k, n) or acc.dtype != jnp.float32:
+            raise ValueError(f"grouped dw: running sum {acc.shape} {acc.dtype}, want float32 {(e, k, n)}")
+        ref = jax.new_ref(acc.reshape(e * k, n))
+        mosaic.mosaic_matmul(
+            x_PK,
+            g_PN,
+            kind="dw",
+            out_dtype=jnp.float32,
+            r_chunk=0,
+            interpret=interpret,
+            group_blocks=lay.group_blocks,
+            acc_ref=ref,
+            acc_round=x_PK.dtype,
+        )
+        return jax.freeze(ref).reshape(e, k, n)
     out = mosaic.mosaic_matmul(
         x_PK,
         g_PN,

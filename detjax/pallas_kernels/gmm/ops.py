@@ -92,6 +92,31 @@ def _copy_bwd(impl, res, dy_RN):
 grouped_matmul_copy.defvjp(_copy_fwd, _copy_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def grouped_matmul_acc(x_RK, acc_EKN, group_sizes_E, w_c: tuple, impl: str = "auto") -> jax.Array:
+    """grouped_matmul_copy for the gradient accumulation fusion (detjax.step): the same product, but the weight
+    gradient goes to acc_EKN, the microbatch loop's float32 running sum of it, whose cotangent is the new sum,
+    acc + dw rounded to the compute dtype (the bits of the separate sum of grouped_matmul_copy's gradient).
+    The Triton path adds it here; the padded layout's Mosaic dw adds it in its epilogue (_padded_product_acc)."""
+    _check_copy(x_RK, acc_EKN, w_c)
+    return _fwd(x_RK, w_c[0], group_sizes_E, impl, w_c[1])[0]
+
+
+def _gacc_fwd(x_RK, acc_EKN, group_sizes_E, w_c, impl):
+    _check_copy(x_RK, acc_EKN, w_c)
+    y, res = _fwd(x_RK, w_c[0], group_sizes_E, impl, w_c[1])
+    return y, (res, acc_EKN)
+
+
+def _gacc_bwd(impl, res, dy_RN):
+    res, acc = res
+    dx, dw, _ = _bwd(impl, res, dy_RN)
+    return dx, acc + dw.astype(res[1].dtype).astype(acc.dtype), None, None
+
+
+grouped_matmul_acc.defvjp(_gacc_fwd, _gacc_bwd)
+
+
 def _mosaic(x_RK, w_EKN, impl: str) -> bool:
     if impl == "auto":
         return MOSAIC_BF16 and use_mosaic(x_RK.dtype, w_EKN.dtype, *w_EKN.shape[1:])
@@ -153,18 +178,21 @@ def _bwd_mosaic(res, dy_RN):
     return gmosaic.from_padded(dx, lay), dw.astype(w_EKN.dtype), None
 
 
-def _padded_grads(x_PK, w_EKN, dy_PN, lay) -> tuple[jax.Array, jax.Array]:
+def _padded_grads(x_PK, w_EKN, dy_PN, lay, acc=None) -> tuple[jax.Array, jax.Array]:
     """(dx, float32 dw) of x @ w[expert] on the padded layout: dx = dy w[e]^T per row tile (w as stored, N
     contiguous), dw[e] from x and dy as stored (DW_AS_STORED, where grouped_dw takes the shape) or from their
     transposed copies, each group's padded rows in ascending blocks either way.
-    dy is rounded to x's dtype and written once before either product reads it (_materialized)."""
+    dy is rounded to x's dtype and written once before either product reads it (_materialized).
+    `acc` (float32, w's shape): return acc + dw rounded to x's dtype in place of dw (grouped_dw adds it in
+    its epilogue)."""
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
 
     dy_PN = _materialized(dy_PN.astype(x_PK.dtype))
     dx = gmosaic.grouped_nt(dy_PN, w_EKN, lay, out_dtype=x_PK.dtype, interpret=interpret_mode())
     if DW_AS_STORED and gmosaic.dw_usable(x_PK.shape[1], dy_PN.shape[1], x_PK.dtype):
-        return dx, gmosaic.grouped_dw(x_PK, dy_PN, lay, interpret=interpret_mode())
-    return dx, gmosaic.grouped_tnt(x_PK.T, dy_PN.T, lay, interpret=interpret_mode())
+        return dx, gmosaic.grouped_dw(x_PK, dy_PN, lay, interpret=interpret_mode(), acc=acc)
+    dw = gmosaic.grouped_tnt(x_PK.T, dy_PN.T, lay, interpret=interpret_mode())
+    return dx, dw if acc is None else acc + dw.astype(x_PK.dtype).astype(acc.dtype)
 
 
 grouped_matmul.defvjp(_fwd, _bwd)
@@ -178,7 +206,7 @@ def swiglu_on_padded_layout(dtype, d: int, f: int) -> bool:
 
 
 def grouped_swiglu_padded(
-    xs_RD, gs_E, weights: tuple, dtype, copies: tuple | None = None, out_dtype=jnp.float32
+    xs_RD, gs_E, weights: tuple, dtype, copies: tuple | None = None, out_dtype=jnp.float32, accs: tuple | None = None
 ) -> jax.Array:
     """silu(x w_gate[e]) * (x w_up[e]), times w_down[e], per expert over rows sorted by expert (group sizes
     gs_E), (R, D) in out_dtype (the float32 sums rounded once; the down product's kernel writes out_dtype where
@@ -191,17 +219,25 @@ def grouped_swiglu_padded(
     their cotangents are zeros), the two cotangents of x are added on the padded rows as they were on the
     sorted ones, and each dw reaches its weight rounded to the compute dtype. `weights`: the (gate, up, down)
     stacks (E, D, F), (E, D, F), (E, F, D) as stored; `copies`: their grouped_compute_copy made once per
-    step, or None (cast here)."""
+    step, or None (cast here). `accs` (with copies): the gradient accumulation fusion's float32 running sums
+    of the three stacks, which then receive the weight gradients (_padded_product_acc) and the stacks none."""
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
     from detjax.pallas_kernels.matmul import mosaic
 
     lay = gmosaic.padded_layout(gs_E, xs_RD.shape[0], mosaic.block_r(dtype))
+    if accs is not None and copies is None:
+        raise ValueError("grouped_swiglu_padded: running sums (accs) need the step's weight copies")
     cs = copies if copies is not None else tuple(grouped_compute_copy(w, dtype) for w in weights)
+
+    def product(i, x_PK, out=jnp.float32):
+        if accs is not None:
+            return _padded_product_acc(x_PK, accs[i], *cs[i], lay, out)
+        return _padded_product(x_PK, weights[i], *cs[i], lay, out)
+
     x_PD = _padded_in(xs_RD.astype(dtype), lay)
-    g_PF = _padded_product(x_PD, weights[0], *cs[0], lay)
-    u_PF = _padded_product(x_PD, weights[1], *cs[1], lay)
+    g_PF, u_PF = product(0, x_PD), product(1, x_PD)
     h_PF = (jax.nn.silu(g_PF) * u_PF).astype(dtype)
-    y_PD = _padded_product(h_PF, weights[2], *cs[2], lay, out_dtype if DOWN_WRITES_OUT_DTYPE else jnp.float32)
+    y_PD = product(2, h_PF, out_dtype if DOWN_WRITES_OUT_DTYPE else jnp.float32)
     return _padded_out(y_PD, lay).astype(out_dtype)
 
 
@@ -271,3 +307,25 @@ def _padded_product_bwd(out_dtype, res, dy_PN):
 
 
 _padded_product.defvjp(_padded_product_fwd, _padded_product_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _padded_product_acc(x_PK, acc_EKN, w_c_EKN, w_c_ENK, lay, out_dtype=jnp.float32) -> jax.Array:
+    """_padded_product whose weight gradient goes to the running sum acc (float32, the stack's shape): its
+    cotangent is acc + dw rounded to the copy's dtype, added in grouped_dw's epilogue where it takes the
+    shape (else here): the bits of _padded_product's gradient added to acc apart."""
+    from detjax.pallas_kernels.gmm import mosaic as gmosaic
+
+    return gmosaic.grouped_nt(x_PK, w_c_ENK, lay, out_dtype=out_dtype, interpret=interpret_mode())
+
+
+def _padded_acc_fwd(x_PK, acc_EKN, w_c_EKN, w_c_ENK, lay, out_dtype):
+    return _padded_product_acc(x_PK, acc_EKN, w_c_EKN, w_c_ENK, lay, out_dtype), (x_PK, w_c_EKN, lay, acc_EKN)
+
+
+def _padded_acc_bwd(out_dtype, res, dy_PN):
+    x_PK, w_c_EKN, lay, acc = res
+    return *_padded_grads(x_PK, w_c_EKN, dy_PN, lay, acc), None, None, None
+
+
+_padded_product_acc.defvjp(_padded_acc_fwd, _padded_acc_bwd)

@@ -129,6 +129,7 @@ def mosaic_matmul(
     tile_groups=None,
     group_blocks=None,
     acc_ref=None,
+    acc_round=None,
 ) -> jax.Array | None:
     """The product `kind` of kernel.py, or "nt" (a @ b^T: a (m, R), b (n, R)), on operands already padded:
     the output's rows and columns whole multiples of cta_tile(kind) and R a multiple of block_r (and of
@@ -159,7 +160,10 @@ def mosaic_matmul(
     product is added to it in place and nothing is returned. The epilogue loads each piece of the Ref's tile
     into shared memory, adds the tile's float32 sums to it (one float32 add per element: the bits of
     `acc + product`) and writes the piece back (the gradient accumulation fusion: a weight gradient summed
-    over microbatches without a separate pass over it)."""
+    over microbatches without a separate pass over it). With `group_blocks` the Ref is (G * m, n), group g's
+    sum in rows g*m..(g+1)*m-1. `acc_round` (a dtype, with acc_ref only): the sums are rounded to it, and back
+    to float32 (exact), before the add: the bits of `acc + product.astype(acc_round).astype(float32)`, for a
+    weight gradient that reaches its weight rounded (the experts', gmm.ops)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -171,6 +175,8 @@ def mosaic_matmul(
     grouped = tile_groups is not None or group_blocks is not None
     if acc_ref is not None and (kind != "dw" or r_chunk or scale is not None or jnp.dtype(out_dtype) != jnp.float32):
         raise ValueError("mosaic matmul: acc_ref is for float32 dw products without r_chunk or a scale")
+    if acc_round is not None and acc_ref is None:
+        raise ValueError("mosaic matmul: acc_round rounds the sums added to acc_ref; pass acc_ref")
     if grouped and (
         kind not in ("nt", "dw")
         or (kind == "dw" and tile_groups is not None)
@@ -246,6 +252,8 @@ def mosaic_matmul(
         wrows, wcols, wn = wg_part(wg)
         val = acc[...] if s_gmem is None else acc[...] * s_gmem[0]
         val = val.astype(out_dtype)
+        if acc_round is not None:
+            val = val.astype(acc_round).astype(jnp.float32)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         piece = 0
         for pm in range(TILE // epi_m):
@@ -444,8 +452,10 @@ def mosaic_matmul(
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     out_rows_total = n_chunks * m if (r_chunk or group_blocks is not None) else m
-    if acc_ref is not None and tuple(acc_ref.shape) != (m, n):
-        raise ValueError(f"mosaic matmul: acc_ref has shape {tuple(acc_ref.shape)}, want the output's {(m, n)}")
+    if acc_ref is not None and tuple(acc_ref.shape) != (out_rows_total, n):
+        raise ValueError(
+            f"mosaic matmul: acc_ref has shape {tuple(acc_ref.shape)}, want the output's {(out_rows_total, n)}"
+        )
     run = plgpu.kernel(
         streamed_body if stream else tiled_body,
         out_type=() if acc_ref is not None else jax.ShapeDtypeStruct((out_rows_total, n), out_dtype),
@@ -458,7 +468,7 @@ def mosaic_matmul(
     )
     extra = [x for x in (scale, tile_groups if tile_groups is not None else group_blocks) if x is not None]
     if acc_ref is not None:
-        run(a, b, acc_ref)
+        run(a, b, *([group_blocks] if group_blocks is not None else []), acc_ref)
         return None
     out = run(a, b, *extra)
     return out.reshape(n_chunks, m, n) if r_chunk else out
