@@ -140,22 +140,11 @@ def grouped_dw(x_PK, g_PN, lay: GroupLayout, *, interpret: bool, acc=None) -> ja
     `acc + dw.astype(x_PK.dtype).astype(float32)` without a pass over dw."""
     e = lay.group_blocks.shape[1]
     k, n = x_PK.shape[1], g_PN.shape[1]
+    into = {}
     if acc is not None:
         if acc.shape != (e, k, n) or acc.dtype != jnp.float32:
             raise ValueError(f"grouped dw: running sum {acc.shape} {acc.dtype}, want float32 {(e, k, n)}")
-        ref = jax.new_ref(acc.reshape(e * k, n))
-        mosaic.mosaic_matmul(
-            x_PK,
-            g_PN,
-            kind="dw",
-            out_dtype=jnp.float32,
-            r_chunk=0,
-            interpret=interpret,
-            group_blocks=lay.group_blocks,
-            acc_ref=ref,
-            acc_round=x_PK.dtype,
-        )
-        return jax.freeze(ref).reshape(e, k, n)
+        into = {"acc_ref": jax.new_ref(acc.reshape(e * k, n)), "acc_round": x_PK.dtype}
     out = mosaic.mosaic_matmul(
         x_PK,
         g_PN,
@@ -164,8 +153,9 @@ def grouped_dw(x_PK, g_PN, lay: GroupLayout, *, interpret: bool, acc=None) -> ja
         r_chunk=0,
         interpret=interpret,
         group_blocks=lay.group_blocks,
+        **into,
     )
-    return out.reshape(e, k, n)
+    return (jax.freeze(into["acc_ref"]) if into else out).reshape(e, k, n)
 
 
 def dw_usable(k: int, n: int, dtype) -> bool:
