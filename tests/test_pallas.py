@@ -857,9 +857,11 @@ def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypa
     the same SwiGLU: y (written in bf16 by the down product's kernel: the float32 y rounded), dx and the three
     float32 weight gradients, on general values, reading the step's weight copies; with running sums of the
     stacks (the gradient accumulation fusion) each sum plus its dw, added in grouped_dw's epilogue, and y and
-    dx unchanged. Without copies it casts the weights itself (the same grouped_compute_copy, then the same
-    products and backward): dispatch.expert_ffn takes that path where swiglu_on_padded_layout says so, and its
-    float32 y is checked here (its backward is the interpreter's most expensive run and adds no other code).
+    dx unchanged, here with rows not yet sorted by expert (`rows`: the sort composed with the padded layout's
+    copies; y and dx come back in the rows' own order). Without copies it casts the weights itself (the same
+    grouped_compute_copy, then the same products and backward): dispatch.expert_ffn takes that path where
+    swiglu_on_padded_layout says so, and its float32 y is checked here (its backward is the interpreter's most
+    expensive run and adds no other code).
     Negative control: swapped group sizes change y."""
     from detjax.model import dispatch
     from detjax.pallas_kernels.gmm.ops import grouped_compute_copy, grouped_swiglu_padded
@@ -889,16 +891,24 @@ def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypa
     def padded_copies(x, *ws):  # y in bf16, as the MoE block asks for it: the down product's kernel writes it
         return grouped_swiglu_padded(x, gs, ws, bf, tuple(grouped_compute_copy(w, bf) for w in ws), out_dtype=bf)
 
-    def padded_sums(x, *accs):  # the gradient accumulation fusion: the dw go to running sums of the stacks
+    # the gradient accumulation fusion (the dw go to running sums of the stacks), on rows not yet sorted:
+    # sorted row i is row order[i] of x[inv] (rows=), so y and dx come back as got's rows in x[inv]'s order
+    order = jax.random.permutation(jax.random.key(8), 240).astype(jnp.int32)
+    inv = jnp.argsort(order).astype(jnp.int32)
+
+    def padded_sums(x, *accs):
         cs = tuple(grouped_compute_copy(w, bf) for w in ws)
-        return grouped_swiglu_padded(x, gs, ws, bf, cs, out_dtype=bf, accs=accs)
+        return grouped_swiglu_padded(x, gs, ws, bf, cs, out_dtype=bf, accs=accs, rows=(order, inv))
 
     accs = tuple(30 * jax.random.normal(jax.random.key(i), w.shape) for i, w in enumerate(ws))
-    want, got, summed = run(per_product, x, ws), run(padded_copies, x, ws), run(padded_sums, x, accs)
+    want, got = run(per_product, x, ws), run(padded_copies, x, ws)
+    summed = jax.jit(lambda x, accs: (lambda y, pull: (y, *pull(g[inv])))(*jax.vjp(padded_sums, x, *accs)))(
+        x[inv], accs
+    )
     assert want[0].dtype == jnp.float32 and got[0].dtype == bf and _bits(got[0]) == _bits(want[0].astype(bf))
     for name, a, b in zip(("dx", "dw_gate", "dw_up", "dw_down"), want[1:], got[1:], strict=True):
         assert a.dtype == b.dtype and _bits(a) == _bits(b), name
-    assert _bits(summed[0]) == _bits(got[0]) and _bits(summed[1]) == _bits(got[1])
+    assert _bits(summed[0]) == _bits(got[0][inv]) and _bits(summed[1]) == _bits(got[1][inv])
     for name, acc, a, b in zip(("gate", "up", "down"), accs, want[2:], summed[2:], strict=True):
         assert _bits(b) == _bits(acc + a), name  # want's dw: the float32 sums rounded to bf16, then float32
     assert want[4].dtype == jnp.float32

@@ -54,6 +54,12 @@ def sort_by_expert(idx_TX: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Ar
     return expert_R, order_R, inv_R, gs_E
 
 
+# Whether expert_ffn, given the rows' sort (`rows`), composes it with the padded layout's row copies where the
+# whole SwiGLU runs there (gmm.ops.grouped_swiglu_padded's `rows`): one row gather into the layout and one out
+# of it, instead of a permutation and a copy each way. Data movement only, so the same bytes.
+COMPOSED_GATHERS = True
+
+
 def expert_ffn(
     xs_RD: jax.Array,
     gs_E: jax.Array,
@@ -66,6 +72,7 @@ def expert_ffn(
     weight_copies: tuple | None = None,
     out_dtype=jnp.float32,
     accs: tuple | None = None,
+    rows: tuple | None = None,
 ) -> jax.Array:
     """SwiGLU per expert over rows sorted by expert (group sizes gs_E): grouped matmuls (XLA's ragged_dot,
     or with kernels=pallas the fixed-order Pallas gmm/tgmm; `kernels` here is the resolved experts_impl).
@@ -77,13 +84,32 @@ def expert_ffn(
     sums in out_dtype (a caller that casts them to the compute dtype next passes it here: the padded layout's
     down product then writes it from its kernel). `accs`: the gradient accumulation fusion's float32 running
     sums of the three stacks (detjax.step; with kernels=pallas, the weight copies and no fp8), which receive
-    the weight gradients in place of the stacks (gmm.ops.grouped_matmul_acc)."""
+    the weight gradients in place of the stacks (gmm.ops.grouped_matmul_acc). `rows` (order_R, inv_R, from
+    sort_by_expert): xs_RD is in token-slot order, sorted here (permute_rows, or composed with the padded
+    layout's copies: COMPOSED_GATHERS), and the result comes back in that order."""
     d, f = w_gate_EDF.shape[1:]
     if accs is not None and (kernels != "pallas" or fp8_scales is not None or weight_copies is None):
         raise ValueError("expert_ffn: running sums (accs) need kernels=pallas, the weight copies and no fp8")
     if kernels == "pallas" and fp8_scales is None and xs_RD.dtype == dtype and swiglu_on_padded_layout(dtype, d, f):
         weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
-        return grouped_swiglu_padded(xs_RD, gs_E, weights, dtype, weight_copies, out_dtype, accs)
+        if rows is None or COMPOSED_GATHERS:
+            return grouped_swiglu_padded(xs_RD, gs_E, weights, dtype, weight_copies, out_dtype, accs, rows)
+    if rows is not None:
+        order_R, inv_R = rows
+        ys = expert_ffn(
+            permute_rows(xs_RD, order_R, inv_R),
+            gs_E,
+            w_gate_EDF,
+            w_up_EDF,
+            w_down_EFD,
+            dtype,
+            kernels,
+            fp8_scales,
+            weight_copies,
+            out_dtype,
+            accs,
+        )
+        return permute_rows(ys, inv_R, order_R)
     scales, copies, sums = iter(fp8_scales or ()), iter(weight_copies or ()), iter(accs or ())
 
     def gmm(a, w):

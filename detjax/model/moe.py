@@ -92,8 +92,8 @@ class Experts(nn.Module):
         _, order_R, inv_R, gs_E = sort_by_expert(idx_TX, e)
         self.sow("intermediates", "dispatch_order", order_R)  # row-wise trace tap (detjax.trace)
         x_RD = jnp.broadcast_to(x_TD[:, None, :], (t, k, d)).reshape(-1, d)
-        xs_RD = permute_rows(x_RD, order_R, inv_R)
         if tp is not None:
+            xs_RD = permute_rows(x_RD, order_R, inv_R)
             ys_RD = expert_ffn_chunked(tp, xs_RD, gs_E, weights, dtype, self.kernels, scales).astype(dtype)
         else:
             # the trainer's once-per-step weight copies (layers.module_copies) and the gradient accumulation
@@ -104,7 +104,11 @@ class Experts(nn.Module):
                 copies = tuple(self.get_variable("compute", n) for n in names)
                 if self.has_variable("grad_acc", "w_gate"):
                     accs = tuple(acc_of((self, (n,))) for n in names)
-            ys_RD = expert_ffn(xs_RD, gs_E, *weights, dtype, self.kernels, scales, copies, dtype, accs)
+            ffn_args = (gs_E, *weights, dtype, self.kernels, scales, copies, dtype, accs)
+            if self.combine != "scatter_add":  # expert_ffn sorts the rows and returns them in token-slot order
+                y_RD = expert_ffn(x_RD, *ffn_args, rows=(order_R, inv_R))
+                return combine_slots(y_RD.reshape(t, k, d), gate_TX.astype(dtype))
+            ys_RD = expert_ffn(permute_rows(x_RD, order_R, inv_R), *ffn_args)
         if self.combine == "scatter_add":
             # fast, nondeterministic baseline (refused in strict mode): atomics accumulate per token
             tok_R = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k)).reshape(-1)

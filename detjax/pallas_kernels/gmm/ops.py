@@ -206,7 +206,14 @@ def swiglu_on_padded_layout(dtype, d: int, f: int) -> bool:
 
 
 def grouped_swiglu_padded(
-    xs_RD, gs_E, weights: tuple, dtype, copies: tuple | None = None, out_dtype=jnp.float32, accs: tuple | None = None
+    xs_RD,
+    gs_E,
+    weights: tuple,
+    dtype,
+    copies: tuple | None = None,
+    out_dtype=jnp.float32,
+    accs: tuple | None = None,
+    rows: tuple | None = None,
 ) -> jax.Array:
     """silu(x w_gate[e]) * (x w_up[e]), times w_down[e], per expert over rows sorted by expert (group sizes
     gs_E), (R, D) in out_dtype (the float32 sums rounded once; the down product's kernel writes out_dtype where
@@ -220,11 +227,17 @@ def grouped_swiglu_padded(
     sorted ones, and each dw reaches its weight rounded to the compute dtype. `weights`: the (gate, up, down)
     stacks (E, D, F), (E, D, F), (E, F, D) as stored; `copies`: their grouped_compute_copy made once per
     step, or None (cast here). `accs` (with copies): the gradient accumulation fusion's float32 running sums
-    of the three stacks, which then receive the weight gradients (_padded_product_acc) and the stacks none."""
+    of the three stacks, which then receive the weight gradients (_padded_product_acc) and the stacks none.
+    `rows` (order_R, inv_R): xs_RD is not yet sorted by expert (sorted row i is xs_RD[order_R[i]]; inv_R the
+    inverse), and the result comes back in xs_RD's order: the sort is composed with the copies into and out of
+    the padded layout, one row gather each way instead of two (data movement only: the same bytes)."""
     from detjax.pallas_kernels.gmm import mosaic as gmosaic
     from detjax.pallas_kernels.matmul import mosaic
 
     lay = gmosaic.padded_layout(gs_E, xs_RD.shape[0], mosaic.block_r(dtype))
+    if rows is not None:  # the padded rows read and write the unsorted rows directly
+        order_R, inv_R = rows
+        lay = lay._replace(pos_R=lay.pos_R[inv_R], src_P=order_R[lay.src_P])
     if accs is not None and copies is None:
         raise ValueError("grouped_swiglu_padded: running sums (accs) need the step's weight copies")
     cs = copies if copies is not None else tuple(grouped_compute_copy(w, dtype) for w in weights)
