@@ -153,7 +153,7 @@ def test_experts_read_their_compute_copies(tiny_path):
     assert copied(["model.moe.experts_impl=pallas"])  # control: no expert axis, the experts read copies
 
 
-def test_gradient_accumulation_fusion_gives_the_bits_of_separate_sums(tiny_path, monkeypatch):
+def test_gradient_accumulation_fusion_gives_the_bits_of_separate_sums(tiny_path):
     """train.grad_accumulation_fusion (on by default; with model.kernels=pallas on one device): the microbatch
     loop's gradient sums, with the projections' weight gradients added by their dw kernels to running sums in
     the fused-copy layout (and the routed experts' grouped dw to sums of their stacks' shape), equal the
@@ -163,7 +163,6 @@ def test_gradient_accumulation_fusion_gives_the_bits_of_separate_sums(tiny_path,
     two products (the shared head) is refused while tracing."""
     from detjax.model import layers
 
-    monkeypatch.setattr(layers, "EXPERT_ACCUMULATORS", True)  # the experts' sums too (off by default for now)
     over = ["model.kernels=pallas", "train.seq_len=32", "model.dropout=0", "train.global_batch=6"]
     over.append("train.micro_batch=2")
     fused_tr = Trainer(load_config(tiny_path, over))  # on by default

@@ -122,10 +122,9 @@ def module_copies(tree: dict, dtype, fp8_scales: dict | None = None, experts: bo
 
 # Whether the routed experts' stacks join the gradient accumulation fusion (module_accumulators' `experts`):
 # their grouped products' dw then add to the running sums (on the padded layout's Mosaic path, in grouped_dw's
-# epilogue), with the bits of the separate sums (tests on the CPU: the step's sums, the interpreted kernel, its
-# CUDA lowering). Off until it has run and been timed on a GPU: the epilogue's bf16 rounding before the add is
-# new Mosaic code that no GPU has compiled yet.
-EXPERT_ACCUMULATORS = False
+# epilogue), with the bits of the separate sums. On: the gpu_medium step 0.6 % faster pipelined (1.1 % synced) on
+# an H100, on the same parameter digest (docs/BENCHMARKS.md, "The experts' row copies and weight-gradient sums").
+EXPERT_ACCUMULATORS = True
 EXPERT_STACKS = ("w_gate", "w_up", "w_down")
 
 

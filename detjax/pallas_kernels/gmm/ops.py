@@ -27,7 +27,9 @@ MOSAIC_BF16 = True
 # Whether grouped_swiglu_padded's down product writes its caller's out_dtype (the compute dtype, where the MoE
 # block casts the experts' output to it next) from the kernel, so the rows copied out of the padded layout, and
 # their cotangents copied in, are bf16 instead of float32: the same bytes (the kernel rounds its float32 sums to
-# the nearest even bf16, as XLA's cast does), half the bytes moved.
+# the nearest even bf16, as XLA's cast does), half the bytes moved. With dispatch.COMPOSED_GATHERS, the gpu_medium
+# step 1.4 % faster pipelined on an H100, on the same parameter digest (docs/BENCHMARKS.md, "The experts' row
+# copies and weight-gradient sums").
 DOWN_WRITES_OUT_DTYPE = True
 # Whether the Mosaic path's bf16 dw reads x and dy as stored (gmm/mosaic.py grouped_dw, a transposed
 # shared-memory view) instead of from transposed copies (grouped_tnt): the same reduction order, two fewer
