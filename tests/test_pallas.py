@@ -884,9 +884,9 @@ def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypa
         return mm((jax.nn.silu(mm(x, ws[0])) * mm(x, ws[1])).astype(bf), ws[2])
 
     @functools.partial(jax.jit, static_argnums=0)
-    def run(f, x, ws):
+    def run(f, x, ws, ct):
         y, pull = jax.vjp(f, x, *ws)
-        return y, *pull(g.astype(y.dtype))
+        return y, *pull(ct.astype(y.dtype))
 
     def padded_copies(x, *ws):  # y in bf16, as the MoE block asks for it: the down product's kernel writes it
         return grouped_swiglu_padded(x, gs, ws, bf, tuple(grouped_compute_copy(w, bf) for w in ws), out_dtype=bf)
@@ -901,10 +901,8 @@ def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypa
         return grouped_swiglu_padded(x, gs, ws, bf, cs, out_dtype=bf, accs=accs, rows=(order, inv))
 
     accs = tuple(30 * jax.random.normal(jax.random.key(i), w.shape) for i, w in enumerate(ws))
-    want, got = run(per_product, x, ws), run(padded_copies, x, ws)
-    summed = jax.jit(lambda x, accs: (lambda y, pull: (y, *pull(g[inv])))(*jax.vjp(padded_sums, x, *accs)))(
-        x[inv], accs
-    )
+    want, got = run(per_product, x, ws, g), run(padded_copies, x, ws, g)
+    summed = run(padded_sums, x[inv], accs, g[inv])
     assert want[0].dtype == jnp.float32 and got[0].dtype == bf and _bits(got[0]) == _bits(want[0].astype(bf))
     for name, a, b in zip(("dx", "dw_gate", "dw_up", "dw_down"), want[1:], got[1:], strict=True):
         assert a.dtype == b.dtype and _bits(a) == _bits(b), name

@@ -158,9 +158,9 @@ def test_gradient_accumulation_fusion_gives_the_bits_of_separate_sums(tiny_path)
     loop's gradient sums, with the projections' weight gradients added by their dw kernels to running sums in
     the fused-copy layout (and the routed experts' grouped dw to sums of their stacks' shape), equal the
     separate sums byte for byte, every leaf, on the hybrid with an MTP head (whose shared LM head keeps the
-    separate sum). Negative control: the separate sums of the same
-    three microbatches in the other order differ in some fused weight's gradient. A running sum that would reach
-    two products (the shared head) is refused while tracing."""
+    separate sum). Negative control: the separate sums of the same three microbatches in the other order
+    differ in some fused weight's gradient. A running sum that would reach two products (the shared head) is
+    refused while tracing."""
     from detjax.model import layers
 
     over = ["model.kernels=pallas", "train.seq_len=32", "model.dropout=0", "train.global_batch=6"]

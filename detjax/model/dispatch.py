@@ -92,26 +92,25 @@ def expert_ffn(
     d, f = w_gate_EDF.shape[1:]
     if accs is not None and (kernels != "pallas" or fp8_scales is not None or weight_copies is None):
         raise ValueError("expert_ffn: running sums (accs) need kernels=pallas, the weight copies and no fp8")
-    if kernels == "pallas" and fp8_scales is None and xs_RD.dtype == dtype and swiglu_on_padded_layout(dtype, d, f):
-        weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
-        if rows is None or COMPOSED_GATHERS:
-            return grouped_swiglu_padded(xs_RD, gs_E, weights, dtype, weight_copies, out_dtype, accs, rows)
+    padded = (
+        kernels == "pallas" and fp8_scales is None and xs_RD.dtype == dtype and swiglu_on_padded_layout(dtype, d, f)
+    )
+    weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
+    if padded and COMPOSED_GATHERS:
+        return grouped_swiglu_padded(xs_RD, gs_E, weights, dtype, weight_copies, out_dtype, accs, rows)
     if rows is not None:
-        order_R, inv_R = rows
-        ys = expert_ffn(
-            permute_rows(xs_RD, order_R, inv_R),
-            gs_E,
-            w_gate_EDF,
-            w_up_EDF,
-            w_down_EFD,
-            dtype,
-            kernels,
-            fp8_scales,
-            weight_copies,
-            out_dtype,
-            accs,
-        )
-        return permute_rows(ys, inv_R, order_R)
+        xs_RD = permute_rows(xs_RD, *rows)
+    if padded:
+        ys_RD = grouped_swiglu_padded(xs_RD, gs_E, weights, dtype, weight_copies, out_dtype, accs)
+    else:
+        ys_RD = _grouped_swiglu(xs_RD, gs_E, weights, dtype, kernels, fp8_scales, weight_copies, accs)
+        ys_RD = ys_RD.astype(out_dtype)
+    return ys_RD if rows is None else permute_rows(ys_RD, rows[1], rows[0])
+
+
+def _grouped_swiglu(xs_RD, gs_E, weights, dtype, kernels, fp8_scales, weight_copies, accs) -> jax.Array:
+    """expert_ffn's SwiGLU as three grouped products (float32 out) where the padded layout does not take it."""
+    w_gate_EDF, w_up_EDF, w_down_EFD = weights
     scales, copies, sums = iter(fp8_scales or ()), iter(weight_copies or ()), iter(accs or ())
 
     def gmm(a, w):
@@ -128,7 +127,7 @@ def expert_ffn(
         return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)
 
     h_RF = nn.silu(gmm(xs_RD, w_gate_EDF)) * gmm(xs_RD, w_up_EDF)
-    return gmm(h_RF.astype(dtype), w_down_EFD).astype(out_dtype)
+    return gmm(h_RF.astype(dtype), w_down_EFD)
 
 
 def expert_ffn_chunked(

@@ -468,7 +468,7 @@ def mosaic_matmul(
     )
     extra = [x for x in (scale, tile_groups if tile_groups is not None else group_blocks) if x is not None]
     if acc_ref is not None:
-        run(a, b, *([group_blocks] if group_blocks is not None else []), acc_ref)
+        run(a, b, *extra, acc_ref)
         return None
     out = run(a, b, *extra)
     return out.reshape(n_chunks, m, n) if r_chunk else out
