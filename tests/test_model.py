@@ -101,11 +101,15 @@ def test_embedding_gradient_fixed_or_scatter_add():
     np.testing.assert_allclose(grads["fixed"], grads["scatter_add"], rtol=1e-5, atol=1e-6)
 
 
-def test_sort_by_expert_sorts_once_and_inverts_exactly():
+@pytest.mark.parametrize("sort_keys", [False, True])
+def test_sort_by_expert_sorts_once_and_inverts_exactly(monkeypatch, sort_keys):
     """The dispatch's inverse permutation is counted from prefix sums, not sorted: one sort in the jaxpr, and
-    inv[order] == arange for random routings (some experts empty)."""
+    inv[order] == arange for random routings (some experts empty). With dispatch.SORT_KEYS the sort takes one
+    operand (the keys) instead of argsort's two, and gives the same stable order."""
+    from detjax.model import dispatch
     from detjax.model.dispatch import sort_by_expert
 
+    monkeypatch.setattr(dispatch, "SORT_KEYS", sort_keys)
     for seed, (t, x, e) in enumerate([(37, 3, 8), (64, 2, 4), (5, 1, 16)]):
         idx = jax.random.randint(jax.random.key(seed), (t, x), 0, e)
         expert, order, inv, gs = (np.asarray(a) for a in sort_by_expert(idx, e))
@@ -114,7 +118,8 @@ def test_sort_by_expert_sorts_once_and_inverts_exactly():
     from detjax.jaxprs import iter_eqns
 
     jaxpr = jax.make_jaxpr(lambda i: sort_by_expert(i, 8))(jnp.zeros((16, 2), jnp.int32))
-    assert sum(eq.primitive.name == "sort" for eq in iter_eqns(jaxpr.jaxpr)) == 1
+    sorts = [eq for eq in iter_eqns(jaxpr.jaxpr) if eq.primitive.name == "sort"]
+    assert len(sorts) == 1 and len(sorts[0].invars) == (1 if sort_keys else 2)
 
 
 def test_xla_projection_backward_multiplies_in_the_compute_dtype():

@@ -357,17 +357,18 @@ def test_token_ce_of_takes_the_kernel_only_when_switched_on_and_where_it_fits(mo
 MIXER_KERNELS = ("rmsnorm_fwd", "gated_norm_fwd", "conv_silu_bwd")
 
 
-def _mixer_run(monkeypatch, **switches):
-    """A small Mamba2 mixer (inner width 128, B/C width 32) under model.kernels=pallas with the given
+def _mixer_run(monkeypatch, d_state=16, dtype=jnp.float32, **switches):
+    """A small Mamba2 mixer (inner width 128, B/C width 2 d_state) under model.kernels=pallas with the given
     model.mamba2 switches (the rest at their defaults): which of MIXER_KERNELS its step holds, its output and
-    the gradients of sum(out^2) / 2."""
+    the gradients of sum(out^2) / 2, and the number of slices in its jaxpr."""
     from detjax.config import MambaConfig
+    from detjax.jaxprs import iter_eqns
     from detjax.model import mamba2
 
-    for name in ("KERNEL_GATE", "KERNEL_GATED_NORM", "KERNEL_CONV"):
+    for name in ("KERNEL_GATE", "KERNEL_GATED_NORM", "KERNEL_CONV", "KERNEL_IN_PLACE"):
         monkeypatch.setattr(mamba2, name, switches.get(name, getattr(mamba2, name)))
-    cfg = MambaConfig(d_state=16, d_conv=4, expand=2, n_heads=2, chunk_size=16)
-    mixer = mamba2.Mamba2(d_model=64, cfg=cfg, init_std=0.02, norm_eps=1e-5, dtype=jnp.float32, kernels="pallas")
+    cfg = MambaConfig(d_state=d_state, d_conv=4, expand=2, n_heads=2, chunk_size=16)
+    mixer = mamba2.Mamba2(d_model=64, cfg=cfg, init_std=0.02, norm_eps=1e-5, dtype=dtype, kernels="pallas")
     x = jax.random.normal(jax.random.key(1), (1, 32, 64))
     params = mixer.init(jax.random.key(0), x)
 
@@ -376,12 +377,13 @@ def _mixer_run(monkeypatch, **switches):
         return out, pull(out)
 
     fn = jax.jit(with_grads)
-    text = str(fn.trace(params, x).jaxpr)
-    return {k for k in MIXER_KERNELS if k in text}, *fn(params, x)
+    jaxpr = fn.trace(params, x).jaxpr
+    slices = sum(eq.primitive.name == "slice" for eq in iter_eqns(jaxpr.jaxpr))
+    return {k for k in MIXER_KERNELS if k in str(jaxpr)}, *fn(params, x), slices
 
 
 def _agree(a, b, tol_y, tol_g=1e-4):
-    (_, y_a, g_a), (_, y_b, g_b) = a, b
+    (_, y_a, g_a, _), (_, y_b, g_b, _) = a, b
     assert _rel(y_a, y_b) <= tol_y
     for x, y in zip(jax.tree.leaves(g_a), jax.tree.leaves(g_b), strict=True):
         assert _rel(x, y) <= tol_g
@@ -410,6 +412,21 @@ def test_mamba2_kernel_switches_put_their_kernels_in_only_when_on(monkeypatch):
     _agree(both, no_conv, TOL_FWD)
     assert mamba2.gated_norm_kernel_fits(32, 128) and not mamba2.gated_norm_kernel_fits(32, 96)
     assert not mamba2.gated_norm_kernel_fits(30, 128)  # rows not in whole blocks
+
+
+@pytest.mark.parametrize("d_state", [16, 64], ids=["bc_sliced", "bc_in_place"])
+def test_mamba2_kernels_read_the_in_projection_in_place(monkeypatch, d_state):
+    """model.mamba2.KERNEL_IN_PLACE: the gate's kernel reads z and the convolution's backward kernel reads x
+    (and B|C, where its width 2 d_state is a whole channel block: 128) from the in-projection's one bf16 output
+    instead of from slices of it. The output and every gradient have the bytes of the mixer without it; the
+    traced step holds fewer slices (the control that the other path ran)."""
+    on = _mixer_run(monkeypatch, d_state, jnp.bfloat16, KERNEL_IN_PLACE=True)
+    off = _mixer_run(monkeypatch, d_state, jnp.bfloat16, KERNEL_IN_PLACE=False)
+    assert on[0] == off[0] == {"gated_norm_fwd", "conv_silu_bwd"}
+    assert _bits(on[1]) == _bits(off[1])
+    for a, b in zip(jax.tree.leaves(on[2]), jax.tree.leaves(off[2]), strict=True):
+        assert _bits(a) == _bits(b)
+    assert on[3] < off[3]
 
 
 def _conv_inputs(dtype=jnp.bfloat16, b=2, length=64, ch=256):
@@ -492,6 +509,42 @@ def test_gated_norm_matches_reference(monkeypatch, d):
         assert a.shape == b.shape and a.dtype == b.dtype
         tol = 1e-2 if a.dtype == jnp.bfloat16 else TOL_GRAD
         assert _rel(a.astype(jnp.float32), b.astype(jnp.float32)) <= tol
+
+
+def test_gated_norm_and_conv_read_a_block_of_a_wider_array_in_place():
+    """The gated norm's z as columns z_col .. z_col + D of a wider array, and the convolution's x as channels
+    col0 .. col0 + C of one (what the Mamba2 mixer's in-projection output holds side by side, mamba2.
+    KERNEL_IN_PLACE): the output and every gradient have the bytes of the same call on the sliced block, and
+    the wider array's cotangent is the block's, zero elsewhere. Negative control: another block (other
+    values) gives other output bytes."""
+    from detjax.pallas_kernels.conv.ops import conv_silu
+    from detjax.pallas_kernels.gated_norm.ops import gated_norm
+
+    def run(f, ct, *args):
+        out, pull = jax.vjp(f, *args)
+        return out, *pull(ct)
+
+    def zero_outside(a, lo, hi):
+        return not np.any(np.asarray(a[..., :lo], np.float32)) and not np.any(np.asarray(a[..., hi:], np.float32))
+
+    (y, x, z, dd, w), g = _gate_inputs(n=64, d=256)
+    d = z.shape[1]
+    wide = jnp.concatenate([jnp.flip(z, 0), z, z[:, ::-1]], axis=1)  # z is block 1 of 3
+    want = run(lambda *a: gated_norm(*a, 1e-5, jnp.bfloat16), g, y, x, z, dd, w)
+    got = run(lambda *a: gated_norm(*a, 1e-5, jnp.bfloat16, d), g, y, x, wide, dd, w)
+    for i, name in enumerate(("out", "dy", "dx", "dz", "dd", "dw")):
+        assert _bits(got[i][:, d : 2 * d] if name == "dz" else got[i]) == _bits(want[i]), name
+    assert got[3].shape == wide.shape and zero_outside(got[3], d, 2 * d)
+    assert _bits(gated_norm(y, x, wide, dd, w, 1e-5, jnp.bfloat16, 0)) != _bits(want[0])
+
+    xc, wc, bc, cg = _conv_inputs(ch=128)
+    xwide = jnp.concatenate([-xc, xc, 2 * xc], axis=2)  # x is channels 128 .. 255
+    want = run(conv_silu, cg, xc, wc, bc)
+    got = run(lambda *a: conv_silu(*a, 128), cg, xwide, wc, bc)
+    for i, name in enumerate(("out", "dx", "dw", "db")):
+        assert _bits(got[i][..., 128:256] if name == "dx" else got[i]) == _bits(want[i]), name
+    assert got[1].shape == xwide.shape and zero_outside(got[1], 128, 256)
+    assert _bits(conv_silu(xwide, wc, bc, 0)) != _bits(want[0])
 
 
 def test_gated_norm_replays_bit_exact():
@@ -851,7 +904,8 @@ def test_grouped_dw_adds_its_rounded_sums_into_a_running_sum():
     assert _bits(got) != _bits(acc + dw), "negative control: the float32 dw unrounded"
 
 
-def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypatch):
+@pytest.mark.parametrize("gate_up_in_dtype", [False, True])
+def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypatch, gate_up_in_dtype):
     """gmm.ops.grouped_swiglu_padded (the experts' three products with the rows kept in the padded group
     layout, Mosaic under its interpreter) gives the bytes of three grouped_matmul(..., "mosaic") calls around
     the same SwiGLU: y (written in bf16 by the down product's kernel: the float32 y rounded), dx and the three
@@ -862,9 +916,15 @@ def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypa
     grouped_compute_copy, then the same products and backward): dispatch.expert_ffn takes that path where
     swiglu_on_padded_layout says so, and its float32 y is checked here (its backward is the interpreter's most
     expensive run and adds no other code).
+    With gmm.ops.GATE_UP_IN_DTYPE the gate and up sums are rounded to bf16 before the SwiGLU (their kernels write
+    bf16) in both, y and the four gradients are checked, and so are the Triton path's y (dispatch rounds its
+    float32 sums the same way) and the bits the rounding changes (the y of the float32 sums differs).
     Negative control: swapped group sizes change y."""
     from detjax.model import dispatch
+    from detjax.pallas_kernels.gmm import ops as gmm_ops
     from detjax.pallas_kernels.gmm.ops import grouped_compute_copy, grouped_swiglu_padded
+
+    monkeypatch.setattr(gmm_ops, "GATE_UP_IN_DTYPE", gate_up_in_dtype)
 
     bf = jnp.bfloat16
     ks = jax.random.split(jax.random.key(7), 5)
@@ -877,11 +937,14 @@ def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypa
     )
     g = jax.random.normal(ks[4], (240, 256)).astype(bf)  # the cotangent of a bf16 y; float32 for want's y
 
-    def per_product(x, *ws, gs=gs):
+    def per_product(x, *ws, gs=gs, impl="mosaic", rounded=gate_up_in_dtype):
         def mm(a, w):
-            return grouped_matmul(a.astype(bf), w.astype(bf), gs, "mosaic")
+            return grouped_matmul(a.astype(bf), w.astype(bf), gs, impl)
 
-        return mm((jax.nn.silu(mm(x, ws[0])) * mm(x, ws[1])).astype(bf), ws[2])
+        def gate_up(v):  # the float32 sums, or rounded to bf16 as their kernels write them
+            return v.astype(bf).astype(jnp.float32) if rounded else v
+
+        return mm((jax.nn.silu(gate_up(mm(x, ws[0]))) * gate_up(mm(x, ws[1]))).astype(bf), ws[2])
 
     @functools.partial(jax.jit, static_argnums=0)
     def run(f, x, ws, ct):
@@ -900,12 +963,18 @@ def test_experts_swiglu_on_the_padded_layout_gives_the_per_product_bits(monkeypa
         cs = tuple(grouped_compute_copy(w, bf) for w in ws)
         return grouped_swiglu_padded(x, gs, ws, bf, cs, out_dtype=bf, accs=accs, rows=(order, inv))
 
-    accs = tuple(30 * jax.random.normal(jax.random.key(i), w.shape) for i, w in enumerate(ws))
     want, got = run(per_product, x, ws, g), run(padded_copies, x, ws, g)
-    summed = run(padded_sums, x[inv], accs, g[inv])
     assert want[0].dtype == jnp.float32 and got[0].dtype == bf and _bits(got[0]) == _bits(want[0].astype(bf))
     for name, a, b in zip(("dx", "dw_gate", "dw_up", "dw_down"), want[1:], got[1:], strict=True):
         assert a.dtype == b.dtype and _bits(a) == _bits(b), name
+    if gate_up_in_dtype:  # the Triton path rounds alike; the rounding changes the bits
+        monkeypatch.setattr(dispatch, "swiglu_on_padded_layout", lambda dtype, d, f: False)
+        triton = jax.jit(lambda x: dispatch.expert_ffn(x, gs, *ws, bf, "pallas"))(x)
+        assert _bits(triton) == _bits(jax.jit(functools.partial(per_product, impl="triton"))(x, *ws))
+        assert _bits(jax.jit(functools.partial(per_product, rounded=False))(x, *ws)) != _bits(want[0])
+        return
+    accs = tuple(30 * jax.random.normal(jax.random.key(i), w.shape) for i, w in enumerate(ws))
+    summed = run(padded_sums, x[inv], accs, g[inv])
     assert _bits(summed[0]) == _bits(got[0][inv]) and _bits(summed[1]) == _bits(got[1][inv])
     for name, acc, a, b in zip(("gate", "up", "down"), accs, want[2:], summed[2:], strict=True):
         assert _bits(b) == _bits(acc + a), name  # want's dw: the float32 sums rounded to bf16, then float32

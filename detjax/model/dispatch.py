@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from detjax.model.fp8 import fp8_grouped_matmul, fp8_grouped_matmul_copy
+from detjax.pallas_kernels.gmm import ops as gmm_ops
 from detjax.pallas_kernels.gmm.ops import (
     grouped_matmul,
     grouped_matmul_acc,
@@ -38,6 +39,12 @@ def _perm_bwd(res, g_TD):
 permute_rows.defvjp(_perm_fwd, _perm_bwd)
 
 
+# Whether sort_by_expert sorts one int32 key per row (expert * R + row: unique, so no stability to keep, and the
+# row comes back as the remainder) instead of argsort's stable sort of (expert, row) pairs: the same permutation
+# (integers), half the data sorted. Off: not yet timed on a GPU.
+SORT_KEYS = False
+
+
 def sort_by_expert(idx_TX: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(expert of each row R = T*X, sort order, its inverse, group sizes E). The sort is stable: inside an
     expert's group the rows keep global token order, so its weight-gradient sum runs in token order.
@@ -45,7 +52,12 @@ def sort_by_expert(idx_TX: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Ar
     One sort: the inverse is counted, not sorted. Row r of expert e lands at (rows of experts < e) + (rows of
     expert e before r), both integer prefix sums of the (R, E) one-hot (exact in any order)."""
     expert_R = idx_TX.reshape(-1)
-    order_R = jnp.argsort(expert_R, stable=True)
+    rows = expert_R.shape[0]
+    if SORT_KEYS and n_experts * rows < 2**31:
+        row_R = jnp.arange(rows, dtype=jnp.int32)
+        order_R = jax.lax.rem(jnp.sort(expert_R.astype(jnp.int32) * rows + row_R), jnp.int32(rows))
+    else:
+        order_R = jnp.argsort(expert_R, stable=True)
     onehot_RE = jax.nn.one_hot(expert_R, n_experts, dtype=jnp.int32)
     gs_E = jnp.sum(onehot_RE, axis=0)
     before_RE = jnp.cumsum(onehot_RE, axis=0) - onehot_RE  # rows of each expert strictly before row r
@@ -126,8 +138,10 @@ def _grouped_swiglu(xs_RD, gs_E, weights, dtype, kernels, fp8_scales, weight_cop
             return grouped_matmul(a.astype(dtype), w.astype(dtype), gs_E)
         return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), gs_E, preferred_element_type=jnp.float32)
 
-    h_RF = nn.silu(gmm(xs_RD, w_gate_EDF)) * gmm(xs_RD, w_up_EDF)
-    return gmm(h_RF.astype(dtype), w_down_EFD)
+    g_RF, u_RF = gmm(xs_RD, w_gate_EDF), gmm(xs_RD, w_up_EDF)
+    if gmm_ops.GATE_UP_IN_DTYPE and kernels == "pallas" and fp8_scales is None:  # as the padded layout writes them
+        g_RF, u_RF = (v.astype(dtype).astype(jnp.float32) for v in (g_RF, u_RF))
+    return gmm((nn.silu(g_RF) * u_RF).astype(dtype), w_down_EFD)
 
 
 def expert_ffn_chunked(

@@ -275,17 +275,24 @@ def proj_many(
     fp8_scale=None,
     copy: tuple[nn.Module, tuple[str, ...]] | None = None,
     rope: tuple[tuple[int, int, int, int, int], float] | None = None,
+    whole: bool = False,
 ) -> list[jax.Array]:
     """Several projections of one input (q/k/v, Mamba2's in-projections, SwiGLU gate/up). With
     kernels=pallas they are one matmul over the concatenated weights, bit-identical to separate ones (and
     `copy` as in proj: the fused compute copy); in fp8 one product with one scale set (either kernels
     setting). `rope` = ((batch, length, heads, kv_heads, head_dim), theta), kernels=pallas only: the three
     projections are q, k, v, returned with RoPE on q and k, whose backward is the Pallas kernel's
-    (detjax.pallas_kernels.rope; the caller checks rope.ops.fits)."""
+    (detjax.pallas_kernels.rope; the caller checks rope.ops.fits). `whole` (kernels=pallas, no fp8): the one
+    product's (tokens, N) output as a list of one, each projection's columns after the previous one's (N may
+    hold zero columns at the end), for kernels that read their columns in place."""
+    if whole and (fp8_scale is not None or kernels != "pallas" or rope is not None):
+        raise ValueError("proj_many: whole needs kernels=pallas, no fp8 and no rope")
     if fp8_scale is not None:  # (the trainer's fp8 copies are made for kernels=pallas)
         wq = copy_of(copy if kernels == "pallas" else None)
         return fp8_dense_many(specs, x, ws, dtype, fp8_scale, kernels, wq, rope=rope)
     if kernels == "pallas":
+        if whole:
+            return dense_many(specs, x, ws, dtype, w_cat_c=copy_of(copy), split=lambda y: [y], acc=acc_of(copy))
         if rope is None:
             return dense_many(specs, x, ws, dtype, w_cat_c=copy_of(copy), acc=acc_of(copy))
         width = sum(math.prod(w.shape[1:]) for w in ws)  # (the fused weight's zero columns are sliced off)

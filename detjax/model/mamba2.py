@@ -50,6 +50,13 @@ KERNEL_GATE = True
 KERNEL_CONV = True
 
 
+# Whether, where the fused gate's and the convolutions' kernels take the mixer (Mamba2._in_place), they read
+# z, x and B|C in place from the in-projection's one output (pallas_kernels gated_norm's z_col, conv's col0)
+# instead of from copies XLA slices out of it: two fewer (tokens x inner width) bf16 copies a layer, with the
+# same values read, so the same bytes. Off: not yet timed on a GPU.
+KERNEL_IN_PLACE = False
+
+
 def conv_silu(x_BL_: jax.Array, w_W_: jax.Array, b_: jax.Array, kernels: str) -> jax.Array:
     """silu(causal_conv(x, w, b)) in float32, channels (...) flattened for the Pallas backward where
     KERNEL_CONV and kernels=pallas and it takes the shape (pallas_kernels.conv.kernel.usable)."""
@@ -178,28 +185,47 @@ class Mamba2(nn.Module):
                 w_out_HPD,
             )
         lay, names = self.layout, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, None)
-        z_BLHP, x_BLHP, bc_BLJN, dt_BLH = proj_many(
+        in_proj = (
             ["bld,dhp->blhp", "bld,dhp->blhp", "bld,djn->bljn", "bld,dh->blh"],
             x_BLD,
             [w_z_DHP, w_x_DHP, w_bc_DJN, w_dt_DH],
             self.dtype,
             self.kernels,
-            scale_var(self, "in_proj", self.fp8),
-            (self, ("w_in_z", "w_in_x", "w_in_bc", "w_in_dt")),
         )
-        z_BLHP = constrain(z_BLHP, lay, names, "ssm_z")
-        x_BLHP = constrain(x_BLHP, lay, names)
-        x_BLHP = conv_silu(x_BLHP, w_conv_x_WHP, b_conv_x_HP, self.kernels)
-        bc_BLJN = conv_silu(bc_BLJN, w_conv_bc_WJN, b_conv_bc_JN, self.kernels)
+        copy = (self, ("w_in_z", "w_in_x", "w_in_bc", "w_in_dt"))
+        b, length = x_BLD.shape[:2]
+        if self._in_place(b * length, length):
+            # the in-projection's one output, its blocks read where they lie: z by the gate's kernel, x (and B|C
+            # where the kernel takes their width) by the convolutions' backward kernel, dt by XLA's fusions
+            (y_MN,) = proj_many(*in_proj, copy=copy, whole=True)
+            y_BLN = y_MN.reshape(b, length, -1)
+            hp = heads * p
+            x_BLHP = conv_silu_kernel(y_BLN, w_conv_x_WHP.reshape(w, hp), b_conv_x_HP.reshape(hp), hp)
+            x_BLHP = x_BLHP.reshape(b, length, heads, p)
+            if conv_kernel_usable(length, 2 * n):
+                bc = conv_silu_kernel(y_BLN, w_conv_bc_WJN.reshape(w, 2 * n), b_conv_bc_JN.reshape(2 * n), 2 * hp)
+                bc_BLJN = bc.reshape(b, length, 2, n)
+            else:
+                bc_BLJN = y_BLN[:, :, 2 * hp : 2 * hp + 2 * n].reshape(b, length, 2, n)
+                bc_BLJN = conv_silu(bc_BLJN, w_conv_bc_WJN, b_conv_bc_JN, self.kernels)
+            dt_BLH = y_BLN[:, :, 2 * hp + 2 * n : 2 * hp + 2 * n + heads]
+            z = (y_MN, 0)
+        else:
+            z_BLHP, x_BLHP, bc_BLJN, dt_BLH = proj_many(*in_proj, scale_var(self, "in_proj", self.fp8), copy)
+            z_BLHP = constrain(z_BLHP, lay, names, "ssm_z")
+            x_BLHP = constrain(x_BLHP, lay, names)
+            x_BLHP = conv_silu(x_BLHP, w_conv_x_WHP, b_conv_x_HP, self.kernels)
+            bc_BLJN = conv_silu(bc_BLJN, w_conv_bc_WJN, b_conv_bc_JN, self.kernels)
+            z = (z_BLHP.reshape(b * length, heads * p), 0)
         b_BLN, c_BLN = bc_BLJN[:, :, 0], bc_BLJN[:, :, 1]
 
         dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + dt_bias_H[None, None, :])
         adt_BLH = decay_times_dt(-jnp.exp(a_log_H), dt_BLH)
         y_BLHP = SSD(c.chunk_size, self.kernels, name="ssd")(x_BLHP * dt_BLH[..., None], adt_BLH, b_BLN, c_BLN)
         if KERNEL_GATE and self._norm_kernel(y_BLHP):
-            b, length = y_BLHP.shape[:2]
-            flat = [v.reshape(b * length, heads * p) for v in (y_BLHP, x_BLHP, z_BLHP)]
-            y_ND = gated_norm(*flat, jnp.repeat(d_skip_H, p), norm_HP.reshape(-1), self.norm_eps, self._norm_dtype())
+            flat = [v.reshape(b * length, heads * p) for v in (y_BLHP, x_BLHP)]
+            d_D, w_D = jnp.repeat(d_skip_H, p), norm_HP.reshape(-1)
+            y_ND = gated_norm(*flat, z[0], d_D, w_D, self.norm_eps, self._norm_dtype(), z[1])
             y_BLHP = constrain(y_ND.reshape(b, length, heads, p), lay, names, "ssm_y")
         else:
             y_BLHP = y_BLHP + d_skip_H[None, None, :, None] * x_BLHP
@@ -207,6 +233,22 @@ class Mamba2(nn.Module):
             y_BLHP = self._gated_norm(y_BLHP, norm_HP)
         out_fp8 = scale_var(self, "out_proj", self.fp8)
         return proj("blhp,hpd->bld", y_BLHP, w_out_HPD, self.dtype, self.kernels, out_fp8, (self, ("w_out",)))
+
+    def _in_place(self, rows: int, length: int) -> bool:
+        """Whether the kernels read the in-projection's blocks in place (KERNEL_IN_PLACE): model.kernels=pallas
+        without fp8 on one device, the fused gate's kernel (KERNEL_GATE, _norm_kernel) and the convolutions'
+        backward kernel (KERNEL_CONV) taking the inner width (so x's block starts at a whole channel block)."""
+        hp = self.cfg.expand * self.d_model
+        return (
+            KERNEL_IN_PLACE
+            and KERNEL_GATE
+            and KERNEL_CONV
+            and not self.fp8
+            and (self.layout is None or self.layout.trivial)
+            and self.kernels == "pallas"
+            and gated_norm_kernel_fits(rows, hp)
+            and conv_kernel_usable(length, hp)  # (hp in whole channel blocks)
+        )
 
     def _norm_kernel(self, y_BLHP: jax.Array) -> bool:
         """Whether a Pallas kernel may take the gated norm of y (B, L, H, P): model.kernels=pallas and the

@@ -88,28 +88,31 @@ def _kernel(
     dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def conv_silu_bwd(x_BLC, w_WC, b_C, ds_BLC, *, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("interpret", "col0"))
+def conv_silu_bwd(x_BLX, w_WC, b_C, ds_BLC, *, interpret: bool, col0: int = 0):
     """(dx (B, L, C) in x's dtype, dw partials (B, L / block_rows, W, C), db partials (B, L / block_rows, 1, C)),
     float32 partials, of silu(causal_conv(x, w, b)) given the gradient ds of its output; dx in the kernel or
-    from its dconv by XLA (TILES["dx_in_kernel"])."""
-    bsz, length, ch = x_BLC.shape
+    from its dconv by XLA (TILES["dx_in_kernel"]). x is channels col0 .. col0 + C of x_BLX (col0 a multiple of
+    block_channels: the kernel reads them in place)."""
+    bsz, length, ch = ds_BLC.shape
     width = w_WC.shape[0]
     bt, bc, dx_in = TILES["block_rows"], TILES["block_channels"], TILES["dx_in_kernel"]
-    if not usable(length, ch):
+    if not usable(length, ch) or col0 % bc or x_BLX.shape[:2] != (bsz, length) or col0 + ch > x_BLX.shape[2]:
         raise ValueError(
-            f"conv_silu_bwd takes tokens in blocks of {bt} and channels in blocks of {bc}; got {x_BLC.shape}"
+            f"conv_silu_bwd takes tokens in blocks of {bt} and channels in blocks of {bc} (from a channel that is "
+            f"a multiple of {bc}); got x {x_BLX.shape} from channel {col0}, ds {ds_BLC.shape}"
         )
+    cb = col0 // bc
     # The GPU kernel masks the rows before the sequence off; the interpreter clamps a window that starts
     # before its array instead, so there x gets W - 1 leading zero rows (the same values either way)
     front = width - 1 if interpret else 0
-    xp = jnp.pad(x_BLC, ((0, 0), (front, 0), (0, 0))) if front else x_BLC
+    xp = jnp.pad(x_BLX, ((0, 0), (front, 0), (0, 0))) if front else x_BLX
     nt = length // bt
     dx, dw, db = pl.pallas_call(
         functools.partial(_kernel, width=width, bt=bt, length=length, front=front, dx_in=dx_in),
         grid=(bsz, nt, ch // bc),
         in_specs=[
-            pl.BlockSpec((None, length + front, bc), lambda i, r, c: (i, 0, c)),
+            pl.BlockSpec((None, length + front, bc), lambda i, r, c: (i, 0, c + cb)),
             pl.BlockSpec((None, length, bc), lambda i, r, c: (i, 0, c)),
             pl.BlockSpec((width, bc), lambda i, r, c: (0, c)),
             pl.BlockSpec((1, bc), lambda i, r, c: (0, c)),
@@ -120,7 +123,7 @@ def conv_silu_bwd(x_BLC, w_WC, b_C, ds_BLC, *, interpret: bool):
             pl.BlockSpec((None, None, 1, bc), lambda i, r, c: (i, r, 0, c)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct(x_BLC.shape, x_BLC.dtype if dx_in else jnp.float32),
+            jax.ShapeDtypeStruct(ds_BLC.shape, x_BLX.dtype if dx_in else jnp.float32),
             jax.ShapeDtypeStruct((bsz, nt, width, ch), jnp.float32),
             jax.ShapeDtypeStruct((bsz, nt, 1, ch), jnp.float32),
         ],
@@ -129,7 +132,7 @@ def conv_silu_bwd(x_BLC, w_WC, b_C, ds_BLC, *, interpret: bool):
         compiler_params=triton_params(TILES["num_warps"], TILES["num_stages"], interpret),
     )(xp, ds_BLC, w_WC, b_C.reshape(1, ch))
     if not dx_in:
-        dx = _dx_from_dconv(dx, w_WC).astype(x_BLC.dtype)
+        dx = _dx_from_dconv(dx, w_WC).astype(x_BLX.dtype)
     return dx, dw, db
 
 

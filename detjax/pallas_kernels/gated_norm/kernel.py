@@ -111,29 +111,37 @@ def _bwd_kernel(y_ref, x_ref, z_ref, d_ref, w_ref, rstd_ref, do_ref, *outs, br: 
     _store_chunks(dd_ref, slice(None), c, list(dd))
 
 
-def _check(y, x, z, d, w):
+def _check(y, x, z, d, w, z_col: int = 0):
     n, width = y.shape
-    if x.shape != y.shape or z.shape != y.shape or d.shape != (width,) or w.shape != (width,):
-        got = f"y {y.shape}, x {x.shape}, z {z.shape}, d {d.shape}, w {w.shape}"
-        raise ValueError(f"gated_norm: y, x and z must be (N, D) and d, w (D,); got {got}")
+    z_ok = z.shape[0] == n and z_col % width == 0 and z_col + width <= z.shape[1]
+    if x.shape != y.shape or not z_ok or d.shape != (width,) or w.shape != (width,):
+        got = f"y {y.shape}, x {x.shape}, z {z.shape} from column {z_col}, d {d.shape}, w {w.shape}"
+        raise ValueError(f"gated_norm: y, x and z's D columns must be (N, D) and d, w (D,); got {got}")
     if y.dtype != jnp.float32 or x.dtype != jnp.float32:
         raise ValueError(f"gated_norm: y and x must be float32; got {y.dtype}, {x.dtype}")
     return n, width
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "out_dtype"))
-def gated_norm_fwd(y_ND, x_ND, z_ND, d_D, w_D, *, eps: float, interpret: bool, out_dtype=None):
-    """(out (N, D) in out_dtype, default float32; rstd (N, 1) float32) of the module docstring's forward."""
-    n, width = _check(y_ND, x_ND, z_ND, d_D, w_D)
+def _z_rows(r: int, width: int, z_col: int) -> pl.BlockSpec:
+    """z's blocks: its D columns from column z_col (a multiple of D) of a possibly wider array."""
+    zb = z_col // width
+    return pl.BlockSpec((r, width), lambda i: (i, zb))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "out_dtype", "z_col"))
+def gated_norm_fwd(y_ND, x_ND, z_NZ, d_D, w_D, *, eps: float, interpret: bool, out_dtype=None, z_col: int = 0):
+    """(out (N, D) in out_dtype, default float32; rstd (N, 1) float32) of the module docstring's forward; z is
+    columns z_col .. z_col + D of z_NZ (a multiple of D: the kernel reads them in place)."""
+    n, width = _check(y_ND, x_ND, z_NZ, d_D, w_D, z_col)
     r, t = _tiles("fwd", width)
     c = chunk_width(width)
-    ins = [_pad_rows(a, r) for a in (y_ND, x_ND, z_ND)]
+    ins = [_pad_rows(a, r) for a in (y_ND, x_ND, z_NZ)]
     np_ = ins[0].shape[0]
     rows, vec = pl.BlockSpec((r, width), lambda i: (i, 0)), pl.BlockSpec((1, width), lambda i: (0, 0))
     out, rstd = pl.pallas_call(
         functools.partial(_fwd_kernel, eps=eps, br=t["block_rows"], nsub=r // t["block_rows"], c=c, nc=width // c),
         grid=(np_ // r,),
-        in_specs=[rows, rows, rows, vec, vec],
+        in_specs=[rows, rows, _z_rows(r, width, z_col), vec, vec],
         out_specs=[rows, pl.BlockSpec((r, 1), lambda i: (i, 0))],
         out_shape=[
             jax.ShapeDtypeStruct((np_, width), out_dtype or jnp.float32),
@@ -146,14 +154,15 @@ def gated_norm_fwd(y_ND, x_ND, z_ND, d_D, w_D, *, eps: float, interpret: bool, o
     return (out, rstd) if np_ == n else (out[:n], rstd[:n])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def gated_norm_bwd(y_ND, x_ND, z_ND, d_D, w_D, rstd_N1, do_ND, *, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("interpret", "z_col"))
+def gated_norm_bwd(y_ND, x_ND, z_NZ, d_D, w_D, rstd_N1, do_ND, *, interpret: bool, z_col: int = 0):
     """(dy (N, D) float32, dz (N, D) in z's dtype, dw partials (P, D), dd partials (P, D)) of the forward, for
-    the incoming gradient do: one float32 partial row per program of `rows` tokens, for ordered.tree_sum."""
-    n, width = _check(y_ND, x_ND, z_ND, d_D, w_D)
+    the incoming gradient do: one float32 partial row per program of `rows` tokens, for ordered.tree_sum. z as
+    in gated_norm_fwd; dz holds its D columns only."""
+    n, width = _check(y_ND, x_ND, z_NZ, d_D, w_D, z_col)
     r, t = bwd_tiles(width)
     c = chunk_width(width)
-    ins = [_pad_rows(a, r) for a in (y_ND, x_ND, z_ND)]
+    ins = [_pad_rows(a, r) for a in (y_ND, x_ND, z_NZ)]
     rp, dop = _pad_rows(rstd_N1, r), _pad_rows(do_ND, r)
     np_ = ins[0].shape[0]
     nb = np_ // r
@@ -163,11 +172,11 @@ def gated_norm_bwd(y_ND, x_ND, z_ND, d_D, w_D, rstd_N1, do_ND, *, interpret: boo
     dy, dz, dw, dd = pl.pallas_call(
         functools.partial(_bwd_kernel, br=br, nsub=r // br, c=c, nc=width // c),
         grid=(nb,),
-        in_specs=[rows, rows, rows, vec, vec, pl.BlockSpec((r, 1), lambda i: (i, 0)), rows],
+        in_specs=[rows, rows, _z_rows(r, width, z_col), vec, vec, pl.BlockSpec((r, 1), lambda i: (i, 0)), rows],
         out_specs=[rows, rows, part, part],
         out_shape=[
             jax.ShapeDtypeStruct((np_, width), jnp.float32),
-            jax.ShapeDtypeStruct((np_, width), z_ND.dtype),
+            jax.ShapeDtypeStruct((np_, width), z_NZ.dtype),
             jax.ShapeDtypeStruct((nb, width), jnp.float32),
             jax.ShapeDtypeStruct((nb, width), jnp.float32),
         ],

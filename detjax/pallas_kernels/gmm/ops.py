@@ -31,6 +31,13 @@ MOSAIC_BF16 = True
 # step 1.4 % faster pipelined on an H100, on the same parameter digest (docs/BENCHMARKS.md, "The experts' row
 # copies and weight-gradient sums").
 DOWN_WRITES_OUT_DTYPE = True
+# Whether the experts' gate and up products under model.kernels=pallas (bf16, no fp8) are rounded to the compute
+# dtype before the SwiGLU, as the dense MLP's products are (its proj returns the compute dtype): on the padded
+# layout the two products' kernels write bf16, so the SwiGLU reads, and its backward reads, two bf16 (P, F) arrays
+# instead of two float32 ones, and the sums are stored for the backward in half the bytes. dispatch's Triton path
+# rounds the float32 sums the same way (the same bytes as the padded layout's). XLA's ragged_dot
+# (model.kernels=reference) keeps the float32 sums. Off: not yet timed on a GPU.
+GATE_UP_IN_DTYPE = False
 # Whether the Mosaic path's bf16 dw reads x and dy as stored (gmm/mosaic.py grouped_dw, a transposed
 # shared-memory view) instead of from transposed copies (grouped_tnt): the same reduction order, two fewer
 # passes over the rows a product.
@@ -250,7 +257,8 @@ def grouped_swiglu_padded(
         return _padded_product(x_PK, weights[i], *cs[i], lay, out)
 
     x_PD = _padded_in(xs_RD.astype(dtype), lay)
-    g_PF, u_PF = product(0, x_PD), product(1, x_PD)
+    gate_up = dtype if GATE_UP_IN_DTYPE else jnp.float32
+    g_PF, u_PF = (product(i, x_PD, gate_up).astype(jnp.float32) for i in (0, 1))
     h_PF = (jax.nn.silu(g_PF) * u_PF).astype(dtype)
     y_PD = product(2, h_PF, out_dtype if DOWN_WRITES_OUT_DTYPE else jnp.float32)
     return _padded_out(y_PD, lay).astype(out_dtype)
