@@ -209,14 +209,14 @@ class Mamba2(nn.Module):
                 bc_BLJN = y_BLN[:, :, 2 * hp : 2 * hp + 2 * n].reshape(b, length, 2, n)
                 bc_BLJN = conv_silu(bc_BLJN, w_conv_bc_WJN, b_conv_bc_JN, self.kernels)
             dt_BLH = y_BLN[:, :, 2 * hp + 2 * n : 2 * hp + 2 * n + heads]
-            z = (y_MN, 0)
+            z_MZ = y_MN  # z: its first hp columns
         else:
             z_BLHP, x_BLHP, bc_BLJN, dt_BLH = proj_many(*in_proj, scale_var(self, "in_proj", self.fp8), copy)
             z_BLHP = constrain(z_BLHP, lay, names, "ssm_z")
             x_BLHP = constrain(x_BLHP, lay, names)
             x_BLHP = conv_silu(x_BLHP, w_conv_x_WHP, b_conv_x_HP, self.kernels)
             bc_BLJN = conv_silu(bc_BLJN, w_conv_bc_WJN, b_conv_bc_JN, self.kernels)
-            z = (z_BLHP.reshape(b * length, heads * p), 0)
+            z_MZ = z_BLHP.reshape(b * length, heads * p)
         b_BLN, c_BLN = bc_BLJN[:, :, 0], bc_BLJN[:, :, 1]
 
         dt_BLH = nn.softplus(dt_BLH.astype(jnp.float32) + dt_bias_H[None, None, :])
@@ -225,7 +225,7 @@ class Mamba2(nn.Module):
         if KERNEL_GATE and self._norm_kernel(y_BLHP):
             flat = [v.reshape(b * length, heads * p) for v in (y_BLHP, x_BLHP)]
             d_D, w_D = jnp.repeat(d_skip_H, p), norm_HP.reshape(-1)
-            y_ND = gated_norm(*flat, z[0], d_D, w_D, self.norm_eps, self._norm_dtype(), z[1])
+            y_ND = gated_norm(*flat, z_MZ, d_D, w_D, self.norm_eps, self._norm_dtype())
             y_BLHP = constrain(y_ND.reshape(b, length, heads, p), lay, names, "ssm_y")
         else:
             y_BLHP = y_BLHP + d_skip_H[None, None, :, None] * x_BLHP
