@@ -41,7 +41,8 @@ permute_rows.defvjp(_perm_fwd, _perm_bwd)
 
 # Whether sort_by_expert sorts one int32 key per row (expert * R + row: unique, so no stability to keep, and the
 # row comes back as the remainder) instead of argsort's stable sort of (expert, row) pairs: the same permutation
-# (integers), half the data sorted. Off: not yet timed on a GPU.
+# (integers), half the data sorted.
+# Off: not yet timed on a GPU (docs/BENCHMARKS.md, "Where gpu_medium's step goes at `3bad40e`").
 SORT_KEYS = False
 
 

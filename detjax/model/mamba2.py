@@ -51,9 +51,10 @@ KERNEL_CONV = True
 
 
 # Whether, where the fused gate's and the convolutions' kernels take the mixer (Mamba2._in_place), they read
-# z, x and B|C in place from the in-projection's one output (pallas_kernels gated_norm's z_col, conv's col0)
-# instead of from copies XLA slices out of it: two fewer (tokens x inner width) bf16 copies a layer, with the
-# same values read, so the same bytes. Off: not yet timed on a GPU.
+# z, x and (where its width is whole channel blocks) B|C in place from the in-projection's one output (the gate
+# kernel's z as the first columns of a wider array, conv_silu's col0) instead of from copies XLA slices out of
+# it: two fewer (tokens x inner width) bf16 copies a layer, with the same values read, so the same bytes.
+# Off: not yet timed on a GPU (docs/BENCHMARKS.md, "Where gpu_medium's step goes at `3bad40e`").
 KERNEL_IN_PLACE = False
 
 
