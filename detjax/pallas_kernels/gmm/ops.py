@@ -35,7 +35,7 @@ DOWN_WRITES_OUT_DTYPE = True
 # dtype before the SwiGLU, as the dense MLP's products are (its proj returns the compute dtype): on the padded
 # layout the two products' kernels write bf16, so the SwiGLU reads, and its backward reads, two bf16 (P, F) arrays
 # instead of two float32 ones, and the sums are stored for the backward in half the bytes. dispatch's Triton path
-# rounds the float32 sums the same way (the same bytes as the padded layout's). XLA's ragged_dot
+# rounds the float32 sums the same way (the padded layout's bytes under the interpreter). XLA's ragged_dot
 # (model.kernels=reference) keeps the float32 sums.
 # Off: not yet timed on a GPU (docs/BENCHMARKS.md, "Where gpu_medium's step goes at `3bad40e`").
 GATE_UP_IN_DTYPE = False
